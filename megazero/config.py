@@ -1,0 +1,278 @@
+"""Typed, frozen configuration: one :class:`MegazeroConfig` per run, validated in one place.
+
+The dataclasses below are the single source of truth for every setting. They are filled from
+Megatron-style command-line flags and an optional DeepSpeed-style JSON config by
+:func:`megazero.arguments.load_config`; components receive the sub-config they need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A setting that is wrong; the message names the key, what was given and the fix."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # default 4h; with swiglu Megatron's 8h/3 rounded to 64
+    num_query_groups: int | None = None  # grouped-query attention; None = one group per head
+    seq_length: int = 64
+    max_position_embeddings: int | None = None  # default seq_length
+    vocab_size: int = 1024  # tokenizer's vocabulary; padded by the embedding layer
+    make_vocab_size_divisible_by: int = 128
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: float = 10000.0
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    init_method_std: float = 0.02
+    use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "vocab_size", "make_vocab_size_divisible_by"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v > 0, f"--{name.replace('_', '-')} must be a positive "
+                   f"integer, got {v!r}")
+        _check(self.hidden_size % self.num_attention_heads == 0,
+               f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+               f"{self.num_attention_heads}; pick a hidden size that is a multiple of the heads")
+        if self.num_query_groups is not None:
+            _check(self.num_query_groups > 0
+                   and self.num_attention_heads % self.num_query_groups == 0,
+                   f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                   f"--num-query-groups {self.num_query_groups}")
+        _check(self.position_embedding_type in ("learned_absolute", "rope"),
+               f"--position-embedding-type {self.position_embedding_type!r}: expected "
+               f"learned_absolute or rope")
+        _check(self.normalization in ("LayerNorm", "RMSNorm"),
+               f"--normalization {self.normalization!r}: expected LayerNorm or RMSNorm")
+        _check(self.max_positions >= self.seq_length,
+               f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
+               f"--seq-length {self.seq_length}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return max(64, int(4 * self.hidden_size * 2 / 3) // 64 * 64)
+        return 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """``gpt2``: learned positions, LayerNorm, GELU, biases, tied embeddings.
+        ``llama``: RoPE, RMSNorm, SwiGLU, no biases, untied embeddings, grouped-query attention.
+        """
+        presets = {
+            "gpt2": dict(),
+            "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                          add_bias_linear=False, untie_embeddings_and_output_weights=True),
+        }
+        _check(name in presets, f"unknown model preset {name!r}; expected one of {list(presets)}")
+        return cls(**{**presets[name], **overrides})
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    sequence_parallel: bool = False
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = None
+    distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
+               "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+        _check(self.recompute_granularity in (None, "full", "selective"),
+               f"--recompute-granularity {self.recompute_granularity!r}: expected full or "
+               f"selective")
+        _check(self.recompute_method in (None, "uniform", "block"),
+               f"--recompute-method {self.recompute_method!r}: expected uniform or block")
+        if self.recompute_granularity == "full":
+            _check(self.recompute_method is not None,
+                   "--recompute-granularity full needs --recompute-method uniform or block")
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    device: Literal["none", "cpu", "nvme"] = "none"
+    pin_memory: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """DeepSpeed's ``zero_optimization`` block (same key names and defaults)."""
+
+    stage: int = 0
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    sub_group_size: int = 1_000_000_000
+    round_robin_gradients: bool = False
+    elastic_checkpoint: bool = False
+    ignore_unused_parameters: bool = True
+    zero_hpz_partition_size: int = 1
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.stage in (0, 1, 2, 3),
+               f"zero_optimization.stage: got {self.stage!r}, expected one of 0, 1, 2, 3")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """``fp16`` / ``bf16`` blocks. fp32 master weights are kept in both mixed modes."""
+
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float = 0.0  # 0 = dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    communication_data_type: str | None = None  # None: the parameters' dtype
+
+    def __post_init__(self) -> None:
+        _check(not (self.fp16 and self.bf16),
+               "fp16.enabled and bf16.enabled are both true; enable at most one of them")
+
+    @property
+    def params_dtype(self):
+        import torch
+
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16 and self.loss_scale == 0
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0  # 0 disables clipping
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # default: train_iters
+    scheduler_type: str | None = None  # DeepSpeed scheduler block: WarmupLR, WarmupDecayLR, ...
+    scheduler_params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: tuple[str, ...] = ()  # "A" or "0.3 A 0.7 B" split into tokens
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    data_cache_path: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None  # derived from the batch triad
+    train_iters: int | None = None
+    train_samples: int | None = None
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+    tensorboard_job_name: str | None = None
+    wall_clock_breakdown: bool = False
+    wandb: dict = field(default_factory=dict)
+    csv_monitor: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+
+@dataclass(frozen=True)
+class MegazeroConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -1,0 +1,226 @@
+"""Process-group topology: the one value that knows every parallel axis.
+
+A :class:`ParallelLayout` is pure rank arithmetic (no torch.distributed needed): it maps a
+global rank to its ``(pp, dp, tp)`` coordinates and lists the ranks of every group. Ranks are
+ordered "tp fastest, then dp, then pp": tensor-parallel groups are neighbouring ranks (one node,
+NVLink), pipeline groups stride across the whole world (they carry the least traffic, so they
+may cross nodes).
+
+A :class:`ParallelTopology` is a layout plus this process's rank plus the
+``torch.distributed`` groups built from it. It is created once, collectively, and passed
+explicitly to everything that communicates; there is no module-level state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+
+
+class TopologyError(ValueError):
+    """A layout that cannot be built from the sizes given."""
+
+
+class Coord(NamedTuple):
+    pp: int
+    dp: int
+    tp: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the process grid and the rank arithmetic over it.
+
+    ``vpp`` is the number of virtual pipeline chunks per stage (interleaved 1F1B); it does not
+    change the grid, only how many model chunks each pipeline rank holds.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or isinstance(self.vpp, bool) or self.vpp < 1:
+                raise TopologyError(f"vpp must be a positive integer or None, got {self.vpp!r}")
+            if self.vpp > 1 and self.pp == 1:
+                raise TopologyError(
+                    f"vpp={self.vpp} (virtual pipeline chunks) needs pipeline parallelism, but "
+                    f"pp=1; use pp > 1 or drop vpp (valid: vpp=None or vpp=1 when pp=1)"
+                )
+        if self.world_size % (self.tp * self.pp) != 0:
+            valid = [
+                (t, p) for t in _divisors(self.world_size) for p in _divisors(self.world_size // t)
+            ]
+            raise TopologyError(
+                f"world_size={self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = "
+                f"{self.tp * self.pp}; valid (tp, pp) pairs for this world size: {valid}"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        return self.vpp or 1
+
+    # --- coordinates -------------------------------------------------------------------------
+
+    def coords(self, rank: int) -> Coord:
+        self._check_rank(rank)
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coord(pp=pp, dp=dp, tp=tp)
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
+            raise TopologyError(
+                f"coordinates (pp={pp}, dp={dp}, tp={tp}) outside the grid "
+                f"pp<{self.pp}, dp<{self.dp}, tp<{self.tp}"
+            )
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} outside world of size {self.world_size}")
+
+    # --- groups ------------------------------------------------------------------------------
+
+    def group_ranks(self, kind: str, rank: int) -> list[int]:
+        """The ranks of the ``kind`` group that contains ``rank`` (sorted)."""
+        c = self.coords(rank)
+        if kind == "tp":
+            return [self.rank(c.pp, c.dp, t) for t in range(self.tp)]
+        if kind == "dp":
+            return [self.rank(c.pp, d, c.tp) for d in range(self.dp)]
+        if kind == "pp":
+            return [self.rank(p, c.dp, c.tp) for p in range(self.pp)]
+        if kind == "mp":
+            return sorted(self.rank(p, c.dp, t) for p in range(self.pp) for t in range(self.tp))
+        if kind == "embedding":
+            stages = sorted({0, self.pp - 1})
+            return [self.rank(p, c.dp, c.tp) for p in stages]
+        raise TopologyError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
+
+    def all_groups(self, kind: str) -> list[list[int]]:
+        """Every ``kind`` group of the world, ordered by their smallest rank."""
+        seen: dict[int, list[int]] = {}
+        for r in range(self.world_size):
+            ranks = self.group_ranks(kind, r)
+            seen.setdefault(ranks[0], ranks)
+        return [seen[k] for k in sorted(seen)]
+
+
+@dataclass
+class ParallelTopology:
+    """A layout, this process's rank, and the torch.distributed groups it belongs to.
+
+    Build it with :meth:`build` on every rank at once (group creation is collective), or with
+    :meth:`single` for a one-process run without torch.distributed.
+    """
+
+    layout: ParallelLayout
+    rank: int
+    groups: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls) -> ParallelTopology:
+        return cls(ParallelLayout(world_size=1), rank=0, groups={k: None for k in GROUP_KINDS})
+
+    @classmethod
+    def build(
+        cls, tp: int = 1, pp: int = 1, vpp: int | None = None, world_size: int | None = None,
+        rank: int | None = None,
+    ) -> ParallelTopology:
+        """Create every group of the layout. Must be called by all ranks, in the same order.
+
+        ``torch.distributed.new_group`` is collective over the whole world even for ranks that
+        are not members, so every rank creates every group and keeps the ones it belongs to.
+        """
+        if not dist.is_initialized():
+            if (world_size or 1) != 1:
+                raise TopologyError("torch.distributed is not initialised; call init first")
+            return cls(ParallelLayout(1, tp, pp, vpp), 0, {k: None for k in GROUP_KINDS})
+        world_size = dist.get_world_size() if world_size is None else world_size
+        rank = dist.get_rank() if rank is None else rank
+        layout = ParallelLayout(world_size, tp, pp, vpp)
+        mine: dict[str, Any] = {}
+        for kind in GROUP_KINDS:
+            for ranks in layout.all_groups(kind):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[kind] = group
+        return cls(layout, rank, mine)
+
+    # --- sizes and ranks along each axis -------------------------------------------------------
+
+    @property
+    def coord(self) -> Coord:
+        return self.layout.coords(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    tp_size = property(lambda self: self.layout.tp)
+    pp_size = property(lambda self: self.layout.pp)
+    dp_size = property(lambda self: self.layout.dp)
+    vpp_size = property(lambda self: self.layout.vpp)
+    tp_rank = property(lambda self: self.coord.tp)
+    pp_rank = property(lambda self: self.coord.pp)
+    dp_rank = property(lambda self: self.coord.dp)
+    tp_group = property(lambda self: self.groups.get("tp"))
+    pp_group = property(lambda self: self.groups.get("pp"))
+    dp_group = property(lambda self: self.groups.get("dp"))
+    mp_group = property(lambda self: self.groups.get("mp"))
+    embedding_group = property(lambda self: self.groups.get("embedding"))
+
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of this process's ``kind`` group."""
+        return self.layout.group_ranks(kind, self.rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_pp_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around)."""
+        c = self.coord
+        return self.layout.rank((c.pp + 1) % self.pp_size, c.dp, c.tp)
+
+    @property
+    def prev_pp_rank(self) -> int:
+        c = self.coord
+        return self.layout.rank((c.pp - 1) % self.pp_size, c.dp, c.tp)
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.is_first_stage or self.is_last_stage
+
+    def __repr__(self) -> str:
+        c = self.coord
+        return (
+            f"ParallelTopology(rank={self.rank}, tp={c.tp}/{self.tp_size}, "
+            f"dp={c.dp}/{self.dp_size}, pp={c.pp}/{self.pp_size}, vpp={self.vpp_size})"
+        )

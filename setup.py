@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megazero",
+    version="0.1.0",
+    description=(
+        "Pretrain GPT models across many GPUs: tensor, sequence, pipeline and ZeRO data "
+        "parallelism with one topology"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megazero", "megazero.*"]),
+    py_modules=["pretrain_gpt"],
+    install_requires=["torch>=2.1", "numpy", "sentencepiece", "tensorboard"],
+    extras_require={"dev": ["pytest>=7", "ruff"]},
+    license="Apache-2.0",
+)
