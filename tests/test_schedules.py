@@ -1,0 +1,172 @@
+"""Pipeline schedules as data: proved by the checker's simulation, no processes."""
+
+import pytest
+
+from megazero.config import ConfigError
+from megazero.pipeline.checker import ScheduleError, check_schedules, render_grid
+from megazero.pipeline.schedules import Action, build_all, build_schedule, one_f_one_b
+
+
+def counts(pp):
+    """pp, 2pp, 4pp, and one count that is not a multiple of pp (when pp > 1)."""
+    return sorted({pp, 2 * pp, 4 * pp} | ({2 * pp + 1} if pp > 1 else {3}))
+
+
+CASES = [(pp, vpp, m) for pp in range(1, 9) for vpp in (1, 2, 4) for m in counts(pp)
+         if not (pp == 1 and vpp > 1)]
+
+
+@pytest.mark.parametrize("pp,vpp,m", CASES)
+def test_schedules_are_correct(pp, vpp, m):
+    if vpp > 1 and m % pp:
+        with pytest.raises(ConfigError) as err:
+            build_all(pp, vpp, m)
+        msg = str(err.value)
+        assert f"multiple of pp={pp}" in msg and f"got num_microbatches={m}" in msg
+        assert f"valid: {pp}, {2 * pp}, {3 * pp}" in msg
+        return
+    for forward_only in (False, True):
+        scheds = build_all(pp, vpp, m, forward_only)
+        res = check_schedules(scheds, vpp, m, forward_only)
+        computes = [a for steps in scheds for s in steps for a in s if a.is_compute]
+        assert len(computes) == pp * vpp * m * (1 if forward_only else 2)
+    # the bubble of the simulated timeline (F = 1, B = 2 per chunk, free communication)
+    res = check_schedules(build_all(pp, vpp, m), vpp, m, f_time=1.0 / vpp, b_time=2.0 / vpp)
+    for r in range(pp):
+        assert res.busy[r] == pytest.approx(3.0 * m)
+        if m % pp == 0:
+            assert res.bubble_fraction[r] == pytest.approx((pp - 1) / (vpp * m))
+        else:  # 1F1B with m not a multiple of pp: bubble is still (p-1)/m
+            assert res.bubble_fraction[r] == pytest.approx((pp - 1) / m)
+
+
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_peak_inflight_1f1b_is_pp_not_m(pp):
+    for m in (pp, 2 * pp, 4 * pp):
+        res = check_schedules(build_all(pp, 1, m), 1, m)
+        assert res.peak_inflight == [min(pp - r, m) for r in range(pp)]
+    # all-forward-all-backward (GPipe order) holds every micro-batch
+    m = 4 * pp
+    gpipe = [[(Action("F", 0, mb),) for mb in range(m)] + [(Action("B", 0, mb),)
+             for mb in range(m)]]
+    assert check_schedules(gpipe, 1, m).peak_inflight == [m]
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 2), (4, 4), (8, 2)])
+def test_peak_inflight_interleaved_matches_megatron_factor(pp, vpp):
+    m = 4 * pp
+    res = check_schedules(build_all(pp, vpp, m), vpp, m)
+    # first stage: 2(p-1) + (v-1)p warm-up chunk-forwards + 1 in steady state
+    assert res.peak_inflight[0] == 2 * (pp - 1) + (vpp - 1) * pp + 1
+    # in units of a full stage's micro-batch, relative to 1F1B's p: 1 + (p-1)/(p v)
+    factor = res.peak_inflight_stage_equivalents[0] / pp
+    assert factor == pytest.approx(1 + (pp - 1) / (pp * vpp))
+
+
+def test_no_pipelining_and_dispatch():
+    steps = build_schedule(1, None, 3, 0)
+    assert [str(s[0]) for s in steps] == ["F0.0", "B0.0", "F1.0", "B1.0", "F2.0", "B2.0"]
+    assert build_schedule(3, 1, 4, 1) == one_f_one_b(3, 4, 1)
+    with pytest.raises(ConfigError, match="needs pp > 1"):
+        build_schedule(1, 2, 4, 0)
+    with pytest.raises(ConfigError, match="num_microbatches must be a positive integer"):
+        build_schedule(2, 1, 0, 0)
+
+
+def test_1f1b_steady_state_uses_batched_pairs():
+    steps = one_f_one_b(4, 8, 1)
+    pairs = [tuple(a.kind for a in s) for s in steps if len(s) == 2]
+    assert ("SEND_F", "RECV_B") in pairs and ("SEND_B", "RECV_F") in pairs
+
+
+# --- the checker must be able to fail ---------------------------------------------------------
+
+def _drop(scheds, rank, kind):
+    """Remove the first action of ``kind`` from ``rank``'s schedule."""
+    out = [list(s) for s in scheds]
+    for i, step in enumerate(out[rank]):
+        keep = tuple(a for a in step if a.kind != kind)
+        if len(keep) != len(step):
+            # drop only the first matching action
+            removed = next(a for a in step if a.kind == kind)
+            keep = tuple(a for a in step if a is not removed)
+            out[rank][i:i + 1] = [keep] if keep else []
+            return out
+    raise AssertionError("nothing to drop")
+
+
+def test_checker_reports_missing_receive():
+    scheds = build_all(2, 1, 4)
+    broken = _drop(scheds, 1, "RECV_F")
+    with pytest.raises(ScheduleError, match="missing RECV_F 0.0"):
+        check_schedules(broken, 1, 4)
+
+
+def test_checker_reports_unmatched_message():
+    scheds = build_all(3, 1, 3)
+    # rank 2 listens to rank 0 instead of rank 1 for its first activation
+    r2 = [tuple(Action(a.kind, a.chunk, a.microbatch, 0) if (a.kind, a.microbatch) ==
+                ("RECV_F", 0) else a for a in s) for s in scheds[2]]
+    expected = r"unmatched receive on channel 0->2 \(F\): rank 2 step 0 rF0.0<0 has no match"
+    with pytest.raises(ScheduleError, match=expected):
+        check_schedules([scheds[0], scheds[1], r2], 1, 3)
+
+
+def test_checker_reports_mismatched_slots():
+    scheds = build_all(2, 1, 2)
+    # rank 1 receives micro-batches 1 and 0 in swapped order
+    r1 = [list(s) for s in scheds][1]
+    recvs = [i for i, s in enumerate(r1) if s[0].kind == "RECV_F" and len(s) == 1]
+    assert len(recvs) >= 1
+    swapped = []
+    for s in r1:
+        swapped.append(tuple(Action(a.kind, a.chunk, 1 - a.microbatch, a.peer)
+                             if a.kind == "RECV_F" else a for a in s))
+    scheds[1] = swapped
+    with pytest.raises(ScheduleError, match="mismatch|before|missing"):
+        check_schedules(scheds, 1, 2)
+
+
+def test_checker_reports_deadlock_with_swapped_order():
+    # rank 1 waits for a grad before it sends the activation the last stage needs: a cycle
+    scheds = build_all(2, 1, 1)
+    r0 = scheds[0]
+    assert [str(a) for s in r0 for a in s] == ["F0.0", "sF0.0>1", "rB0.0<1", "B0.0"]
+    scheds[0] = [r0[0], r0[2], r0[1], r0[3]]
+    with pytest.raises(ScheduleError) as err:
+        check_schedules(scheds, 1, 1)
+    msg = str(err.value)
+    assert "deadlock" in msg and "rank 0 at step 1 waits for: rB0.0<1" in msg
+    assert "rank 1 at step 0 waits for: rF0.0<0" in msg
+
+
+def test_checker_reports_rendezvous_deadlock_of_unbatched_ring():
+    """Interleaved forwards with separate send and receive steps deadlock on the ring: the
+    batched send/recv pairs are what make the real schedule safe."""
+    pp, vpp, m = 2, 2, 2
+    unbatched = []
+    for steps in build_all(pp, vpp, m, forward_only=True):
+        flat = []
+        for s in steps:
+            flat.extend((a,) for a in s)
+        # post each chunk's receive just before its forward, sends right after
+        unbatched.append(flat)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedules(unbatched, vpp, m, forward_only=True)
+
+
+def test_checker_reports_missing_and_duplicate_work():
+    scheds = build_all(2, 1, 2)
+    no_b = [[s for s in scheds[0] if str(s[0]) != "B1.0"], scheds[1]]
+    with pytest.raises(ScheduleError, match="backward B1.0 never runs"):
+        check_schedules(no_b, 1, 2)
+    dup = [scheds[0] + [(Action("F", 0, 0),)], scheds[1]]
+    with pytest.raises(ScheduleError, match="appears twice"):
+        check_schedules(dup, 1, 2)
+
+
+def test_grid_renders_every_action():
+    res = check_schedules(build_all(4, 2, 8), 2, 8)
+    grid = render_grid(res)
+    assert "F3.1" in grid and "B7.0" in grid
+    assert grid.count("\n") >= 4 + 4

@@ -1,0 +1,49 @@
+"""Print a pipeline schedule as a rank x time grid, after checking it.
+
+    python tools/schedule_grid.py --pp 4 --vpp 2 --microbatches 8
+
+``F3.1`` is the forward of micro-batch 3 through model chunk 1; ``B`` a backward; ``.`` an idle
+slot; ``~`` the continuation of a longer action (backward costs ``--b-time`` units, forward
+``--f-time``). The footer gives each rank's bubble and peak micro-batches in flight, and the
+formula the bubble should match. ``--steps`` also prints each rank's raw step list, with the
+batched sends/receives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megazero.config import ConfigError
+from megazero.pipeline.checker import ScheduleError, check_schedules, render_grid
+from megazero.pipeline.schedules import build_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, required=True)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--microbatches", type=int, required=True)
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--f-time", type=float, default=1.0)
+    ap.add_argument("--b-time", type=float, default=2.0)
+    ap.add_argument("--steps", action="store_true", help="also print every rank's step list")
+    args = ap.parse_args(argv)
+    try:
+        schedules = build_all(args.pp, args.vpp, args.microbatches, args.forward_only)
+        res = check_schedules(schedules, args.vpp, args.microbatches, args.forward_only,
+                              args.f_time, args.b_time)
+    except (ConfigError, ScheduleError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(render_grid(res))
+    if not args.forward_only:
+        print(f"formula bubble (p-1)/(v*m) = {(args.pp - 1) / (args.vpp * args.microbatches):.3f}")
+    if args.steps:
+        for r, steps in enumerate(schedules):
+            print(f"rank {r}: " + " | ".join(" ".join(map(str, s)) for s in steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
