@@ -1,0 +1,271 @@
+"""What a run reports: the Megatron-style log line, TensorBoard, wandb, CSV, JSON lines, timers.
+
+One :class:`Monitor` per process; only the process chosen to report (the one that holds the
+loss, see :func:`megazero.training`) gets ``enabled=True`` and opens any writer, so files are
+written once per run. Every sink is optional and a missing package (tensorboard, wandb) is
+reported once and then ignored: monitoring never stops a training run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megazero.config import LoggingConfig
+
+# Megatron's TensorBoard tags.
+TB_TAGS = ("lm loss", "lm loss validation", "learning-rate", "grad-norm", "loss-scale",
+           "batch-size", "iteration-time")
+
+
+class Timers:
+    """Named wall-clock timers (``wall_clock_breakdown``). On GPU a timer synchronises the
+    device at start and stop, so the time covers the kernels it launched."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._start: dict[str, float] = {}
+        self._total: dict[str, float] = {}
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def start(self, name: str) -> None:
+        if self.enabled:
+            self._sync()
+            self._start[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if self.enabled and name in self._start:
+            self._sync()
+            elapsed = time.perf_counter() - self._start.pop(name)
+            self._total[name] = self._total.get(name, 0.0) + elapsed
+
+    def pop_all(self) -> dict[str, float]:
+        """Accumulated seconds per timer since the last call; resets them."""
+        out, self._total = self._total, {}
+        return out
+
+
+def peak_memory() -> tuple[str, float]:
+    """``(label, MB)``: the CUDA allocator's peak on GPU, else this process's peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "peak memory (MB)", torch.cuda.max_memory_allocated() / 2**20
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+    mb = rss_kb / 2**20 if sys.platform == "darwin" else rss_kb / 1024
+    return "peak RSS (MB)", mb
+
+
+@dataclass
+class IntervalStats:
+    """Sums over one log interval (Megatron's ``total_loss_dict``)."""
+
+    iterations: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    skipped: int = 0
+    nan: int = 0
+    seconds: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def format_log_line(iteration: int, train_iters: int, consumed_samples: int, ms_per_iter: float,
+                    lr: float, global_batch_size: int, loss: float | None,
+                    loss_scale: float | None, grad_norm: float | None, skipped: int, nan: int,
+                    tokens_per_second: float, tflops: float, memory: tuple[str, float],
+                    breakdown_ms: dict[str, float] | None = None) -> str:
+    """The Megatron-style line users grep for (``lm loss: ...`` etc.)."""
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
+        f"learning rate: {lr:.6E}",
+        f"global batch size: {global_batch_size:5d}",
+    ]
+    if loss is not None:
+        parts.append(f"lm loss: {loss:.6E}")
+    if loss_scale is not None:
+        parts.append(f"loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts += [
+        f"number of skipped iterations: {skipped:3d}",
+        f"number of nan iterations: {nan:3d}",
+        f"tokens per second: {tokens_per_second:.1f}",
+        f"TFLOP/s per GPU: {tflops:.2f}",
+        f"{memory[0]}: {memory[1]:.1f}",
+    ]
+    for name, ms in (breakdown_ms or {}).items():
+        parts.append(f"{name} (ms): {ms:.1f}")
+    return " | ".join(parts) + " |"
+
+
+class Monitor:
+    """Log line + TensorBoard + wandb + csv + JSON lines for the reporting process."""
+
+    def __init__(self, config: LoggingConfig, enabled: bool, log_json: str | None = None,
+                 run_config: dict | None = None) -> None:
+        self.config = config
+        self.enabled = enabled
+        self.stats = IntervalStats()
+        self._tb: Any = None
+        self._wandb: Any = None
+        self._csv_dir: str | None = None
+        self._json: Any = None
+        if not enabled:
+            return
+        if config.tensorboard_dir:
+            self._tb = _open_tensorboard(config.tensorboard_dir, config.tensorboard_job_name)
+        if config.wandb.get("enabled"):
+            self._wandb = _open_wandb(config.wandb, run_config)
+        if config.csv_monitor.get("enabled"):
+            path = config.csv_monitor.get("output_path") or "csv_monitor"
+            self._csv_dir = os.path.join(path, config.csv_monitor.get("job_name") or "megazero")
+            os.makedirs(self._csv_dir, exist_ok=True)
+        if log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            self._json = open(log_json, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    # --- per iteration -------------------------------------------------------------------------
+
+    def record(self, loss: float | None, skipped: bool, seconds: float,
+               breakdown: dict[str, float] | None = None) -> None:
+        """Accumulate one iteration into the current log interval."""
+        s = self.stats
+        s.iterations += 1
+        s.seconds += seconds
+        if skipped:
+            s.skipped += 1
+        elif loss is not None:
+            if loss != loss or loss in (float("inf"), float("-inf")):
+                s.nan += 1
+            else:
+                s.loss_sum += loss
+                s.loss_count += 1
+        for k, v in (breakdown or {}).items():
+            s.breakdown[k] = s.breakdown.get(k, 0.0) + v
+
+    def report(self, iteration: int, train_iters: int, consumed_samples: int, lr: float,
+               global_batch_size: int, seq_length: int, loss_scale: float | None,
+               grad_norm: float | None, flops_per_iteration: float, world_size: int) -> None:
+        """Print the interval's log line and write every scalar sink; reset the interval."""
+        s, self.stats = self.stats, IntervalStats()
+        if not self.enabled or s.iterations == 0:
+            return
+        sec = s.seconds / s.iterations
+        loss = s.loss_sum / s.loss_count if s.loss_count else None
+        tokens = global_batch_size * seq_length / sec if sec > 0 else 0.0
+        tflops = flops_per_iteration / (sec * world_size * 1e12) if sec > 0 else 0.0
+        mem = peak_memory()
+        breakdown_ms = {k: 1000.0 * v / s.iterations for k, v in s.breakdown.items()}
+        print(format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
+                              global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
+                              tokens, tflops, mem, breakdown_ms), flush=True)
+        scalars: dict[str, float] = {"learning-rate": lr, "batch-size": global_batch_size,
+                                     "iteration-time": sec}
+        if loss is not None:
+            scalars["lm loss"] = loss
+        if loss_scale is not None:
+            scalars["loss-scale"] = loss_scale
+        if grad_norm is not None:
+            scalars["grad-norm"] = grad_norm
+        self.write_scalars(iteration, scalars, extra={
+            "consumed_samples": consumed_samples, "tokens_per_second": tokens,
+            "tflops_per_device": tflops, "skipped": s.skipped, "nan": s.nan,
+            "memory_mb": mem[1], **{f"time/{k}_ms": v for k, v in breakdown_ms.items()}})
+
+    def report_validation(self, iteration: int, loss: float, label: str = "validation") -> None:
+        if not self.enabled:
+            return
+        ppl = _perplexity(loss)
+        line = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                f"lm loss PPL: {ppl:.6E} |")
+        bar = "-" * len(line)
+        print(f"{bar}\n{line}\n{bar}", flush=True)
+        self.write_scalars(iteration, {f"lm loss {label}": loss, f"lm loss {label} ppl": ppl})
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    # --- sinks ---------------------------------------------------------------------------------
+
+    def write_scalars(self, iteration: int, scalars: dict[str, float],
+                      extra: dict[str, Any] | None = None) -> None:
+        if self._tb is not None:
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, iteration)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({**scalars, **(extra or {})}, step=iteration)
+        if self._csv_dir is not None:
+            for tag, value in scalars.items():
+                _append_csv(self._csv_dir, tag, iteration, value)
+        if self._json is not None:
+            self._json.write(json.dumps({"iteration": iteration, **scalars, **(extra or {})})
+                             + "\n")
+            self._json.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._json is not None:
+            self._json.close()
+            self._json = None
+
+
+def _perplexity(loss: float) -> float:
+    import math
+
+    return math.exp(min(20.0, loss))  # Megatron caps the exponent so PPL stays finite
+
+
+def _open_tensorboard(directory: str, job_name: str | None) -> Any:
+    path = os.path.join(directory, job_name) if job_name else directory
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # tensorboard is a dependency, but a stripped install may lack it
+        warnings.warn(f"TensorBoard logging to {path} is off: {e} (pip install tensorboard)",
+                      stacklevel=2)
+        return None
+    return SummaryWriter(log_dir=path, max_queue=1000)
+
+
+def _open_wandb(block: dict, run_config: dict | None) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        warnings.warn("wandb.enabled is true but the wandb package is not installed "
+                      "(pip install wandb); training continues without wandb logging",
+                      stacklevel=2)
+        return None
+    wandb.init(project=block.get("project") or "megazero", group=block.get("group"),
+               entity=block.get("team"), name=block.get("job_name"),
+               dir=block.get("output_path"), config=run_config)
+    return wandb
+
+
+def _append_csv(directory: str, tag: str, iteration: int, value: float) -> None:
+    """DeepSpeed's csv_monitor layout: one ``<tag>.csv`` per scalar with ``step,<tag>`` rows."""
+    path = os.path.join(directory, tag.replace("/", "_").replace(" ", "_") + ".csv")
+    new = not os.path.exists(path)
+    with open(path, "a", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["step", tag])
+        w.writerow([iteration, value])
