@@ -1,0 +1,273 @@
+"""Run one rank's pipeline schedule: the only code that touches tensors for the schedules.
+
+:func:`forward_backward` builds this rank's step list (:mod:`megazero.pipeline.schedules`) and
+dispatches it: ``F`` runs a model chunk and keeps its input and output for the backward, ``B``
+back-propagates the received output grad, and communication steps go through :class:`P2P`.
+
+Training-loop order for one iteration (``grads`` are local sums until the last line)::
+
+    losses = forward_backward(chunks, data_iter, topo, m, seq, mbs, hidden,
+                              grad_sync=engine)       # engine.no_sync() around early backwards
+    finalize_model_grads(chunks, topo, sequence_parallel=sp)   # TP (SP) and embedding sums
+    engine.reduce_and_step()                          # data-parallel reduction, optimizer
+
+Losses: every micro-batch's loss is the mean over its tokens; the backward uses it divided by
+the number of micro-batches, so the accumulated grads equal those of one model run on all
+micro-batches concatenated. The per-micro-batch means are returned on every pipeline rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from megazero.pipeline.grads import finalize_model_grads
+from megazero.pipeline.p2p import P2P, tensor_shape
+from megazero.pipeline.schedules import build_schedule, virtual_stage
+from megazero.topology import ParallelTopology
+
+
+def deallocate_output_tensor(out: torch.Tensor) -> None:
+    """Free an activation's storage once it has been sent, keeping its autograd graph.
+
+    The next stage owns a copy and will send back its grad; until then only ``out.grad_fn`` is
+    needed (the backward runs from it). Replacing ``.data`` by a one-element tensor frees
+    ``s*b*h`` elements per in-flight micro-batch while keeping ``out`` a valid graph root.
+    Because ``out`` no longer has its real shape, the backward must skip autograd's shape check
+    (see :func:`backward_step`).
+    """
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def backward_step(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``torch.autograd.backward(output, grad)`` that accepts a deallocated ``output``.
+
+    ``torch.autograd.backward`` checks that ``grad`` has ``output``'s shape, which fails after
+    :func:`deallocate_output_tensor`; calling the autograd engine directly skips that check
+    (the graph itself still knows the real shape).
+    """
+    if grad is None:
+        torch.autograd.backward(output)
+        return
+    Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True)
+
+
+def _viewless(t: torch.Tensor) -> torch.Tensor:
+    """An output that is a view would keep its base alive after deallocation; copy it out."""
+    return t.clone() if t._base is not None else t
+
+
+class _ActivationMeter:
+    """Counts what forwards leave behind for their backwards, per (chunk, micro-batch).
+
+    ``inflight`` counts chunk-micro-batches whose forward ran and whose backward has not;
+    ``saved_bytes`` adds up the tensors autograd saved during each forward (parameters
+    excluded), taken with ``saved_tensors_hooks``, and drops them when that backward finishes.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[tuple[int, int], int] = {}
+        self.peak_inflight = 0
+        self.peak_bytes = 0
+        self.bytes_per_forward: list[int] = []
+        self._current: tuple[int, int] | None = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._current is not None and t.untyped_storage().data_ptr() not in self.param_ptrs:
+            self.live[self._current] += t.numel() * t.element_size()
+        return t
+
+    @contextlib.contextmanager
+    def forward(self, key: tuple[int, int]):
+        self.live[key] = 0
+        self._current = key
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+        self._current = None
+        self.bytes_per_forward.append(self.live[key])
+        self.peak_inflight = max(self.peak_inflight, len(self.live))
+        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+
+    def backward_done(self, key: tuple[int, int]) -> None:
+        self.live.pop(key, None)
+
+
+def _sync_objects(grad_sync: Any, num_chunks: int) -> list[Any] | None:
+    if grad_sync is None:
+        return None
+    if isinstance(grad_sync, Sequence):
+        if len(grad_sync) != num_chunks:
+            raise ValueError(f"grad_sync has {len(grad_sync)} entries for {num_chunks} chunks")
+        return list(grad_sync)
+    return [grad_sync] * num_chunks
+
+
+def default_get_batch(data_iterator: Iterator) -> dict[str, torch.Tensor]:
+    return next(data_iterator)
+
+
+def default_loss_fn(per_token_loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean over the micro-batch's tokens, honouring an optional ``loss_mask``."""
+    mask = batch.get("loss_mask")
+    loss = per_token_loss.float()
+    if mask is None:
+        return loss.mean()
+    mask = mask.float()
+    return (loss * mask).sum() / mask.sum()
+
+
+def forward_backward(
+    model_chunks: Sequence[torch.nn.Module],
+    data_iterator: Iterator | Sequence[Iterator],
+    topo: ParallelTopology,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    *,
+    forward_only: bool = False,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] = default_loss_fn,
+    get_batch: Callable[[Iterator], dict[str, torch.Tensor]] = default_get_batch,
+    grad_sync: Any = None,
+    finalize: bool = False,
+    stats: dict[str, Any] | None = None,
+) -> list[float]:
+    """Run one iteration of the pipeline schedule on this rank; return per-micro-batch losses.
+
+    ``data_iterator`` yields one dict per micro-batch (``tokens`` and ``labels`` [b, s],
+    optionally ``loss_mask``) through ``get_batch``; only the ranks holding the first or the
+    last virtual stage draw from it. A list gives each chunk its own iterator (Megatron's
+    interleaved convention); a single iterator is shared, one draw per micro-batch.
+
+    ``grad_sync``: ``None``, an object with ``no_sync()`` (a context manager that suspends
+    gradient reduction) and ``start_grad_sync()``, or a list of such objects, one per chunk.
+    Every backward except each chunk's last micro-batch runs inside ``no_sync()``; a per-chunk
+    object gets ``start_grad_sync()`` right after its chunk's last backward (so reduction of
+    early-finished chunks overlaps with the rest of the cool-down), a single shared object once
+    after the schedule. With ``finalize=True`` :func:`finalize_model_grads` runs at the end.
+    ``stats``, if given, receives ``peak_inflight``, ``peak_saved_bytes`` and
+    ``saved_bytes_per_forward`` (see :class:`_ActivationMeter`).
+    """
+    vpp, pp, m = len(model_chunks), topo.pp_size, num_microbatches
+    if vpp != (topo.vpp_size or 1):
+        raise ValueError(f"{vpp} model chunks but the topology has vpp={topo.vpp_size}")
+    params = [p for c in model_chunks for p in c.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    steps = build_schedule(pp, vpp, m, topo.pp_rank, forward_only)
+    p2p = P2P(topo, tensor_shape(seq_length, micro_batch_size, hidden_size, topo.tp_size,
+                                 sequence_parallel), dtype, device)
+    vstages = [virtual_stage(topo.pp_rank, c, pp) for c in range(vpp)]
+    first = [v == 0 for v in vstages]
+    last = [v == pp * vpp - 1 for v in vstages]
+    syncs = _sync_objects(grad_sync, vpp)
+    meter = _ActivationMeter(params) if stats is not None else None
+
+    batches: dict[tuple[int, int], dict] = {}
+    shared_draws: list[dict] = []
+
+    def batch(chunk: int, mb: int) -> dict:
+        if not isinstance(data_iterator, Iterator) and isinstance(data_iterator, Sequence):
+            if (chunk, mb) not in batches:
+                batches[(chunk, mb)] = get_batch(data_iterator[chunk])
+            return batches.pop((chunk, mb))
+        while len(shared_draws) <= mb:  # micro-batches are first needed in increasing order
+            shared_draws.append(get_batch(data_iterator))
+        return shared_draws[mb]
+
+    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
+    recv_act: dict[tuple[int, int], torch.Tensor] = {}
+    recv_grad: dict[tuple[int, int], torch.Tensor] = {}
+    losses: list[torch.Tensor | None] = [None] * m
+
+    def run_forward(c: int, mb: int) -> None:
+        x = None if first[c] else recv_act.pop((c, mb))
+        if x is not None and not forward_only:
+            x.requires_grad_(True)
+        data = batch(c, mb) if (first[c] or last[c]) else {}
+        tokens = data.get("tokens") if first[c] else None
+        labels = data.get("labels") if last[c] else None
+        meter_ctx = meter.forward((c, mb)) if meter else contextlib.nullcontext()
+        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad_ctx, meter_ctx:
+            out = model_chunks[c](tokens, labels, hidden_states=x)
+            if last[c]:
+                loss = loss_fn(out, data)
+                losses[mb] = loss.detach()
+                out = loss / m
+        if forward_only:
+            if not last[c]:
+                outgoing[("SEND_F", c, mb)] = out
+            return
+        inputs[(c, mb)] = x
+        if not last[c]:
+            out = _viewless(out)
+            outgoing[("SEND_F", c, mb)] = out
+        outputs[(c, mb)] = out
+
+    def run_backward(c: int, mb: int) -> None:
+        out, x = outputs.pop((c, mb)), inputs.pop((c, mb))
+        grad = None if last[c] else recv_grad.pop((c, mb))
+        is_last_mb = mb == m - 1
+        ctx = syncs[c].no_sync() if (syncs and not is_last_mb) else contextlib.nullcontext()
+        with ctx:
+            backward_step(out, grad)
+        if syncs and is_last_mb and isinstance(grad_sync, Sequence):
+            syncs[c].start_grad_sync()
+        if meter:
+            meter.backward_done((c, mb))
+        if not first[c]:
+            assert x is not None and x.grad is not None
+            outgoing[("SEND_B", c, mb)] = x.grad
+
+    for step in steps:
+        a = step[0]
+        if a.kind == "F":
+            run_forward(a.chunk, a.microbatch)
+        elif a.kind == "B":
+            run_backward(a.chunk, a.microbatch)
+        else:
+            got = p2p.exchange(step, outgoing)
+            for b in step:
+                key = (b.kind, b.chunk, b.microbatch)
+                if b.kind == "RECV_F":
+                    recv_act[(b.chunk, b.microbatch)] = got[key]
+                elif b.kind == "RECV_B":
+                    recv_grad[(b.chunk, b.microbatch)] = got[key]
+                else:
+                    sent = outgoing.pop(key)
+                    if b.kind == "SEND_F" and not forward_only:
+                        deallocate_output_tensor(sent)
+    assert not outputs and not inputs and not recv_act and not recv_grad, "schedule left work"
+    if syncs and not isinstance(grad_sync, Sequence) and not forward_only:
+        syncs[0].start_grad_sync()
+    if finalize and not forward_only:
+        finalize_model_grads(model_chunks, topo, sequence_parallel=sequence_parallel)
+    if stats is not None and meter is not None:
+        stats.update(peak_inflight=meter.peak_inflight, peak_saved_bytes=meter.peak_bytes,
+                     saved_bytes_per_forward=list(meter.bytes_per_forward))
+    return _broadcast_losses(losses, topo, device)
+
+
+def _broadcast_losses(losses: list[torch.Tensor | None], topo: ParallelTopology,
+                      device: torch.device) -> list[float]:
+    """The last stage has the losses; every pipeline rank returns them (for logging)."""
+    if topo.is_last_stage:
+        buf = torch.stack([t.float() for t in losses]).to(device)  # type: ignore[misc]
+    else:
+        buf = torch.empty(len(losses), dtype=torch.float32, device=device)
+    if topo.pp_size > 1:
+        c = topo.coord
+        dist.broadcast(buf, src=topo.layout.rank(topo.pp_size - 1, c.dp, c.tp),
+                       group=topo.pp_group)
+    return buf.tolist()

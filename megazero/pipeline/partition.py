@@ -1,0 +1,90 @@
+"""Split the transformer layers over pipeline stages and virtual chunks.
+
+Without interleaving, stage ``p`` of ``pp`` holds the contiguous layers
+``[p * L / pp, (p + 1) * L / pp)``. With ``--num-layers-per-virtual-pipeline-stage n`` the
+model is cut into ``L / n`` virtual stages of ``n`` layers, dealt round-robin (Megatron's
+order): model chunk ``c`` of stage ``p`` is virtual stage ``c * pp + p``, so each stage holds
+``vpp = L / (pp * n)`` chunks. The embedding lives on virtual stage 0 (stage 0, chunk 0); the
+final norm, output head and loss on the last one (stage ``pp - 1``, chunk ``vpp - 1``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megazero.config import ConfigError, ModelConfig
+from megazero.topology import ParallelTopology
+
+LayerRange = tuple[int, int]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def num_model_chunks(num_layers: int, pp: int, layers_per_virtual_stage: int | None) -> int:
+    """Model chunks per pipeline stage (vpp); 1 without interleaving."""
+    return len(chunk_layer_ranges(num_layers, pp, layers_per_virtual_stage)[0])
+
+
+def chunk_layer_ranges(
+    num_layers: int, pp: int, layers_per_virtual_stage: int | None = None
+) -> list[list[LayerRange]]:
+    """Global layer ranges ``[start, end)`` indexed ``[pp_rank][chunk]``."""
+    if num_layers < 1 or pp < 1:
+        raise ConfigError(f"--num-layers ({num_layers}) and pipeline size ({pp}) must be >= 1")
+    if num_layers % pp:
+        raise ConfigError(
+            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+            f"valid pipeline sizes for {num_layers} layers: {_divisors(num_layers)}")
+    per_stage = num_layers // pp
+    if layers_per_virtual_stage is None:
+        return [[(p * per_stage, (p + 1) * per_stage)] for p in range(pp)]
+    n = layers_per_virtual_stage
+    if n < 1 or per_stage % n:
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {per_stage} layers "
+            f"per pipeline stage (--num-layers {num_layers} / pp {pp}); valid values: "
+            f"{_divisors(per_stage)}")
+    vpp = per_stage // n
+    return [[((c * pp + p) * n, (c * pp + p + 1) * n) for c in range(vpp)] for p in range(pp)]
+
+
+def chunk_roles(pp_rank: int, pp: int, vpp: int) -> list[tuple[bool, bool]]:
+    """``(pre_process, post_process)`` per chunk of ``pp_rank``: embedding / head + loss."""
+    last = pp * vpp - 1
+    return [(c * pp + pp_rank == 0, c * pp + pp_rank == last) for c in range(vpp)]
+
+
+def build_model_chunks(
+    model_config: ModelConfig,
+    topo: ParallelTopology,
+    layers_per_virtual_stage: int | None = None,
+    *,
+    model_cls: Any = None,
+    **model_kwargs: Any,
+) -> list[Any]:
+    """This rank's model chunks, in chunk order, each a ``GPTModel`` over its layer range.
+
+    ``model_kwargs`` (``sequence_parallel``, ``recompute``, ``seed``...) go to every chunk
+    unchanged. Because weights are initialised from global layer indices, chunk ``[4, 8)`` has
+    the weights of layers 4-7 of the full model built with the same seed.
+    """
+    if model_cls is None:
+        from megazero.model import GPTModel
+
+        model_cls = GPTModel
+    ranges = chunk_layer_ranges(model_config.num_layers, topo.pp_size, layers_per_virtual_stage)
+    vpp = len(ranges[0])
+    if (topo.vpp_size or 1) != vpp:
+        raise ConfigError(
+            f"the topology has vpp={topo.vpp_size} model chunks per stage but --num-layers "
+            f"{model_config.num_layers}, pp {topo.pp_size} and "
+            f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} give {vpp}; "
+            f"build the topology with vpp={vpp if vpp > 1 else None}")
+    roles = chunk_roles(topo.pp_rank, topo.pp_size, vpp)
+    return [
+        model_cls(model_config, topo, layer_range=rng, pre_process=pre, post_process=post,
+                  **model_kwargs)
+        for rng, (pre, post) in zip(ranges[topo.pp_rank], roles)
+    ]
