@@ -1,0 +1,146 @@
+"""Self-attention: column-parallel fused QKV, core attention on this rank's heads,
+row-parallel output projection.
+
+The fused QKV weight is laid out by query group, ``[g0: q_0..q_{h/g-1}, k, v][g1: ...]``
+(Megatron's layout), so a contiguous split of its rows gives every TP rank whole groups:
+``groups/t`` KV groups with their ``heads/t`` query heads.
+
+Three interchangeable core-attention backends compute ``softmax(QK^T/sqrt(d)) V``, causal:
+
+* ``unfused``: explicit scores, softmax, dropout and ``@V`` (Megatron's ``CoreAttention``). It
+  saves the ``[b, a, s, s]`` softmax output, dropout mask and dropout output, i.e. exactly the
+  ``5as/h`` term of Megatron's activation-memory formula, so it is the backend memory is
+  measured with.
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``.
+* ``flash``: ``flash_attn_func`` (CUDA, fp16/bf16, when flash-attn is installed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.config import ModelConfig
+from megazero.model.positional import apply_rotary
+from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megazero.tensor_parallel.mappings import Group, group_size
+from megazero.tensor_parallel.random import MODEL_PARALLEL_STREAM, RNGStatesTracker
+
+try:  # optional dependency
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_func = None
+
+_NO_INIT = torch.nn.init.zeros_
+BACKENDS = ("auto", "unfused", "sdpa", "flash")
+
+
+def flash_usable(x: torch.Tensor) -> bool:
+    return (flash_attn_func is not None and x.is_cuda
+            and x.dtype in (torch.float16, torch.bfloat16))
+
+
+class CoreAttention(nn.Module):
+    """``[s, b, heads, d]`` q and ``[s, b, groups, d]`` k, v -> context ``[s, b, heads*d]``.
+
+    Attention-probability dropout acts on this rank's heads, so it draws from the tracker's
+    model-parallel stream (different masks on different TP ranks).
+    """
+
+    def __init__(self, dropout: float, backend: str, tracker: RNGStatesTracker):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
+        self.dropout, self.backend, self.tracker = dropout, backend, tracker
+
+    def _resolve(self, q: torch.Tensor) -> str:
+        if self.backend == "auto":
+            return "flash" if flash_usable(q) else "sdpa"
+        if self.backend == "flash" and not flash_usable(q):
+            raise RuntimeError("attention_backend='flash' needs flash-attn installed and CUDA "
+                               f"fp16/bf16 tensors (got {q.device}, {q.dtype})")
+        return self.backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        backend = self._resolve(q)
+        with self.tracker.fork(MODEL_PARALLEL_STREAM):
+            if backend == "unfused":
+                return self._unfused(q, k, v, p)
+            if backend == "sdpa":
+                return self._sdpa(q, k, v, p)
+            return self._flash(q, k, v, p)
+
+    @staticmethod
+    def _unfused(q, k, v, p):
+        s, b, n, d = q.shape
+        groups = k.shape[2]
+        if groups != n:  # grouped-query attention: every query head reads its group's K/V
+            k = k.repeat_interleave(n // groups, dim=2)
+            v = v.repeat_interleave(n // groups, dim=2)
+        qb = q.reshape(s, b * n, d).transpose(0, 1)  # [b*n, s, d]
+        kb = k.reshape(s, b * n, d).permute(1, 2, 0)  # [b*n, d, s]
+        # The causal mask is an additive -inf bias fed to baddbmm: addition saves nothing for
+        # backward, whereas masked_fill would save a mask per layer.
+        bias = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+        scores = torch.baddbmm(bias.expand(b * n, s, s), qb, kb, beta=1.0,
+                               alpha=1.0 / math.sqrt(d))
+        probs = F.softmax(scores, dim=-1)
+        if p > 0:
+            probs = F.dropout(probs, p=p, training=True)
+        vb = v.reshape(s, b * n, d).transpose(0, 1)  # [b*n, s, d]
+        ctx = torch.bmm(probs, vb)  # [b*n, s, d]
+        return ctx.transpose(0, 1).reshape(s, b, n * d)
+
+    @staticmethod
+    def _sdpa(q, k, v, p):
+        s, b, n, d = q.shape
+        qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True,
+                                             enable_gqa=k.shape[2] != n)
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    @staticmethod
+    def _flash(q, k, v, p):
+        s, b, n, d = q.shape
+        qb, kb, vb = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
+        out = flash_attn_func(qb, kb, vb, dropout_p=p, causal=True)
+        return out.transpose(0, 1).reshape(s, b, n * d)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, group: Group, sequence_parallel: bool,
+                 tracker: RNGStatesTracker, backend: str, params_dtype: torch.dtype):
+        super().__init__()
+        tp = group_size(group)
+        d = config.head_dim
+        self.head_dim = d
+        self.local_heads = config.num_attention_heads // tp
+        self.local_groups = config.query_groups // tp
+        qkv_size = (config.num_attention_heads + 2 * config.query_groups) * d
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, group, bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel, init_method=_NO_INIT, params_dtype=params_dtype)
+        self.core_attention = CoreAttention(config.attention_dropout, backend, tracker)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, group,
+            bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+            init_method=_NO_INIT, params_dtype=params_dtype)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, groups/t * (heads/groups + 2) * d]
+        s, b = qkv.shape[:2]
+        per_group = self.local_heads // self.local_groups
+        d = self.head_dim
+        qkv = qkv.view(s, b, self.local_groups, (per_group + 2) * d)
+        q, k, v = qkv.split([per_group * d, d, d], dim=-1)
+        q = q.reshape(s, b, self.local_heads, d)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ctx = self.core_attention(q, k, v)
+        return self.linear_proj(ctx)

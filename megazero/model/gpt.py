@@ -1,0 +1,216 @@
+"""GPT model, built as one pipeline chunk (or the whole model).
+
+Forward contract (the pipeline schedules rely on it)::
+
+    forward(tokens [b, s] | None, labels [b, s] | None = None, hidden_states | None = None)
+
+* ``pre_process``: embeds ``tokens`` (positions ``0..s-1``); otherwise consumes
+  ``hidden_states`` ``[s, b, h]`` (``[s/t, b, h]`` with sequence parallelism) from the previous
+  stage.
+* not ``post_process``: returns hidden states ``[s(/t), b, h]``.
+* ``post_process``: returns the per-token fp32 loss ``[b, s]`` when ``labels`` are given (the
+  caller averages), else this rank's vocab-parallel logits ``[b, s, V_padded/t]`` with the pad
+  columns at ``-inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.config import ConfigError, ModelConfig
+from megazero.model.attention import BACKENDS
+from megazero.model.init import initialize_parameters
+from megazero.model.positional import RotaryEmbedding
+from megazero.model.recompute import apply_recompute
+from megazero.model.transformer import TransformerBlock
+from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.layers import (
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    mark_vocab_parallel,
+    pad_vocab_size,
+)
+from megazero.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megazero.tensor_parallel.random import (
+    DEFAULT_STREAM,
+    MODEL_PARALLEL_STREAM,
+    RNGStatesTracker,
+)
+from megazero.topology import ParallelTopology
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def validate(config: ModelConfig, tp: int, sequence_parallel: bool,
+             layer_range: tuple[int, int]) -> None:
+    """Reject layouts this model cannot be split into; every message names the numbers."""
+    heads, groups = config.num_attention_heads, config.query_groups
+    if config.hidden_size % heads:
+        raise ConfigError(f"--hidden-size {config.hidden_size} is not divisible by "
+                          f"--num-attention-heads {heads}")
+    if heads % tp:
+        raise ConfigError(f"--num-attention-heads {heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if groups % tp:
+        raise ConfigError(f"--num-query-groups {groups} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}; each TP rank must hold whole "
+                          f"query groups")
+    if config.ffn_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {config.ffn_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if sequence_parallel and tp > 1 and config.seq_length % tp:
+        raise ConfigError(f"--seq-length {config.seq_length} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}, required by --sequence-parallel")
+    start, end = layer_range
+    if not 0 <= start < end <= config.num_layers:
+        raise ConfigError(f"layer_range {layer_range} is not a non-empty range within "
+                          f"[0, --num-layers {config.num_layers})")
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) plus learned absolute position embeddings, then dropout.
+
+    Output ``[s, b, h]``, scattered onto sequence slices with sequence parallelism. Position
+    embeddings are added before the scatter, so their gradient is complete on every rank.
+    """
+
+    def __init__(self, config: ModelConfig, topo: ParallelTopology, sequence_parallel: bool,
+                 tracker: RNGStatesTracker, params_dtype: torch.dtype):
+        super().__init__()
+        self.group, self.sequence_parallel, self.tracker = (
+            topo.tp_group, sequence_parallel, tracker)
+        self.dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, topo.tp_group,
+            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+            init_method=torch.nn.init.zeros_, params_dtype=params_dtype)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size,
+                                                    dtype=params_dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings.weight[: tokens.shape[1]]
+        x = x.transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.group)
+        if self.training and self.dropout > 0:
+            stream = MODEL_PARALLEL_STREAM if self.sequence_parallel else DEFAULT_STREAM
+            with self.tracker.fork(stream):
+                x = F.dropout(x, p=self.dropout, training=True)
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: ModelConfig, topo: ParallelTopology, *,
+                 sequence_parallel: bool = False, layer_range: tuple[int, int] | None = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 recompute: dict | tuple | str | None = None,
+                 params_dtype: torch.dtype = torch.float32, seed: int = 1234,
+                 attention_backend: str = "auto"):
+        """``recompute``: ``None``, ``"selective"``, or ``("full", method, num_layers)`` /
+        ``{"granularity", "method", "num_layers"}`` (see :func:`apply_recompute`).
+        ``attention_backend``: ``auto`` (flash-attn when usable, else SDPA), ``sdpa``,
+        ``unfused`` (explicit softmax, Megatron's CoreAttention) or ``flash``."""
+        super().__init__()
+        tp = topo.tp_size
+        layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
+        validate(config, tp, sequence_parallel, layer_range)
+        if attention_backend not in BACKENDS:
+            raise ConfigError(f"attention_backend {attention_backend!r}: expected one of "
+                              f"{BACKENDS}")
+        if attention_backend == "auto" and not config.use_flash_attn:
+            attention_backend = "sdpa"
+        self.config, self.topo = config, topo
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.layer_range = layer_range
+        self.pre_process, self.post_process = pre_process, post_process
+        self.seed = seed
+        self.vocab_size = config.vocab_size
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size,
+                                                config.make_vocab_size_divisible_by, tp)
+        # Dropout streams follow Megatron: one seed per pipeline stage, +2718+tp_rank for the
+        # model-parallel stream. Weight init uses ``seed`` alone (layout independence).
+        self.rng_tracker = RNGStatesTracker.for_tensor_parallel(
+            seed + 100 * topo.pp_rank, topo.tp_rank)
+        group = topo.tp_group
+
+        self.embedding = Embedding(config, topo, self.sequence_parallel, self.rng_tracker,
+                                   params_dtype) if pre_process else None
+        self.rotary = (RotaryEmbedding(config.head_dim, config.max_positions, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(config, layer_range, group, self.sequence_parallel,
+                                        self.rng_tracker, attention_backend, post_process,
+                                        params_dtype)
+        self.output_layer = None
+        tied = not config.untie_embeddings_and_output_weights
+        if post_process and not (tied and pre_process):
+            self.output_layer = nn.Module()
+            weight = nn.Parameter(torch.empty(self.padded_vocab_size // tp, config.hidden_size,
+                                              dtype=params_dtype))
+            mark_vocab_parallel(weight, config.vocab_size, self.padded_vocab_size)
+            if tied:  # the last stage's copy of the word embedding
+                weight.init_name = WORD_EMBEDDING
+                weight.shared_embedding = True
+                weight.shared = True
+            self.output_layer.weight = weight
+        if tied and pre_process and not post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        initialize_parameters(self, config, topo, seed)
+        if recompute is not None:
+            if isinstance(recompute, str):
+                recompute = (recompute,)
+            if isinstance(recompute, dict):
+                apply_recompute(self, **recompute)
+            else:
+                apply_recompute(self, *recompute)
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight if self.output_layer is not None else None
+
+    def _output_weight(self) -> torch.Tensor:
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        tp = self.topo.tp_size
+        if self.pre_process:
+            if tokens is None:
+                raise ValueError("the first pipeline chunk (pre_process=True) needs tokens")
+            if self.sequence_parallel and tokens.shape[1] % tp:
+                raise ConfigError(f"sequence length {tokens.shape[1]} is not divisible by "
+                                  f"tensor-model-parallel size {tp} (sequence parallelism)")
+            x = self.embedding(tokens)
+        else:
+            if hidden_states is None:
+                raise ValueError("a pipeline chunk without pre_process needs hidden_states")
+            x = hidden_states
+        seq_len = x.shape[0] * (tp if self.sequence_parallel else 1)
+        rotary = self.rotary(seq_len, x.dtype) if self.rotary is not None else None
+        x = self.decoder(x, rotary)
+        if not self.post_process:
+            return x
+        logits = self._logits(x)  # [s, b, V/t]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group)
+        return loss.transpose(0, 1).contiguous()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._output_weight()
+        logits = column_parallel_linear(x, weight, None, self.topo.tp_group,
+                                        self.sequence_parallel)
+        local = weight.shape[0]
+        start = self.topo.tp_rank * local
+        if start + local > self.vocab_size:  # padded columns: never a target, zero probability
+            pad = torch.arange(start, start + local, device=logits.device) >= self.vocab_size
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits

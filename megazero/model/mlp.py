@@ -1,0 +1,41 @@
+"""The feed-forward block: column-parallel fc1, GELU or SwiGLU, row-parallel fc2."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.config import ModelConfig
+from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megazero.tensor_parallel.mappings import Group
+
+_NO_INIT = torch.nn.init.zeros_  # real values come from megazero.model.init
+
+
+class MLP(nn.Module):
+    """With SwiGLU, fc1 produces ``[gate; up]`` (full layout, 2*ffn rows); each TP rank holds
+    its slice of both halves (``partition_stride = 2``), so the gating is rank-local."""
+
+    def __init__(self, config: ModelConfig, group: Group, sequence_parallel: bool,
+                 params_dtype: torch.dtype):
+        super().__init__()
+        self.swiglu = config.swiglu
+        ffn = config.ffn_size
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, 2 * ffn if self.swiglu else ffn, group,
+            bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+            partition_stride=2 if self.swiglu else 1, init_method=_NO_INIT,
+            params_dtype=params_dtype)
+        self.linear_fc2 = RowParallelLinear(
+            ffn, config.hidden_size, group, bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel, init_method=_NO_INIT, params_dtype=params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)

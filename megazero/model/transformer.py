@@ -1,0 +1,103 @@
+"""Transformer layer (pre-norm) and the block of layers held by one pipeline chunk."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.config import ModelConfig
+from megazero.model.attention import SelfAttention
+from megazero.model.mlp import MLP
+from megazero.model.norms import build_norm
+from megazero.tensor_parallel.mappings import Group
+from megazero.tensor_parallel.random import (
+    DEFAULT_STREAM,
+    MODEL_PARALLEL_STREAM,
+    RNGStatesTracker,
+    checkpoint,
+)
+
+
+class TransformerLayer(nn.Module):
+    """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` on ``[s(/t), b, h]``.
+
+    Hidden dropout acts on replicated activations without sequence parallelism (default
+    stream: identical masks on every TP rank) and on sequence slices with it (model-parallel
+    stream: each rank draws the mask of its own slice).
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, group: Group,
+                 sequence_parallel: bool, tracker: RNGStatesTracker, attention_backend: str,
+                 params_dtype: torch.dtype):
+        super().__init__()
+        self.layer_number = layer_number  # global index in the full model
+        self.hidden_dropout = config.hidden_dropout
+        self.tracker = tracker
+        self.dropout_stream = MODEL_PARALLEL_STREAM if sequence_parallel else DEFAULT_STREAM
+        norm = (config.normalization, config.hidden_size, config.norm_epsilon, sequence_parallel,
+                params_dtype)
+        self.input_layernorm = build_norm(*norm)
+        self.self_attention = SelfAttention(config, group, sequence_parallel, tracker,
+                                            attention_backend, params_dtype)
+        self.pre_mlp_layernorm = build_norm(*norm)
+        self.mlp = MLP(config, group, sequence_parallel, params_dtype)
+
+    def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.training and self.hidden_dropout > 0:
+            with self.tracker.fork(self.dropout_stream):
+                out = F.dropout(out, p=self.hidden_dropout, training=True)
+        return residual + out
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary), x)
+        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+
+
+class TransformerBlock(nn.Module):
+    """Layers ``[start, end)`` of the full model, keyed by their global index (so parameter
+    names, and hence seeds and checkpoints, do not depend on the pipeline split), plus the
+    final norm when this chunk is the last.
+
+    ``recompute_segments`` (set by :func:`megazero.model.recompute.apply_recompute`) lists
+    ``(first, last)`` local index ranges run under activation checkpointing.
+    """
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], group: Group,
+                 sequence_parallel: bool, tracker: RNGStatesTracker, attention_backend: str,
+                 post_process: bool, params_dtype: torch.dtype):
+        super().__init__()
+        self.tracker = tracker
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, i, group, sequence_parallel, tracker,
+                                     attention_backend, params_dtype)
+            for i in range(*layer_range)
+        })
+        self.final_layernorm = build_norm(
+            config.normalization, config.hidden_size, config.norm_epsilon, sequence_parallel,
+            params_dtype) if post_process else None
+        self.recompute_segments: list[tuple[int, int]] = []
+
+    def _run(self, layers: list[nn.Module]):
+        def run(x, *rotary):
+            for layer in layers:
+                x = layer(x, rotary or None)
+            return x
+        return run
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        layers = list(self.layers.values())
+        extra = tuple(rotary) if rotary is not None else ()
+        segments = self.recompute_segments if self.training else []
+        i = 0
+        for first, last in [*segments, (len(layers), len(layers))]:
+            if i < first:
+                x = self._run(layers[i:first])(x, *extra)
+            if first < last:
+                x = checkpoint(self._run(layers[first:last]), x, *extra, tracker=self.tracker)
+            i = last
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x

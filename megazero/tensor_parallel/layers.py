@@ -1,0 +1,261 @@
+"""Tensor-parallel layers: column/row-parallel linear and the vocab-parallel embedding.
+
+Activations use Megatron's ``[s, b, h]`` layout. Weights follow ``torch.nn.Linear``
+(``[out, in]``); a column-parallel weight is split along dim 0 (outputs), a row-parallel weight
+along dim 1 (inputs). Parameter metadata uses Megatron's attribute names, which the optimizer,
+gradient reduction and checkpointing read:
+
+* ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``: the parameter is this
+  rank's slice of a full tensor along ``partition_dim``. With ``partition_stride = k`` the full
+  tensor is ``k`` equal blocks along that dim (e.g. SwiGLU's ``[gate; up]``) and the slice is
+  the concatenation of this rank's part of every block.
+* ``sequence_parallel``: replicated across the TP group, but each rank only sees its sequence
+  slice, so its gradient is partial and must be summed over the TP group.
+* ``padded_vocab_size`` / ``vocab_size``: dim 0 of the full tensor is padded beyond
+  ``vocab_size`` rows; the pad rows are zero, never looked up, and masked out of the logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.tensor_parallel.mappings import (
+    Group,
+    all_gather_dim0,
+    all_reduce,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_dim0,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from megazero.tensor_parallel.utils import (
+    divide,
+    gather_from_tensor_parallel_output,
+    shard_tensor,
+)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def normal_init(std: float = 0.02) -> InitMethod:
+    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
+
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, partition_dim: int, stride: int = 1
+) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def _init_shard(param: nn.Parameter, full_shape: tuple[int, ...], init: InitMethod,
+                group: Group) -> None:
+    """Initialise the full master tensor on CPU in fp32, keep this rank's slice.
+
+    Every TP rank generates the same full tensor (same global RNG state assumed), so the
+    shards are exactly the slices of the tp=1 weight. :func:`megazero.model.init` replaces
+    this with per-name seeding for whole models.
+    """
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init(full)
+    shard = shard_tensor(full, param.partition_dim, getattr(param, "partition_stride", 1),
+                         group_rank(group), group_size(group))
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+class LinearWithTensorParallelInput(torch.autograd.Function):
+    """``y = x_full @ W^T + b`` for a column-parallel weight.
+
+    Without sequence parallelism ``x_full = x`` (replicated); backward all-reduces the input
+    gradient because every rank only holds the part coming from its output columns.
+
+    With sequence parallelism ``x`` is this rank's sequence slice: forward all-gathers it, but
+    only the slice is saved, and backward all-gathers it again to form the weight gradient.
+    That re-gather is what makes the saved activations of every column-parallel input 1/t of
+    their size (Megatron's activation-memory accounting for TP+SP assumes it). The input
+    gradient is reduce-scattered back onto the sequence slices.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        total = all_gather_dim0(x, group) if sequence_parallel else x
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)
+            grad_x = reduce_scatter_dim0(grad_x, group) if ctx.sequence_parallel \
+                else all_reduce(grad_x, group)
+        if ctx.needs_input_grad[1]:
+            total = all_gather_dim0(x, group) if ctx.sequence_parallel else x
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: Group, sequence_parallel: bool = False) -> torch.Tensor:
+    return LinearWithTensorParallelInput.apply(x, weight, bias, group, sequence_parallel)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by columns: rank ``r`` computes ``Y_r = X A_r + b_r``.
+
+    ``gather_output`` all-gathers ``Y`` along the last dim; otherwise the output stays in the
+    tensor-parallel region (the usual case, feeding a :class:`RowParallelLinear`). With
+    ``sequence_parallel`` the input is ``[s/t, b, in]`` and is all-gathered along the sequence.
+    """
+
+    def __init__(self, input_size: int, output_size: int, group: Group = None, *,
+                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
+                 partition_stride: int = 1, init_method: InitMethod | None = None,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        self.input_size, self.output_size = input_size, output_size
+        local = divide(output_size, group_size(group))
+        self.weight = nn.Parameter(torch.empty(local, input_size, dtype=params_dtype,
+                                               device=device))
+        set_tensor_model_parallel_attributes(self.weight, 0, partition_stride)
+        _init_shard(self.weight, (output_size, input_size), init_method or normal_init(), group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(local, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, 0, partition_stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        if self.gather_output:
+            y = gather_from_tensor_parallel_output(y, self.group,
+                                                   self.weight.partition_stride)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by rows: rank ``r`` computes ``X_r A_r``, then the
+    partial products are summed (all-reduce, or reduce-scatter onto sequence slices with
+    ``sequence_parallel``). The bias is added once, after the reduction; under sequence
+    parallelism its gradient is partial per rank, hence ``bias.sequence_parallel``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, group: Group = None, *,
+                 bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, init_method: InitMethod | None = None,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        local = divide(input_size, group_size(group))
+        self.weight = nn.Parameter(torch.empty(output_size, local, dtype=params_dtype,
+                                               device=device))
+        set_tensor_model_parallel_attributes(self.weight, 1)
+        _init_shard(self.weight, (output_size, input_size), init_method or normal_init(), group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the (padded) vocabulary.
+
+    Rank ``r`` holds rows ``[r*V/t, (r+1)*V/t)`` of the padded table. Tokens outside that range
+    produce zeros, so summing the outputs over the TP group gives the full lookup. The output
+    is the *partial* sum unless ``reduce_output`` (then all-reduced), so a caller can choose
+    all-reduce or reduce-scatter.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group = None, *,
+                 make_vocab_size_divisible_by: int = 128, reduce_output: bool = True,
+                 init_method: InitMethod | None = None,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        super().__init__()
+        self.group, self.reduce_output = group, reduce_output
+        tp = group_size(group)
+        self.num_embeddings = num_embeddings
+        self.padded_vocab_size = pad_vocab_size(num_embeddings, make_vocab_size_divisible_by, tp)
+        local = self.padded_vocab_size // tp
+        self.vocab_start = group_rank(group) * local
+        self.vocab_end = self.vocab_start + local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype,
+                                               device=device))
+        mark_vocab_parallel(self.weight, num_embeddings, self.padded_vocab_size)
+        init_vocab_shard(self.weight, init_method or normal_init(), group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out, self.group) if self.reduce_output else out
+
+
+def mark_vocab_parallel(param: torch.Tensor, vocab_size: int, padded_vocab_size: int) -> None:
+    set_tensor_model_parallel_attributes(param, 0)
+    param.vocab_size = vocab_size
+    param.padded_vocab_size = padded_vocab_size
+
+
+def init_vocab_shard(param: nn.Parameter, init: InitMethod, group: Group) -> None:
+    """The full table is ``[vocab_size, h]`` (independent of tp); pad rows are zero."""
+    full = torch.empty(param.vocab_size, param.shape[1], dtype=torch.float32)
+    init(full)
+    load_full_into_shard(param, full, group)
+
+
+def load_full_into_shard(param: nn.Parameter, full: torch.Tensor, group: Group) -> None:
+    """Copy this rank's slice of an unpadded full tensor into ``param`` (zero pad rows)."""
+    if getattr(param, "padded_vocab_size", None) is not None:
+        pad = param.padded_vocab_size - full.shape[0]
+        full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
+    if getattr(param, "tensor_model_parallel", False):
+        full = shard_tensor(full, param.partition_dim, getattr(param, "partition_stride", 1),
+                            group_rank(group), group_size(group))
+    with torch.no_grad():
+        param.copy_(full)
+
+
+def vocab_range(param: torch.Tensor, group: Group) -> tuple[int, int]:
+    local = param.shape[0]
+    start = group_rank(group) * local
+    return start, start + local
