@@ -1,0 +1,279 @@
+"""Flat contiguous parameter and gradient buffers, cut into buckets that own their reduction.
+
+One :class:`GradBuffer` holds the parameters of one model chunk (one dtype). The parameters'
+``.data`` become views into one flat parameter buffer; the buffer is cut into buckets of about
+``reduce_bucket_size`` elements, each padded to a multiple of the data-parallel size so that
+reduce-scatter and all-gather split it into equal shards (rank ``r`` owns elements
+``[r*S, (r+1)*S)`` of every bucket, ``S = bucket_numel / dp``).
+
+Gradients by stage:
+
+* stage 0 / 1: a persistent flat gradient buffer. With ``contiguous_gradients`` (and the
+  communication dtype equal to the parameter dtype) ``param.grad`` *is* a view into it, so
+  autograd accumulates in place and no copy is made; otherwise the hook copies ``param.grad`` in
+  and frees it. Stage 0 all-reduces each bucket; stage 1 reduce-scatters it (or all-reduces when
+  ``reduce_scatter`` is false) and reads only its shard.
+* stage 2: no full gradient buffer survives backward. A bucket's full-size staging buffer is
+  allocated when its first gradient arrives, reduce-scattered into a persistent shard buffer
+  (``1/dp`` of the bucket) once full, and freed.
+
+Parameters whose gradients must first be summed over another group (``sequence_parallel``
+parameters over tensor-parallel ranks when sequence parallelism is on, ``shared_embedding``
+parameters over the embedding group when pp > 1) live in their own *deferred* buckets: a
+reduce-scatter reorders elements by data-parallel shard, and those buckets sit at different
+offsets on different pipeline stages, so the other sum has to happen on full gradients first.
+:meth:`GradBuffer.finish` does it, after the in-flight buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megazero.zero.comm import GroupComm, Handle
+from megazero.zero.master import Piece
+
+
+@dataclass
+class Slot:
+    """Where one parameter sits: elements ``[start, start + numel)`` of its bucket."""
+
+    param: nn.Parameter
+    start: int
+    numel: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    slots: list[Slot]
+    numel: int  # padded to a multiple of dp
+    offset: int  # first element in the flat buffers
+    shard_offset: int  # first element in the stage-2 shard buffer
+    kind: str | None  # None, "sp" (sum over tp first) or "emb" (sum over embedding group first)
+    own_lo: int = 0  # this rank's owned range inside the bucket
+    own_hi: int = 0
+    pending: set[int] = field(default_factory=set)
+    launched: bool = False
+    handle: Handle | None = None
+    grad: torch.Tensor | None = None  # full-size gradients (a view, or stage-2 staging)
+    param_data: torch.Tensor | None = None
+    padding: int = 0
+
+
+class GradBuffer:
+    """Flat buffers and buckets for one chunk's parameters of one dtype."""
+
+    def __init__(self, params: list[nn.Parameter], *, stage: int, dp: GroupComm,
+                 bucket_numel: int, grad_dtype: torch.dtype, contiguous_gradients: bool,
+                 reduce_scatter: bool, overlap: bool, deferred_kind: dict[int, str]) -> None:
+        self.stage = stage
+        self.dp = dp
+        self.overlap = overlap
+        self.reduce_scatter = reduce_scatter
+        self.grad_dtype = grad_dtype
+        dtype = params[0].dtype
+        device = params[0].device
+        self.view_mode = stage < 2 and contiguous_gradients and grad_dtype == dtype
+        self.buckets = self._make_buckets(params, bucket_numel, deferred_kind)
+        self.numel = sum(b.numel for b in self.buckets)
+        self.padding = sum(b.padding for b in self.buckets)
+        self.param_flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.slot_of: dict[int, tuple[Bucket, Slot]] = {}
+        for b in self.buckets:
+            b.param_data = self.param_flat[b.offset:b.offset + b.numel]
+            for s in b.slots:
+                view = b.param_data[s.start:s.start + s.numel].view_as(s.param)
+                view.copy_(s.param.data)
+                s.param.data = view
+                self.slot_of[id(s.param)] = (b, s)
+        self.grad_flat = (torch.zeros(self.numel, dtype=grad_dtype, device=device)
+                          if stage < 2 else None)
+        shard_total = sum(b.numel // dp.size for b in self.buckets)
+        self.shard_grad_flat = (torch.zeros(shard_total, dtype=grad_dtype, device=device)
+                                if stage == 2 else None)
+        self.zero_grad()
+
+    def _make_buckets(self, params: list[nn.Parameter], bucket_numel: int,
+                      deferred_kind: dict[int, str]) -> list[Bucket]:
+        """Fill buckets in reverse registration order (roughly the order backward produces
+        gradients, so early buckets fill first); deferred parameters get buckets of their own."""
+        n = self.dp.size
+        groups: dict[str | None, list[nn.Parameter]] = {None: [], "sp": [], "emb": []}
+        for p in reversed(params):
+            groups[deferred_kind.get(id(p))].append(p)
+        buckets: list[Bucket] = []
+        offset = shard_offset = 0
+        for kind, plist in groups.items():
+            current: list[Slot] = []
+            size = 0
+            for i, p in enumerate(plist):
+                current.append(Slot(p, size, p.numel()))
+                size += p.numel()
+                if size >= bucket_numel or i == len(plist) - 1:
+                    padded = -(-size // n) * n
+                    b = Bucket(len(buckets), current, padded, offset, shard_offset, kind,
+                               padding=padded - size)
+                    shard = padded // n
+                    b.own_lo, b.own_hi = ((0, padded) if self.stage == 0
+                                          else (self.dp.rank * shard, (self.dp.rank + 1) * shard))
+                    buckets.append(b)
+                    offset += padded
+                    shard_offset += shard
+                    current, size = [], 0
+        return buckets
+
+    # --- per-step gradient life cycle ---------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+        if self.shard_grad_flat is not None:
+            self.shard_grad_flat.zero_()
+        for b in self.buckets:
+            b.pending = {id(s.param) for s in b.slots}
+            b.launched = False
+            b.handle = None
+            b.grad = (self.grad_flat[b.offset:b.offset + b.numel]
+                      if self.grad_flat is not None else None)
+            for s in b.slots:
+                s.param.grad = (b.grad[s.start:s.start + s.numel].view_as(s.param)
+                                if self.view_mode else None)
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """A parameter's gradient for this step is complete (called from its hook)."""
+        b, s = self.slot_of[id(param)]
+        if b.launched:
+            raise RuntimeError(
+                "a gradient arrived after its bucket was already reduced this step; run the "
+                "backward of every micro-batch but the last inside engine.no_sync() and call "
+                "engine.zero_grad() before the next step")
+        self._absorb(b, s)
+        b.pending.discard(id(param))
+        if not b.pending and b.kind is None:
+            self._launch(b, async_op=self.overlap)
+
+    def _absorb(self, b: Bucket, s: Slot) -> None:
+        """Move ``param.grad`` into the bucket unless it already lives there."""
+        if self.view_mode:
+            return
+        if b.grad is None:  # stage 2: staging buffer for this bucket
+            b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+        g = s.param.grad
+        if g is not None:
+            b.grad[s.start:s.start + s.numel].copy_(g.reshape(-1))
+        s.param.grad = None
+
+    def _launch(self, b: Bucket, async_op: bool) -> None:
+        """Average the bucket over data-parallel ranks (pre-divided, then summed)."""
+        b.launched = True
+        if b.grad is None:
+            b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+        if self.dp.size > 1:
+            b.grad.div_(self.dp.size)
+        if self.stage == 0 or (self.stage == 1 and not self.reduce_scatter):
+            b.handle = self.dp.all_reduce(b.grad, async_op=async_op)
+        elif self.stage == 1:
+            out = torch.empty(b.own_hi - b.own_lo, dtype=b.grad.dtype, device=b.grad.device)
+            h = self.dp.reduce_scatter(out, b.grad, async_op=async_op)
+            b.handle = Handle(h, lambda: b.grad[b.own_lo:b.own_hi].copy_(out))
+        else:
+            out = self.shard_grad_flat[b.shard_offset:b.shard_offset + b.own_hi - b.own_lo]
+            if self.reduce_scatter:
+                h = self.dp.reduce_scatter(out, b.grad, async_op=async_op)
+            else:
+                full = b.grad
+                h = self.dp.all_reduce(full, async_op=async_op)
+                h = Handle(h, lambda: out.copy_(full[b.own_lo:b.own_hi]))
+            b.handle = Handle(h, lambda: setattr(b, "grad", None))
+        if not async_op:
+            b.handle.wait()
+
+    def flush(self) -> None:
+        """Launch every normal bucket still waiting (unused parameters, or a backward that ran
+        entirely inside ``no_sync``); gradients sitting in ``param.grad`` are absorbed first."""
+        for b in self.buckets:
+            if b.launched or b.kind is not None:
+                continue
+            for s in b.slots:
+                if id(s.param) in b.pending:
+                    self._absorb(b, s)
+            b.pending.clear()
+            self._launch(b, async_op=self.overlap)
+
+    def wait(self) -> None:
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+
+    def deferred_grads(self, kind: str) -> list[torch.Tensor]:
+        """Full gradients of the deferred buckets of ``kind``, for the tp / embedding sum."""
+        return [b.grad for b in self.buckets if b.kind == kind]
+
+    def grad_accumulated(self, param: nn.Parameter) -> None:
+        """Inside ``no_sync``: the gradient stays where autograd accumulates it."""
+
+    def params(self) -> list[nn.Parameter]:
+        return [s.param for b in self.buckets for s in b.slots]
+
+    def absorb_deferred(self) -> None:
+        for b in self.buckets:
+            if b.kind is not None:
+                for s in b.slots:
+                    if id(s.param) in b.pending:
+                        self._absorb(b, s)
+                b.pending.clear()
+                if b.grad is None:
+                    b.grad = torch.zeros(b.numel, dtype=self.grad_dtype,
+                                         device=self.param_flat.device)
+
+    def reduce_deferred(self) -> None:
+        for b in self.buckets:
+            if b.kind is not None and not b.launched:
+                self._launch(b, async_op=False)
+
+    def unused_params(self) -> list[nn.Parameter]:
+        return [s.param for b in self.buckets for s in b.slots
+                if id(s.param) in b.pending and s.param.grad is None and not self.view_mode]
+
+    # --- views used by the optimizer ----------------------------------------------------------
+
+    def param_view(self, b: Bucket, lo: int, hi: int) -> torch.Tensor:
+        return self.param_flat[b.offset + lo:b.offset + hi]
+
+    def grad_view(self, b: Bucket, lo: int, hi: int) -> torch.Tensor:
+        if self.stage == 2:
+            base = b.shard_offset - b.own_lo
+            return self.shard_grad_flat[base + lo:base + hi]
+        return self.grad_flat[b.offset + lo:b.offset + hi]
+
+    def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
+        """Refresh every rank's full parameters from the owners' updated shards."""
+        if self.stage == 0 or self.dp.size == 1:
+            return
+        for b in self.buckets:
+            shard = b.param_data[b.own_lo:b.own_hi].clone()
+            self.dp.all_gather(b.param_data, shard, chunk=chunk, use_broadcast=use_broadcast)
+
+    def held_grads(self) -> list[torch.Tensor]:
+        out = [self.grad_flat, self.shard_grad_flat]
+        out += [b.grad for b in self.buckets if b.grad is not None]
+        if not self.view_mode:
+            out += [s.param.grad for b in self.buckets for s in b.slots]
+        return [t for t in out if t is not None]
+
+    def pieces(self) -> list[Piece]:
+        """This rank's owned ranges of each parameter, for the master weights."""
+        out = []
+        for b in self.buckets:
+            for s in b.slots:
+                lo, hi = max(s.start, b.own_lo), min(s.start + s.numel, b.own_hi)
+                if lo < hi:
+                    out.append(Piece(s.param, self.param_view(b, lo, hi),
+                                     self.grad_view(b, lo, hi)))
+        return out
+
+    def held_params(self) -> dict[str, list[torch.Tensor]]:
+        return {"device": [self.param_flat]}

@@ -1,0 +1,126 @@
+"""One call that turns model chunks + configs into a :class:`ZeroOptimizer`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+
+from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.zero.buffers import GradBuffer
+from megazero.zero.master import MasterParams
+from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
+
+# zero_optimization keys accepted without an implementation yet: (key, value meaning "off").
+NO_EFFECT_KEYS: tuple[tuple[str, Any], ...] = (
+    ("round_robin_gradients", False),
+    ("elastic_checkpoint", False),
+    ("stage3_gather_16bit_weights_on_model_save", False),
+    ("zero_hpz_partition_size", 1),
+    ("zero_quantized_weights", False),
+    ("zero_quantized_gradients", False),
+)
+
+# Keys with a real effect, by stage (the rest of the block is accepted; see NO_EFFECT_KEYS).
+IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
+    "stage": (0, 1, 2, 3),
+    "reduce_bucket_size": (0, 1, 2),
+    "overlap_comm": (0, 1, 2, 3),
+    "contiguous_gradients": (0, 1),
+    "reduce_scatter": (1, 2),
+    "allgather_partitions": (1, 2),
+    "allgather_bucket_size": (1, 2),
+    "offload_optimizer": (1, 2, 3),
+    "offload_param": (3,),
+    "sub_group_size": (0, 1, 2, 3),
+    "ignore_unused_parameters": (0, 1, 2, 3),
+    "stage3_prefetch_bucket_size": (3,),
+    "stage3_param_persistence_threshold": (3,),
+    "stage3_max_live_parameters": (3,),
+    "stage3_max_reuse_distance": (3,),
+}
+
+
+def check_zero_config(zero: ZeroConfig, topo: Any) -> None:
+    """Reject what cannot run; warn once per key that is accepted but has no effect."""
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(zero, name).device == "nvme":
+            raise ConfigError(f"zero_optimization.{name}.device 'nvme' is not supported; use "
+                              f"'cpu' (host memory) or 'none'")
+    if zero.offload_optimizer.enabled and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the "
+                          "offloaded optimizer runs on the rank's shard); set stage >= 1")
+    if zero.stage == 3 and topo.pp_size > 1:
+        raise ConfigError("ZeRO stage 3 with pipeline parallelism is not supported; use stage "
+                          "0-2 with --pipeline-model-parallel-size > 1")
+    for key, off in NO_EFFECT_KEYS:
+        if getattr(zero, key) != off:
+            warnings.warn(f"zero_optimization.{key} = {getattr(zero, key)!r} is accepted but has "
+                          f"no effect in megazero yet", stacklevel=3)
+    if zero.offload_param.enabled and zero.stage != 3:
+        warnings.warn("zero_optimization.offload_param has an effect only with stage 3; "
+                      "ignored", stacklevel=3)
+    if zero.stage >= 2 and not zero.contiguous_gradients:
+        warnings.warn("zero_optimization.contiguous_gradients = false has no effect at stage "
+                      ">= 2: reduced gradient shards are always contiguous", stacklevel=3)
+
+
+def _deferred_kind(params: list[nn.Parameter], topo: Any, sequence_parallel: bool
+                   ) -> dict[int, str]:
+    kinds = {}
+    for p in params:
+        if sequence_parallel and topo.tp_size > 1 and getattr(p, "sequence_parallel", False):
+            kinds[id(p)] = "sp"
+        elif topo.pp_size > 1 and getattr(p, "shared_embedding", False):
+            kinds[id(p)] = "emb"
+    return kinds
+
+
+def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
+                         optimizer_config: OptimizerConfig, zero_config: ZeroConfig,
+                         precision_config: PrecisionConfig, topo: Any, *,
+                         sequence_parallel: bool = False,
+                         reduce_scatter_impl: str = "native") -> ZeroOptimizer:
+    """Cast the chunks to the training dtype, lay their parameters into flat buffers (stages
+    0-2) or shard them (stage 3), and wrap AdamW around this rank's fp32 master shard.
+
+    ``sequence_parallel`` must match how the model was built: it decides whether parameters
+    flagged ``sequence_parallel`` have their gradients summed over tensor-parallel ranks.
+    """
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    check_zero_config(zero_config, topo)
+    dtype = precision_config.params_dtype
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    comms = Comms.from_topology(topo, reduce_scatter_impl)
+    grad_dtype = _DTYPES[precision_config.communication_data_type] if (
+        precision_config.communication_data_type) else dtype
+    stores: list[Any] = []
+    for chunk in chunks:
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        if not params:
+            continue
+        kinds = _deferred_kind(params, topo, sequence_parallel)
+        if zero_config.stage == 3:
+            from megazero.zero.stage3 import Stage3Params
+
+            stores.append(Stage3Params(chunk, zero_config, comms, grad_dtype, kinds))
+        else:
+            stores.append(GradBuffer(
+                params, stage=zero_config.stage, dp=comms.dp,
+                bucket_numel=max(1, int(zero_config.reduce_bucket_size)), grad_dtype=grad_dtype,
+                contiguous_gradients=zero_config.contiguous_gradients,
+                reduce_scatter=zero_config.reduce_scatter, overlap=zero_config.overlap_comm,
+                deferred_kind=kinds))
+    pieces = [piece for store in stores for piece in store.pieces()]
+    # Offloaded stage-3 shards keep their masters on the host too (never on the device).
+    offload = zero_config.offload_optimizer.enabled or (
+        zero_config.stage == 3 and zero_config.offload_param.enabled)
+    masters = MasterParams(pieces, optimizer_config, offload=offload,
+                           pin_memory=zero_config.offload_optimizer.pin_memory,
+                           sub_group_size=max(1, int(zero_config.sub_group_size)))
+    return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,
+                         optimizer_config.clip_grad, sequence_parallel)

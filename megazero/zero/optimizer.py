@@ -1,0 +1,250 @@
+"""The ZeRO engine: sharded fp32 masters around a stock torch optimizer, for stages 0-3.
+
+Training step (every stage, every parallel layout)::
+
+    engine.zero_grad()
+    for i, micro_batch in enumerate(micro_batches):
+        ctx = engine.no_sync() if i < len(micro_batches) - 1 else nullcontext()
+        with ctx:
+            engine.backward(model(micro_batch).mean())   # backward scales the loss for fp16
+    engine.finish_grad_sync()   # wait for buckets; tp / embedding sums; deferred dp reduction
+    result = engine.step()      # overflow check, global norm, clip, update, re-gather params
+
+Gradient communication lives in the buffers (stages 0-2, :mod:`megazero.zero.buffers`) or the
+stage-3 parameter manager (:mod:`megazero.zero.stage3`); this class only sequences them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megazero.config import PrecisionConfig, ZeroConfig
+from megazero.zero import clip_grads
+from megazero.zero.accounting import MemoryReport, StorageCounter
+from megazero.zero.comm import CommLog, GroupComm
+from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.master import MasterParams, Piece
+
+
+@dataclass
+class StepResult:
+    updated: bool
+    grad_norm: float
+    loss_scale: float
+    skipped: bool
+
+
+@dataclass
+class Comms:
+    """Every group the engine talks to, sharing one :class:`CommLog`."""
+
+    log: CommLog
+    dp: GroupComm
+    tp: GroupComm
+    mp: GroupComm
+    emb: GroupComm
+    world: GroupComm
+
+    @classmethod
+    def from_topology(cls, topo: Any, rs_impl: str = "native") -> Comms:
+        log = CommLog()
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        emb = topo.embedding_group if topo.pp_size > 1 and topo.in_embedding_group else None
+        return cls(log, GroupComm(topo.dp_group, "dp", log, rs_impl),
+                   GroupComm(topo.tp_group, "tp", log), GroupComm(topo.mp_group, "mp", log),
+                   GroupComm(emb, "embedding", log), GroupComm(world, "world", log))
+
+
+_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+class ZeroOptimizer:
+    """See the module docstring; build it with :func:`megazero.zero.build_zero_optimizer`."""
+
+    def __init__(self, stores: list[Any], masters: MasterParams, comms: Comms, topo: Any,
+                 zero: ZeroConfig, precision: PrecisionConfig, clip_grad: float,
+                 sequence_parallel: bool) -> None:
+        self.stores = stores
+        self.masters = masters
+        self.comms = comms
+        self.topo = topo
+        self.zero = zero
+        self.precision = precision
+        self.clip_grad = clip_grad
+        self.sequence_parallel = sequence_parallel
+        self.scaler = LossScaler.from_config(precision)
+        self._sync = True
+        self._synced = False
+        self._saw_sync_backward = False
+        self._last_comm: dict[str, Any] = comms.log.report()
+        self._hooks = []
+        self._param_store: dict[int, Any] = {}
+        for store in stores:
+            for p in store.params():
+                self._param_store[id(p)] = store
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # --- the training-loop surface ------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.masters.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.precision.fp16 else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scale_loss(loss).backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for store in self.stores:
+            store.zero_grad()
+        self._synced = False
+        self._saw_sync_backward = False
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates gradients locally; nothing is reduced."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        store = self._param_store[id(param)]
+        if self._sync:
+            self._saw_sync_backward = True
+            store.grad_ready(param)
+        else:
+            store.grad_accumulated(param)
+
+    def finish_grad_sync(self) -> None:
+        """Complete this step's gradient reduction (see the module docstring for the order)."""
+        if self._synced:
+            return
+        if not self.zero.ignore_unused_parameters and self._saw_sync_backward:
+            unused = [p for s in self.stores for p in s.unused_params()]
+            if unused:
+                raise RuntimeError(
+                    f"{len(unused)} parameters received no gradient (shapes "
+                    f"{[tuple(p.shape) for p in unused[:5]]}) and "
+                    f"zero_optimization.ignore_unused_parameters is false")
+        for store in self.stores:
+            store.flush()
+        for store in self.stores:
+            store.wait()
+        for store in self.stores:
+            store.absorb_deferred()
+        if self.sequence_parallel and self.comms.tp.size > 1:
+            for store in self.stores:
+                for t in store.deferred_grads("sp"):
+                    self.comms.tp.all_reduce(t)
+        if self.comms.emb.size > 1:
+            for store in self.stores:
+                for t in store.deferred_grads("emb"):
+                    self.comms.emb.all_reduce(t)
+        for store in self.stores:
+            store.reduce_deferred()
+        self._synced = True
+
+    def step(self) -> StepResult:
+        self.finish_grad_sync()
+        pieces = self.masters.pieces
+        scale = self.scaler.scale if self.precision.fp16 else 1.0
+        if self.precision.fp16:
+            local = clip_grads.has_inf_or_nan(p.grad for p in pieces)
+            flag = clip_grads.all_reduce_scalar(torch.tensor(float(local)), [self.comms.world],
+                                                op=dist.ReduceOp.MAX)
+            if flag > 0:
+                self._end_step()
+                self.scaler.update(overflow=True)
+                return StepResult(False, float("nan"), scale, True)
+        tp_rank = self.topo.tp_rank
+        sq = clip_grads.sum_of_squares(
+            p.grad for p in pieces if clip_grads.counts_in_norm(p.param, tp_rank))
+        groups = [self.comms.mp] if self.zero.stage == 0 else [self.comms.dp, self.comms.mp]
+        norm = math.sqrt(max(clip_grads.all_reduce_scalar(sq, groups), 0.0)) / scale
+        coef = clip_grads.clip_coefficient(norm, self.clip_grad)
+        self.masters.step(coef / scale)
+        chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
+        for store in self.stores:
+            store.after_step(chunk, not self.zero.allgather_partitions)
+        self._end_step()
+        self.scaler.update(overflow=False)
+        return StepResult(True, norm, scale, False)
+
+    def _end_step(self) -> None:
+        self._last_comm = self.comms.log.report()
+        self.comms.log.reset()
+        self.zero_grad()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: fp32 masters, torch optimizer state, loss scaler, layout."""
+        return {"zero_stage": self.zero.stage, "dp_rank": self.topo.dp_rank,
+                "dp_size": self.topo.dp_size, "master": self.masters.state_dict(),
+                "loss_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if (sd["zero_stage"], sd["dp_size"]) != (self.zero.stage, self.topo.dp_size):
+            raise ValueError(f"checkpoint shard is for ZeRO stage {sd['zero_stage']} at dp "
+                             f"{sd['dp_size']}; this run is stage {self.zero.stage} at dp "
+                             f"{self.topo.dp_size}")
+        self.masters.load_state_dict(sd["master"])
+        self.scaler.load_state_dict(sd["loss_scaler"])
+        chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
+        for store in self.stores:
+            store.after_step(chunk, not self.zero.allgather_partitions)
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes this rank holds for params, grads and optimizer state, by placement."""
+        device = next(iter(self._all_params()), torch.empty(0)).device.type
+        report = MemoryReport(device_type=device,
+                              padding_elements=sum(s.padding for s in self.stores))
+        counter = StorageCounter(report)
+        for store in self.stores:
+            for place, tensors in store.held_params().items():
+                counter.add("params", tensors, place)
+        for store in self.stores:
+            counter.add("grads", store.held_grads())
+        counter.add("optimizer", self.masters.held(),
+                    "offload" if self.masters.offload else "device")
+        return report.as_dict()
+
+    def comm_report(self) -> dict[str, Any]:
+        """Bytes each collective moved during the last completed step, by group."""
+        return self._last_comm
+
+    def _all_params(self) -> Iterator[nn.Parameter]:
+        for store in self.stores:
+            yield from store.params()
+
+    def full_parameters(self) -> dict[int, torch.Tensor]:
+        """A full copy of every parameter keyed by ``id(param)`` (collective at stage 3)."""
+        out: dict[int, torch.Tensor] = {}
+        for store in self.stores:
+            if hasattr(store, "gathered_state"):
+                out.update(store.gathered_state())
+            else:
+                out.update({id(p): p.detach().clone() for p in store.params()})
+        return out
+
+    def pieces(self) -> list[Piece]:
+        return self.masters.pieces

@@ -1,0 +1,379 @@
+"""ZeRO stage 3: parameters sharded over data-parallel ranks, gathered module by module.
+
+Every module that directly owns parameters becomes a :class:`Unit`: its parameters flattened,
+padded to a multiple of dp and cut into equal shards; each rank keeps only its shard (on the host
+with ``offload_param``). Hooks make the full parameters exist only while needed:
+
+* forward pre-hook: all-gather the unit (waiting for a prefetch if one is in flight), then
+  prefetch the next units in the recorded execution order, up to
+  ``stage3_prefetch_bucket_size`` elements of lookahead and ``stage3_max_live_parameters``
+  gathered elements in total;
+* forward post-hook: release the unit unless it is reused soon (fewer than
+  ``stage3_max_reuse_distance`` elements gathered before its backward) or persistent (fewer than
+  ``stage3_param_persistence_threshold`` elements: kept whole, like DeepSpeed); wrap the outputs
+  in an autograd function whose backward gathers the unit again before the module's backward;
+* post-accumulate-grad hooks: once all of a unit's gradients exist, reduce-scatter them into
+  the persistent gradient shard (asynchronously with ``overlap_comm``) and release the unit.
+
+Parameters used outside the module that owns them (a tied embedding used by the output layer:
+``shared_embedding`` or ``zero_external`` set) are gathered for the whole forward of the model
+chunk instead, and released after their gradients arrive.
+
+A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
+references held by autograd see the gathered storage again at backward time. Every gather
+allocates a fresh buffer: a reused one would be overwritten under tensors autograd saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from megazero.config import ZeroConfig
+from megazero.zero.comm import Handle
+from megazero.zero.master import Piece
+
+
+class Unit:
+    def __init__(self, index: int, params: list[nn.Parameter], dp_size: int, dp_rank: int,
+                 persistent: bool, external: bool, kind: str | None) -> None:
+        self.index = index
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.starts = []
+        n = 0
+        for p in params:
+            self.starts.append(n)
+            n += p.numel()
+        self.numel = n
+        self.padded = -(-n // dp_size) * dp_size
+        self.padding = self.padded - n
+        self.shard_size = self.padded // dp_size
+        self.own_lo, self.own_hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        self.persistent = persistent
+        self.external = external
+        self.kind = kind
+        self.full: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        self.gather_handle: Handle | None = None
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.reduce_handle: Handle | None = None
+        self.pending: set[int] = set()
+        self.reduced = False
+
+    def attach(self) -> None:
+        """Point every parameter at its slice of the gathered buffer."""
+        assert self.full is not None
+        for p, s, shape in zip(self.params, self.starts, self.shapes):
+            p.data = self.full[s:s + shape.numel()].view(shape)
+
+
+class Stage3Params:
+    """Sharded parameters of one model chunk, with the hooks that gather and release them."""
+
+    def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Any, grad_dtype: torch.dtype,
+                 kinds: dict[int, str]) -> None:
+        self.zero = zero
+        self.dp = comms.dp
+        self.grad_dtype = grad_dtype
+        self.overlap = zero.overlap_comm
+        first = next(chunk.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.offload = zero.offload_param.enabled
+        self.units: list[Unit] = []
+        self.unit_of_module: dict[nn.Module, Unit] = {}
+        self.unit_of_param: dict[int, Unit] = {}
+        externals: list[nn.Parameter] = []
+        for module in chunk.modules():
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            ext = [p for p in own if getattr(p, "shared_embedding", False)
+                   or getattr(p, "zero_external", False)]
+            externals += ext
+            own = [p for p in own if p not in ext]
+            if own:
+                self.unit_of_module[module] = self._add_unit(own, kinds, external=False)
+        self.external_units = [self._add_unit([p], kinds, external=True) for p in externals]
+        self.order: list[Unit] = []
+        self._pos: dict[Unit, int] = {}
+        self.recording = True
+        self.live = 0
+        self._in_forward = 0
+        for module in self.unit_of_module:
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
+        chunk.register_forward_pre_hook(self._root_pre_forward)
+        chunk.register_forward_hook(self._root_post_forward)
+        self.padding = sum(u.padding for u in self.units)
+
+    def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], external: bool
+                  ) -> Unit:
+        n = sum(p.numel() for p in params)
+        kind = next((kinds[id(p)] for p in params if id(p) in kinds), None)
+        u = Unit(len(self.units), params, self.dp.size, self.dp.rank,
+                 n < self.zero.stage3_param_persistence_threshold, external, kind)
+        flat = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+        for p, s in zip(params, u.starts):
+            flat[s:s + p.numel()].copy_(p.data.reshape(-1))
+        shard = flat[u.own_lo:u.own_hi]
+        if u.persistent:
+            u.full, u.shard = flat, shard
+            u.attach()
+        else:
+            pin = self.offload and torch.cuda.is_available() and self.zero.offload_param.pin_memory
+            host = torch.device("cpu") if self.offload else self.device
+            u.shard = torch.empty(u.shard_size, dtype=self.dtype, device=host, pin_memory=pin)
+            u.shard.copy_(shard)
+            for p in params:
+                p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        u.grad_shard = torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device)
+        u.pending = {id(p) for p in params}
+        self.units.append(u)
+        for p in params:
+            self.unit_of_param[id(p)] = u
+        return u
+
+    # --- gather / release ---------------------------------------------------------------------
+
+    def _gather(self, u: Unit, async_op: bool) -> None:
+        if u.full is not None or u.gather_handle is not None:
+            return
+        src = u.shard.to(self.device, non_blocking=True)
+        u.full = torch.empty(u.padded, dtype=self.dtype, device=self.device)
+        u.gather_handle = self.dp.all_gather(u.full, src, async_op=async_op)
+        self.live += u.padded
+
+    def _ensure(self, u: Unit) -> None:
+        self._gather(u, async_op=False)
+        if u.gather_handle is not None:
+            u.gather_handle.wait()
+            u.gather_handle = None
+            u.attach()
+
+    def _release(self, u: Unit) -> None:
+        if u.persistent or u.full is None:
+            return
+        if u.gather_handle is not None:
+            u.gather_handle.wait()
+            u.gather_handle = None
+        for p in u.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        u.full = None
+        self.live -= u.padded
+
+    def _prefetch(self, pos: int, direction: int) -> None:
+        budget = self.zero.stage3_prefetch_bucket_size
+        i = pos + direction
+        while 0 <= i < len(self.order) and budget > 0:
+            u = self.order[i]
+            if u.full is None and not u.persistent:
+                if self.live + u.padded > self.zero.stage3_max_live_parameters:
+                    break
+                self._gather(u, async_op=True)
+                budget -= u.padded
+            i += direction
+
+    def _reuse_distance(self, u: Unit) -> float:
+        """Elements gathered between this unit's forward and its backward (rest of the forward
+        and the start of the backward both touch every later unit)."""
+        if self.recording or u not in self._pos:
+            return float("inf")
+        return 2 * sum(v.padded for v in self.order[self._pos[u] + 1:])
+
+    # --- hooks --------------------------------------------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._in_forward += 1
+        for u in self.external_units:
+            self._ensure(u)
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self._in_forward -= 1
+        if self.recording and self.order:
+            self.recording = False
+            self._pos = {u: i for i, u in enumerate(self.order)}
+        for u in self.external_units:
+            self._release(u)
+        if torch.is_grad_enabled() and self.external_units:
+            return _wrap(output, lambda: [self._ensure(u) for u in self.external_units])
+        return None
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        u = self.unit_of_module[module]
+        if self.recording and u not in self.order:
+            self.order.append(u)
+        self._ensure(u)
+        if not self.recording and u in self._pos:
+            self._prefetch(self._pos[u], +1)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        u = self.unit_of_module[module]
+        keep = (self._reuse_distance(u) < self.zero.stage3_max_reuse_distance
+                and self.live <= self.zero.stage3_max_live_parameters)
+        if not keep or not torch.is_grad_enabled():
+            self._release(u)
+        if torch.is_grad_enabled():
+            return _wrap(output, lambda: self._pre_backward(u))
+        return None
+
+    def _pre_backward(self, u: Unit) -> None:
+        self._ensure(u)
+        if not self.recording and u in self._pos:
+            self._prefetch(self._pos[u], -1)
+
+    # --- gradients ----------------------------------------------------------------------------
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for u in self.units for p in u.params]
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard.zero_()
+            u.grad_full = None
+            u.reduce_handle = None
+            u.reduced = False
+            u.pending = {id(p) for p in u.params}
+            for p in u.params:
+                p.grad = None
+
+    def _absorb(self, u: Unit) -> None:
+        if u.grad_full is None:
+            u.grad_full = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
+        for p, s, shape in zip(u.params, u.starts, u.shapes):
+            if p.grad is not None:
+                u.grad_full[s:s + shape.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+
+    def grad_accumulated(self, param: nn.Parameter) -> None:
+        """Inside ``no_sync``: keep the gradient, release the parameters once all arrived."""
+        u = self.unit_of_param[id(param)]
+        u.pending.discard(id(param))
+        if not u.pending:
+            u.pending = {id(p) for p in u.params}
+            self._release(u)
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        u = self.unit_of_param[id(param)]
+        if u.reduced:
+            raise RuntimeError("a gradient arrived after its unit was already reduced this "
+                               "step; run earlier micro-batches inside engine.no_sync()")
+        u.pending.discard(id(param))
+        if u.pending:
+            return
+        self._absorb(u)
+        self._release(u)
+        if u.kind is None:
+            self._reduce(u, async_op=self.overlap)
+
+    def _reduce(self, u: Unit, async_op: bool) -> None:
+        u.reduced = True
+        if u.grad_full is None:
+            u.grad_full = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
+        if self.dp.size > 1:
+            u.grad_full.div_(self.dp.size)
+        h = self.dp.reduce_scatter(u.grad_shard, u.grad_full, async_op=async_op)
+        u.reduce_handle = Handle(h, lambda: setattr(u, "grad_full", None))
+        if not async_op:
+            u.reduce_handle.wait()
+
+    def flush(self) -> None:
+        for u in self.units:
+            if u.reduced or u.kind is not None:
+                continue
+            self._absorb(u)
+            self._release(u)
+            self._reduce(u, async_op=self.overlap)
+
+    def wait(self) -> None:
+        for u in self.units:
+            if u.reduce_handle is not None:
+                u.reduce_handle.wait()
+
+    def absorb_deferred(self) -> None:
+        for u in self.units:
+            if u.kind is not None and not u.reduced:
+                self._absorb(u)
+                self._release(u)
+
+    def deferred_grads(self, kind: str) -> list[torch.Tensor]:
+        return [u.grad_full for u in self.units if u.kind == kind and not u.reduced]
+
+    def reduce_deferred(self) -> None:
+        for u in self.units:
+            if u.kind is not None and not u.reduced:
+                self._reduce(u, async_op=False)
+
+    def unused_params(self) -> list[nn.Parameter]:
+        return [p for u in self.units if not u.reduced for p in u.params
+                if id(p) in u.pending and p.grad is None]
+
+    # --- optimizer side -----------------------------------------------------------------------
+
+    def pieces(self) -> list[Piece]:
+        out = []
+        for u in self.units:
+            for p, s, shape in zip(u.params, u.starts, u.shapes):
+                lo, hi = max(s, u.own_lo), min(s + shape.numel(), u.own_hi)
+                if lo < hi:
+                    a, b = lo - u.own_lo, hi - u.own_lo
+                    out.append(Piece(p, u.shard[a:b], u.grad_shard[a:b], ndim=len(shape)))
+        return out
+
+    def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
+        """Persistent units hold full parameters: refresh them from the updated shards."""
+        for u in self.units:
+            if u.persistent and self.dp.size > 1:
+                self.dp.all_gather(u.full, u.shard.clone(), chunk=chunk)
+
+    def held_params(self) -> dict[str, list[torch.Tensor]]:
+        shards = [u.shard for u in self.units if not u.persistent]
+        full = [u.full for u in self.units if u.full is not None]
+        if self.offload:
+            return {"device": full, "offload": shards}
+        return {"device": full + shards}
+
+    def held_grads(self) -> list[torch.Tensor]:
+        out = [u.grad_shard for u in self.units]
+        out += [u.grad_full for u in self.units if u.grad_full is not None]
+        out += [p.grad for u in self.units for p in u.params if p.grad is not None]
+        return out
+
+    def gathered_state(self) -> dict[int, torch.Tensor]:
+        """Full copies of every parameter (collective over dp), keyed by ``id(param)``."""
+        out = {}
+        for u in self.units:
+            was = u.full is not None
+            self._ensure(u)
+            for p in u.params:
+                out[id(p)] = p.detach().clone()
+            if not was:
+                self._release(u)
+        return out
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward runs ``callback`` first (gathers a unit before its backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.callback = callback
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.callback()
+        return None, grad
+
+
+def _wrap(output: Any, callback: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return _PreBackward.apply(callback, output) if output.requires_grad else output
+    if isinstance(output, tuple):
+        return tuple(_wrap(o, callback) for o in output)
+    if isinstance(output, list):
+        return [_wrap(o, callback) for o in output]
+    if isinstance(output, dict):
+        return {k: _wrap(v, callback) for k, v in output.items()}
+    return output
