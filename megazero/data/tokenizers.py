@@ -1,0 +1,159 @@
+"""Tokenizers behind one small interface, plus SentencePiece training.
+
+Every tokenizer has ``vocab_size``, ``eod`` (the end-of-document id appended between documents),
+``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``. Type names follow Megatron's
+``--tokenizer-type`` values.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from megazero.data.gpt2_bpe import GPT2BPETokenizer
+
+__all__ = [
+    "Tokenizer",
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "NullTokenizer",
+    "build_tokenizer",
+    "train_sentencepiece",
+    "TOKENIZER_TYPES",
+]
+
+
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eod(self) -> int: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model; the end-of-document token is the model's ``</s>`` (eos) piece."""
+
+    def __init__(self, model_file: str) -> None:
+        import sentencepiece as spm
+
+        if not os.path.isfile(model_file):
+            raise FileNotFoundError(f"SentencePiece model file {model_file!r} not found "
+                                    "(pass --tokenizer-model PATH.model)")
+        self.model_file = model_file
+        self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        eos = self._sp.eos_id()
+        if eos < 0:
+            raise ValueError(f"SentencePiece model {model_file!r} has no eos piece to use as the "
+                             "end-of-document token; train it with eos_id >= 0")
+        self._eod = int(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.vocab_size())
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._sp.encode(text, out_type=int))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class NullTokenizer:
+    """Megatron's tokenizer for mock data: text is whitespace-separated integer ids.
+
+    The last id, ``vocab_size - 1``, is the end-of-document token.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"NullTokenizer needs vocab_size >= 2, got {vocab_size}")
+        self._vocab_size = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._vocab_size - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = [int(t) for t in text.split()]
+        for i in ids:
+            if not 0 <= i < self._vocab_size:
+                raise ValueError(f"token id {i} outside vocabulary of {self._vocab_size}")
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+
+
+def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
+                    vocab_file: str | None = None, merge_file: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
+    """Build a tokenizer from Megatron-style arguments; errors name the missing flag."""
+    if tokenizer_type == "SentencePieceTokenizer":
+        if not tokenizer_model:
+            raise ValueError("SentencePieceTokenizer needs --tokenizer-model")
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not vocab_file or not merge_file:
+            raise ValueError("GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file "
+                             "(merges.txt)")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of {TOKENIZER_TYPES}")
+
+
+def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,
+                        model_type: str = "bpe", character_coverage: float = 1.0,
+                        max_sentence_length: int = 16384, num_threads: int = 1,
+                        seed_sentencepiece_size: int = 100_000) -> str:
+    """Train a SentencePiece model on an iterable of documents; returns the ``.model`` path.
+
+    Documents are written one line each to a temporary file (SentencePiece trains on lines);
+    newlines inside a document become spaces. Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>`` (the
+    end-of-document token), no padding id. ``byte_fallback`` keeps every byte encodable.
+    """
+    import sentencepiece as spm
+
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    fd, tmp_path = tempfile.mkstemp(prefix="spm-train-", suffix=".txt")
+    n_lines = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for text in texts:
+                line = " ".join(text.split())
+                if line:
+                    f.write(line + "\n")
+                    n_lines += 1
+        if n_lines == 0:
+            raise ValueError("cannot train a tokenizer on an empty corpus (no non-blank text)")
+        spm.SentencePieceTrainer.train(
+            input=tmp_path, model_prefix=model_prefix, vocab_size=vocab_size,
+            model_type=model_type, character_coverage=character_coverage,
+            byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            max_sentence_length=max_sentence_length, num_threads=num_threads,
+            seed_sentencepiece_size=seed_sentencepiece_size, hard_vocab_limit=True,
+            minloglevel=2,
+        )
+    finally:
+        os.remove(tmp_path)
+    return model_prefix + ".model"

@@ -1,0 +1,67 @@
+"""Train a SentencePiece BPE tokenizer on raw text, for ``--tokenizer-type SentencePieceTokenizer``.
+
+Example::
+
+    python tools/train_tokenizer.py --input corpus.jsonl --output-prefix tok --vocab-size 32000
+
+writes ``tok.model`` and ``tok.vocab``. Inputs are read like ``tools/preprocess_data.py`` reads
+them (JSON lines with ``--json-keys``, plain text files, directories).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megazero.data.preprocess import (  # noqa: E402
+    TEXT_MODES,
+    PreprocessError,
+    iter_records,
+    list_input_files,
+    record_texts,
+)
+from megazero.data.tokenizers import train_sentencepiece  # noqa: E402
+
+
+def iter_texts(inputs: Sequence[str], json_keys: Sequence[str], text_mode: str,
+               max_documents: int | None) -> Iterator[str]:
+    """Document texts from the inputs; invalid records raise with their file and line."""
+    n = 0
+    for rec in iter_records(list_input_files(inputs), text_mode):
+        yield from record_texts(rec, json_keys).values()
+        n += 1
+        if max_documents is not None and n >= max_documents:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, nargs="+")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--text-mode", choices=TEXT_MODES, default="file")
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--character-coverage", type=float, default=1.0)
+    p.add_argument("--max-documents", type=int, default=None,
+                   help="train on the first N documents only")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args(argv)
+    try:
+        model = train_sentencepiece(
+            iter_texts(args.input, args.json_keys, args.text_mode, args.max_documents),
+            args.output_prefix, args.vocab_size, model_type=args.model_type,
+            character_coverage=args.character_coverage, num_threads=args.threads)
+    except (PreprocessError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {model}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
