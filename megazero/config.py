@@ -42,6 +42,8 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
     use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
+    group_query_attention: bool = False  # Megatron's switch; the group count is num_query_groups
+    model_preset: str | None = None  # "gpt2" / "llama": the preset the fields were started from
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -62,6 +64,9 @@ class ModelConfig:
                f"learned_absolute or rope")
         _check(self.normalization in ("LayerNorm", "RMSNorm"),
                f"--normalization {self.normalization!r}: expected LayerNorm or RMSNorm")
+        _check(not self.group_query_attention or self.num_query_groups is not None,
+               "--group-query-attention needs --num-query-groups N (the number of key/value "
+               "heads)")
         _check(self.max_positions >= self.seq_length,
                f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
                f"--seq-length {self.seq_length}")
@@ -110,10 +115,25 @@ class ParallelConfig:
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
     distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+    world_size: int | None = None  # all ranks; None when the config is built without a launcher
 
     def __post_init__(self) -> None:
         _check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
                "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+        if self.world_size is not None:
+            mp = self.tp * self.pp
+            _check(self.world_size >= 1 and self.world_size % mp == 0,
+                   f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
+                   f"{self.tp} x --pipeline-model-parallel-size {self.pp} = {mp}; launch a "
+                   f"multiple of {mp} processes or choose TP/PP sizes whose product divides "
+                   f"{self.world_size}")
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            _check(self.num_layers_per_virtual_pipeline_stage >= 1,
+                   f"--num-layers-per-virtual-pipeline-stage must be >= 1, got "
+                   f"{self.num_layers_per_virtual_pipeline_stage}")
+            _check(self.pp > 1,
+                   "--num-layers-per-virtual-pipeline-stage (interleaved schedule) needs "
+                   "--pipeline-model-parallel-size > 1; drop it or use more pipeline stages")
         _check(self.recompute_granularity in (None, "full", "selective"),
                f"--recompute-granularity {self.recompute_granularity!r}: expected full or "
                f"selective")
@@ -130,6 +150,13 @@ class ParallelConfig:
     @property
     def pp(self) -> int:
         return self.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: world_size / (tp * pp); TP and PP ranks are not replicas."""
+        _check(self.world_size is not None, "the data-parallel size needs the world size; build "
+               "the config with load_config(argv, world_size)")
+        return self.world_size // (self.tp * self.pp)
 
 
 @dataclass(frozen=True)
@@ -171,6 +198,11 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         _check(self.stage in (0, 1, 2, 3),
                f"zero_optimization.stage: got {self.stage!r}, expected one of 0, 1, 2, 3")
+        for name in ("allgather_bucket_size", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                     "stage3_max_reuse_distance", "sub_group_size"):
+            _check(getattr(self, name) >= 0, f"zero_optimization.{name}: got "
+                   f"{getattr(self, name)}, expected an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -190,6 +222,14 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         _check(not (self.fp16 and self.bf16),
                "fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        _check(self.loss_scale >= 0, f"fp16.loss_scale (--loss-scale): got {self.loss_scale}, "
+               f"expected 0 (dynamic) or a positive static scale")
+        _check(self.hysteresis >= 1 and self.loss_scale_window >= 1,
+               f"fp16.hysteresis ({self.hysteresis}) and fp16.loss_scale_window "
+               f"({self.loss_scale_window}) must be >= 1")
+        _check(self.communication_data_type in (None, "fp32", "fp16", "bf16"),
+               f"communication_data_type: got {self.communication_data_type!r}, expected fp32, "
+               f"fp16 or bf16")
 
     @property
     def params_dtype(self):
@@ -251,6 +291,7 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     tensorboard_job_name: str | None = None
     wall_clock_breakdown: bool = False
+    steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
     wandb: dict = field(default_factory=dict)
     csv_monitor: dict = field(default_factory=dict)
 
@@ -276,3 +317,73 @@ class MegazeroConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    deepspeed: bool = False  # Megatron-DeepSpeed's --deepspeed switch; accepted, has no effect
+    deepspeed_config: str | None = None  # path of the DeepSpeed JSON config, if one was given
+    ds_config: dict = field(default_factory=dict)  # that JSON, checked, with "auto" filled in
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def vpp(self) -> int | None:
+        """Virtual pipeline chunks per stage (interleaved 1F1B), or None without interleaving."""
+        per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return None
+        return self.model.num_layers // self.parallel.pp // per_chunk
+
+    def layout(self):
+        """The :class:`~megazero.topology.ParallelLayout` of this run (needs the world size)."""
+        from megazero.topology import ParallelLayout
+
+        _check(self.parallel.world_size is not None, "the layout needs the world size; build the "
+               "config with load_config(argv, world_size)")
+        return ParallelLayout(self.parallel.world_size, self.parallel.tp, self.parallel.pp,
+                              self.vpp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: MegazeroConfig) -> None:
+    """Checks that involve more than one sub-config; each message names the numbers and the fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp = p.tp, p.pp
+    _check(m.num_attention_heads % tp == 0,
+           f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+           f"--tensor-model-parallel-size {tp}; use a TP size that divides the heads "
+           f"({_divisors(m.num_attention_heads)}) or a multiple of {tp} heads")
+    _check(m.query_groups % tp == 0,
+           f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size "
+           f"{tp}; each TP rank needs whole key/value groups: use a TP size in "
+           f"{_divisors(m.query_groups)} or a multiple of {tp} groups")
+    if p.sequence_parallel:
+        _check(m.seq_length % tp == 0,
+               f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size "
+               f"{tp}, which --sequence-parallel needs (the sequence is split across TP ranks); "
+               f"use a multiple of {tp}")
+    _check(m.num_layers % pp == 0,
+           f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
+           f"{pp}; use a multiple of {pp} layers or a PP size in {_divisors(m.num_layers)}")
+    per_chunk = p.num_layers_per_virtual_pipeline_stage
+    if per_chunk is not None:
+        _check(m.num_layers % (pp * per_chunk) == 0,
+               f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
+               f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk} = {pp * per_chunk}; "
+               f"use a multiple of {pp * per_chunk} layers or layers-per-virtual-stage in "
+               f"{_divisors(m.num_layers // pp) if m.num_layers % pp == 0 else []}")
+    if p.recompute_num_layers is not None and p.recompute_granularity == "full":
+        _check(p.recompute_num_layers >= 1,
+               f"--recompute-num-layers must be >= 1, got {p.recompute_num_layers}")
+    _check(t.micro_batch_size >= 1, f"--micro-batch-size (train_micro_batch_size_per_gpu) must "
+           f"be >= 1, got {t.micro_batch_size}")
+    if p.world_size is not None and None not in (t.global_batch_size,
+                                                 t.gradient_accumulation_steps):
+        dp = p.dp
+        want = t.micro_batch_size * t.gradient_accumulation_steps * dp
+        _check(t.global_batch_size == want,
+               f"batch sizes do not add up: train_batch_size {t.global_batch_size} != "
+               f"train_micro_batch_size_per_gpu {t.micro_batch_size} x "
+               f"gradient_accumulation_steps {t.gradient_accumulation_steps} x dp_size {dp} "
+               f"= {want}; set train_batch_size to {want}")

@@ -1,0 +1,227 @@
+"""Megatron-style command line + DeepSpeed JSON config -> one validated :class:`MegazeroConfig`.
+
+``load_config(argv, world_size)`` is the one entry point. Every flag in :data:`FLAGS` fills one
+dataclass field; every JSON key is described in :data:`megazero.ds_config.DS_CONFIG_KEYS`. A flag
+given on the command line and a JSON value for the same field must agree; ``"auto"`` in the JSON
+takes the flag's value (or the default). The merge itself is :mod:`megazero.ds_merge`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from megazero.config import ConfigError, MegazeroConfig
+from megazero.ds_json import load_ds_json
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of exiting, so callers and tests see the message."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"command line: {message}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line option: its spellings, the field it fills and argparse settings."""
+
+    names: tuple[str, ...]
+    field: str
+    kwargs: dict[str, Any]
+    convert: Callable[[Any], Any] | None = None  # command-line value -> field value
+
+
+def _initial_loss_scale_power(value: float) -> int:
+    """Megatron's --initial-loss-scale is a scale; DeepSpeed stores its power of two."""
+    power = math.log2(value) if value > 0 else -1.0
+    if not power.is_integer() or power < 0:
+        raise ConfigError(f"--initial-loss-scale {value}: expected a power of two such as 65536 "
+                          f"(2**16) or 4294967296 (2**32); it sets fp16.initial_scale_power")
+    return int(power)
+
+
+def _f(names: str, field: str, convert: Callable[[Any], Any] | None = None, **kw: Any) -> Flag:
+    return Flag(tuple(names.split()), field, kw, convert)
+
+
+_I, _FL = {"type": int}, {"type": float}
+_ON = {"action": "store_true"}
+
+FLAGS: tuple[Flag, ...] = (
+    # parallelism
+    _f("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size", **_I),
+    _f("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size", **_I),
+    _f("--num-layers-per-virtual-pipeline-stage",
+       "parallel.num_layers_per_virtual_pipeline_stage", **_I),
+    _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
+    _f("--recompute-granularity", "parallel.recompute_granularity", choices=("full", "selective")),
+    _f("--recompute-method", "parallel.recompute_method", choices=("uniform", "block")),
+    _f("--recompute-num-layers", "parallel.recompute_num_layers", **_I),
+    _f("--distributed-backend", "parallel.distributed_backend", choices=("nccl", "gloo")),
+    # model
+    _f("--model-preset", "model.model_preset", choices=("gpt2", "llama")),
+    _f("--num-layers", "model.num_layers", **_I),
+    _f("--hidden-size", "model.hidden_size", **_I),
+    _f("--num-attention-heads", "model.num_attention_heads", **_I),
+    _f("--group-query-attention", "model.group_query_attention", **_ON),
+    _f("--num-query-groups", "model.num_query_groups", **_I),
+    _f("--ffn-hidden-size", "model.ffn_hidden_size", **_I),
+    _f("--seq-length", "model.seq_length", **_I),
+    _f("--max-position-embeddings", "model.max_position_embeddings", **_I),
+    _f("--position-embedding-type", "model.position_embedding_type",
+       choices=("learned_absolute", "rope")),
+    _f("--rotary-base", "model.rotary_base", **_FL),
+    _f("--normalization", "model.normalization", choices=("LayerNorm", "RMSNorm")),
+    _f("--norm-epsilon", "model.norm_epsilon", **_FL),
+    _f("--swiglu", "model.swiglu", **_ON),
+    _f("--disable-bias-linear", "model.add_bias_linear", lambda v: not v, **_ON),
+    _f("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights",
+       **_ON),
+    _f("--attention-dropout", "model.attention_dropout", **_FL),
+    _f("--hidden-dropout", "model.hidden_dropout", **_FL),
+    _f("--init-method-std", "model.init_method_std", **_FL),
+    _f("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", **_I),
+    _f("--vocab-size", "model.vocab_size", **_I),
+    _f("--use-flash-attn", "model.use_flash_attn", dest="use_flash_attn", **_ON),
+    _f("--no-flash-attn", "model.use_flash_attn", dest="use_flash_attn", action="store_false"),
+    # batch and training length
+    _f("--micro-batch-size", "train.micro_batch_size", **_I),
+    _f("--global-batch-size", "train.global_batch_size", **_I),
+    _f("--train-iters", "train.train_iters", **_I),
+    _f("--train-samples", "train.train_samples", **_I),
+    _f("--seed", "train.seed", **_I),
+    _f("--eval-interval", "train.eval_interval", **_I),
+    _f("--eval-iters", "train.eval_iters", **_I),
+    _f("--exit-interval", "train.exit_interval", **_I),
+    _f("--exit-duration-in-mins", "train.exit_duration_in_mins", **_FL),
+    # optimizer and learning rate
+    _f("--lr", "optimizer.lr", **_FL),
+    _f("--min-lr", "optimizer.min_lr", **_FL),
+    _f("--lr-decay-style", "optimizer.lr_decay_style", choices=("constant", "linear", "cosine")),
+    _f("--lr-warmup-iters", "optimizer.lr_warmup_iters", **_I),
+    _f("--lr-decay-iters", "optimizer.lr_decay_iters", **_I),
+    _f("--weight-decay", "optimizer.weight_decay", **_FL),
+    _f("--adam-beta1", "optimizer.adam_beta1", **_FL),
+    _f("--adam-beta2", "optimizer.adam_beta2", **_FL),
+    _f("--adam-eps", "optimizer.adam_eps", **_FL),
+    _f("--clip-grad", "optimizer.clip_grad", **_FL),
+    # mixed precision
+    _f("--fp16", "precision.fp16", **_ON),
+    _f("--bf16", "precision.bf16", **_ON),
+    _f("--loss-scale", "precision.loss_scale", **_FL),
+    _f("--initial-loss-scale", "precision.initial_scale_power", _initial_loss_scale_power, **_FL),
+    _f("--min-loss-scale", "precision.min_loss_scale", **_FL),
+    _f("--loss-scale-window", "precision.loss_scale_window", **_I),
+    _f("--hysteresis", "precision.hysteresis", **_I),
+    # ZeRO and the DeepSpeed config
+    _f("--zero-stage", "zero.stage", type=int, choices=(0, 1, 2, 3)),
+    _f("--deepspeed_config --deepspeed-config", "deepspeed_config", dest="deepspeed_config"),
+    _f("--deepspeed", "deepspeed", **_ON),
+    # data
+    _f("--data-path", "data.data_path", tuple, nargs="+"),
+    _f("--split", "data.split"),
+    _f("--mock-data", "data.mock_data", **_ON),
+    _f("--tokenizer-type", "data.tokenizer_type"),
+    _f("--tokenizer-model", "data.tokenizer_model"),
+    _f("--vocab-file", "data.vocab_file"),
+    _f("--merge-file", "data.merge_file"),
+    _f("--data-cache-path", "data.data_cache_path"),
+    # checkpoints
+    _f("--save", "checkpoint.save"),
+    _f("--load", "checkpoint.load"),
+    _f("--save-interval", "checkpoint.save_interval", **_I),
+    _f("--no-load-optim", "checkpoint.no_load_optim", **_ON),
+    _f("--no-load-rng", "checkpoint.no_load_rng", **_ON),
+    _f("--finetune", "checkpoint.finetune", **_ON),
+    # logging
+    _f("--log-interval", "logging.log_interval", **_I),
+    _f("--tensorboard-dir", "logging.tensorboard_dir"),
+)
+
+
+def field_default(path: str) -> Any:
+    """The dataclass default of a dotted MegazeroConfig field path such as ``zero.stage``."""
+    cls: Any = MegazeroConfig
+    default: Any = None
+    for part in path.split("."):
+        f = {f.name: f for f in fields(cls)}[part]
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
+        cls = type(default)
+    return default
+
+
+def _dest(flag: Flag) -> str:
+    return flag.kwargs.get("dest") or flag.names[0].lstrip("-").replace("-", "_")
+
+
+def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
+    """The command-line parser. With ``explicit_only`` every default is suppressed, so the
+    namespace holds exactly the flags that were typed (used to detect flag-vs-JSON conflicts)."""
+    parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False,
+                     description="Pretrain a GPT model (Megatron flags, DeepSpeed JSON config).")
+    for flag in FLAGS:
+        kw = dict(flag.kwargs)
+        if explicit_only:
+            kw["default"] = argparse.SUPPRESS
+        elif flag.convert is None and "dest" not in kw:
+            kw["default"] = field_default(flag.field)
+        kw.setdefault("help", f"sets {flag.field}")
+        parser.add_argument(*flag.names, **kw)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Only the flags given in ``argv``; an unknown flag is an error with the closest match."""
+    parser = build_parser(explicit_only=True)
+    args, unknown = parser.parse_known_args(list(argv or []))
+    for token in unknown:
+        known = [name for flag in FLAGS for name in flag.names]
+        close = difflib.get_close_matches(token.split("=")[0], known, n=1, cutoff=0.6)
+        raise ConfigError(f"command line: unknown argument {token!r}"
+                          + (f"; did you mean {close[0]}?" if close else "; see --help"))
+    return args
+
+
+def flag_values(args: argparse.Namespace | dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """field path -> (the flag as typed, the field value) for each flag in ``args``."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    out: dict[str, tuple[str, Any]] = {}
+    for flag in FLAGS:
+        dest, action = _dest(flag), flag.kwargs.get("action")
+        if dest not in given:
+            continue
+        value = given[dest]
+        if action in ("store_true", "store_false") and (action == "store_true") != bool(value):
+            continue  # --no-flash-attn and --use-flash-attn share a dest: name the one typed
+        out[flag.field] = (flag.names[0], flag.convert(value) if flag.convert else value)
+    return out
+
+
+def load_config(argv: Sequence[str] | None, world_size: int,
+                ds_config: dict[str, Any] | None = None) -> MegazeroConfig:
+    """Parse ``argv``, read ``--deepspeed_config`` (or take ``ds_config``), merge, validate.
+
+    ``world_size`` is the number of processes (``torchrun``'s WORLD_SIZE); the data-parallel
+    size is ``world_size / (tp * pp)``.
+    """
+    args = parse_args(argv)
+    path = getattr(args, "deepspeed_config", None)
+    if path is not None and ds_config is not None:
+        raise ConfigError("give the DeepSpeed config either as --deepspeed_config or as a dict, "
+                          "not both")
+    if path is not None:
+        ds_config = load_ds_json(path)
+    return config_from_dict(ds_config, args, world_size)
+
+
+def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
+                     world_size: int) -> MegazeroConfig:
+    """See :func:`megazero.ds_merge.config_from_dict` (``args``: only the flags typed)."""
+    from megazero.ds_merge import config_from_dict as merge
+
+    return merge(ds, args, world_size)

@@ -1,0 +1,285 @@
+"""Merging command-line flags and a DeepSpeed JSON config into one :class:`MegazeroConfig`.
+
+Rules, in order:
+
+1. Every JSON key is checked against :data:`~megazero.ds_config.DS_CONFIG_KEYS` (unknown key,
+   wrong type: error; known but not implemented: one warning per key).
+2. A flag typed on the command line and a JSON value (not ``"auto"``) for the same field must
+   agree; two JSON keys for one field (``optimizer.params.lr`` and
+   ``scheduler.params.warmup_max_lr``) must agree too. ``"auto"`` and absent keys take the flag,
+   else the dataclass default.
+3. The batch triad ``train_batch_size = micro x gradient_accumulation_steps x dp_size`` is derived
+   or checked, with ``dp_size = world_size / (tp * pp)``.
+4. The dataclasses are built (each validates itself, :func:`megazero.config.validate` checks
+   across them) and ``MegazeroConfig.ds_config`` keeps the JSON with every ``"auto"`` filled in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import json
+import math
+import warnings
+from dataclasses import replace
+from typing import Any
+
+from megazero.arguments import flag_values
+from megazero.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    MegazeroConfig,
+    ModelConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    ZeroConfig,
+)
+from megazero.ds_config import (
+    DS_CONFIG_KEYS,
+    OPTIMIZER_TYPES,
+    SCHEDULER_TYPES,
+    check_ds_config,
+    get_path,
+    json_field_values,
+)
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+             "precision": PrecisionConfig, "data": DataConfig, "train": TrainConfig,
+             "logging": LoggingConfig, "checkpoint": CheckpointConfig}
+_MICRO, _GLOBAL, _GAS = ("train.micro_batch_size", "train.global_batch_size",
+                         "train.gradient_accumulation_steps")
+
+#: "auto" ZeRO-3 sizes that depend on the model, as Hugging Face's integration fills them.
+_AUTO_FROM_HIDDEN = {
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+class UnimplementedConfigWarning(UserWarning):
+    """A DeepSpeed config key megazero knows but does not act on yet."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float | int) and isinstance(b, float | int) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def _js(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool | int | float | str | None) else repr(value)
+
+
+def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]]) -> None:
+    """Keys whose meaning is more than "copy into a field": optimizer/scheduler type, monitors."""
+    opt_type = get_path(ds, "optimizer.type")
+    if opt_type is not None:
+        if opt_type.lower() not in OPTIMIZER_TYPES:
+            close = difflib.get_close_matches(opt_type, ["Adam", "AdamW"], n=1)
+            raise ConfigError(f"optimizer.type: got {opt_type!r}; megazero supports Adam and AdamW"
+                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false
+        w_mode = get_path(ds, "optimizer.params.adam_w_mode")
+        decoupled = opt_type.lower() == "adamw" or w_mode in (None, True, "auto")
+        found["optimizer.optimizer"] = [("optimizer.type", "adamw" if decoupled else "adam")]
+    sched = ds.get("scheduler")
+    found.pop("optimizer.scheduler_type", None)
+    if sched is not None:
+        kind = sched.get("type")
+        if kind not in SCHEDULER_TYPES:
+            close = difflib.get_close_matches(str(kind), list(SCHEDULER_TYPES), n=1)
+            raise ConfigError(f"scheduler.type: got {_js(kind)}, expected one of "
+                              f"{', '.join(SCHEDULER_TYPES)}"
+                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+        implemented, allowed, style = SCHEDULER_TYPES[kind]
+        for name in sched.get("params", {}):
+            if name not in allowed:
+                raise ConfigError(f"scheduler.params.{name} is not a parameter of {kind}; it "
+                                  f"takes {', '.join(allowed)}")
+        if implemented:
+            found["optimizer.scheduler_type"] = [("scheduler.type", kind)]
+            found["optimizer.lr_decay_style"] = [(f"scheduler.type {kind!r}", style)]
+    tb = ds.get("tensorboard")
+    if tb is not None and not tb.get("enabled", False):
+        found.pop("logging.tensorboard_dir", None)
+        found.pop("logging.tensorboard_job_name", None)
+    for block in ("wandb", "csv_monitor"):
+        if block in ds:
+            found[f"logging.{block}"] = [(block, dict(ds[block]))]
+
+
+def _merge(found: dict[str, list[tuple[str, Any]]], flags: dict[str, tuple[str, Any]]
+           ) -> dict[str, tuple[str, Any]]:
+    """field -> (source, value); raise on two sources that disagree."""
+    merged: dict[str, tuple[str, Any]] = {}
+    for field in {**found, **flags}:
+        sources = found.get(field, [])
+        for path, value in sources[1:]:
+            if not _same(value, sources[0][1]):
+                raise ConfigError(f"{sources[0][0]}: {_js(sources[0][1])} and {path}: "
+                                  f"{_js(value)} set the same thing differently; make them agree "
+                                  f"or write \"auto\" in one of them")
+        if field in flags:
+            flag, value = flags[field]
+            if sources and not _same(value, sources[0][1]):
+                shown = "" if isinstance(value, bool) else f" {_js(value)}"
+                raise ConfigError(f"{flag}{shown} on the command line conflicts with "
+                                  f"{sources[0][0]}: {_js(sources[0][1])} in the DeepSpeed "
+                                  f"config; remove one of them, make them agree, or write "
+                                  f"\"auto\" in the JSON to take the flag")
+            merged[field] = (flag, value)
+        else:
+            merged[field] = sources[0]
+    return merged
+
+
+def _batch_triad(merged: dict[str, tuple[str, Any]], dp: int, parallel: ParallelConfig
+                 ) -> tuple[int, int, int]:
+    """Derive the missing members of ``global = micro x grad_accum x dp`` and check the rest."""
+    micro, gbs, gas = (merged.get(k, (None, None))[1] for k in (_MICRO, _GLOBAL, _GAS))
+    where = (f"dp_size {dp} = world size {parallel.world_size} / (tp {parallel.tp} x pp "
+             f"{parallel.pp})")
+    if gbs is not None and micro is None and gas is None:
+        # DeepSpeed's rule for a lone train_batch_size is no accumulation; Megatron's for a lone
+        # --global-batch-size is micro-batch 1. Each tool's users expect their own.
+        if merged[_GLOBAL][0].startswith("--"):
+            micro = 1
+        else:
+            gas = 1
+    if gbs is None:
+        micro, gas = micro or 1, gas or 1
+        return micro, micro * gas * dp, gas
+    for name, value in (("train_batch_size", gbs), ("train_micro_batch_size_per_gpu", micro),
+                        ("gradient_accumulation_steps", gas)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}: got {value}, expected a positive integer")
+    if micro is not None and gas is not None:
+        want = micro * gas * dp
+        if gbs != want:
+            alt = (f" (or gradient_accumulation_steps to {gbs // (micro * dp)})"
+                   if gbs % (micro * dp) == 0 else "")
+            raise ConfigError(f"batch sizes do not add up: train_batch_size {gbs} != "
+                              f"train_micro_batch_size_per_gpu {micro} x "
+                              f"gradient_accumulation_steps {gas} x {where} = {want}; set "
+                              f"train_batch_size (--global-batch-size) to {want}{alt}")
+        return micro, gbs, gas
+    known, name = (micro, "train_micro_batch_size_per_gpu (--micro-batch-size)") \
+        if micro is not None else (gas, "gradient_accumulation_steps")
+    step = known * dp
+    if gbs % step:
+        lower, upper = max(step, gbs - gbs % step), gbs - gbs % step + step
+        raise ConfigError(f"train_batch_size (--global-batch-size) {gbs} is not divisible by "
+                          f"{name} {known} x {where} = {step}; use a multiple of {step} "
+                          f"(e.g. {lower} or {upper})")
+    return (micro, gbs, gbs // step) if micro is not None else (gbs // step, gbs, gas)
+
+
+def _section(name: str, merged: dict[str, tuple[str, Any]], **extra: Any) -> dict[str, Any]:
+    kw = {f.split(".", 1)[1]: v for f, (_, v) in merged.items()
+          if f.startswith(f"{name}.") and f.count(".") == 1}
+    kw.update(extra)
+    return kw
+
+
+def _fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dict[str, Any]:
+    """``ds`` with each ``"auto"`` replaced by the value the run will use."""
+    out: dict[str, Any] = {}
+    for name, value in ds.items():
+        path = f"{parent}.{name}" if parent else name
+        key = DS_CONFIG_KEYS[path]
+        if isinstance(value, dict) and key.kind == "block":
+            out[name] = _fill_auto(value, cfg, path)
+        elif value != "auto":
+            out[name] = value
+        elif isinstance(key.field, tuple):
+            out[name] = [_get(cfg, f) for f in key.field]
+        elif path == "scheduler.params.total_num_steps":
+            total = cfg.optimizer.lr_decay_iters or cfg.train.train_iters
+            if total is None:
+                raise ConfigError('scheduler.params.total_num_steps is "auto" but neither '
+                                  '--lr-decay-iters nor --train-iters is given; give one of them')
+            out[name] = total
+        elif path == "scheduler.params.cos_min_ratio":
+            out[name] = cfg.optimizer.min_lr / cfg.optimizer.lr if cfg.optimizer.lr else 0.0
+        elif path in ("scheduler.params.warmup_min_lr", "scheduler.params.warmup_min_ratio"):
+            out[name] = 0.0  # Megatron's warm-up starts from zero
+        elif path == "tensorboard.enabled":
+            out[name] = cfg.logging.tensorboard_dir is not None
+        elif key.field is not None:
+            out[name] = _get(cfg, key.field)
+        else:
+            out[name] = key.default
+    return out
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
+                     world_size: int) -> MegazeroConfig:
+    """Build the config from a DeepSpeed dict and the flags that were typed.
+
+    ``args`` must hold only the flags given on the command line (``parse_args(argv)``, or a dict
+    ``{"micro_batch_size": 4}`` keyed by argparse dest): a full namespace with defaults would make
+    every default look like a typed flag and conflict with the JSON.
+    """
+    ds_checked, todo = check_ds_config(ds or {})
+    for path in todo:
+        shown = get_path(ds_checked, path)
+        shown = "{...}" if isinstance(shown, dict) else _js(shown)
+        warnings.warn(f"DeepSpeed config key {path!r} (given {shown}) is accepted but has no "
+                      f"effect yet in megazero", UnimplementedConfigWarning, stacklevel=3)
+    kind = get_path(ds_checked, "scheduler.type")
+    if kind in SCHEDULER_TYPES and not SCHEDULER_TYPES[kind][0]:
+        warnings.warn(f"DeepSpeed config key 'scheduler.type' (given {kind!r}) is accepted but has "
+                      f"no effect yet in megazero: the learning rate follows --lr-decay-style",
+                      UnimplementedConfigWarning, stacklevel=3)
+    found = json_field_values(ds_checked)
+    _json_semantics(ds_checked, found)
+    merged = _merge(found, flag_values(args or {}))
+    if merged.get("precision.fp16", (0, False))[1] and merged.get("precision.bf16", (0, False))[1]:
+        raise ConfigError(f"fp16 and bf16 are both enabled ({merged['precision.fp16'][0]} and "
+                          f"{merged['precision.bf16'][0]}); enable at most one of them")
+
+    model_kw = _section("model", merged)
+    preset = model_kw.get("model_preset")
+    model = ModelConfig.preset(preset, **model_kw) if preset else ModelConfig(**model_kw)
+    parallel = ParallelConfig(**_section("parallel", merged, world_size=world_size))
+    if parallel.sequence_parallel and parallel.tp == 1:
+        warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                      "turning it off", UserWarning, stacklevel=2)
+        parallel = replace(parallel, sequence_parallel=False)
+    micro, gbs, gas = _batch_triad(merged, parallel.dp, parallel)
+    train = TrainConfig(**_section("train", merged, micro_batch_size=micro,
+                                   global_batch_size=gbs, gradient_accumulation_steps=gas))
+
+    zero_kw = _section("zero", merged)
+    for path, fn in _AUTO_FROM_HIDDEN.items():
+        if get_path(ds_checked, path) == "auto":
+            zero_kw[path.split(".")[-1]] = fn(model.hidden_size)
+    for block in ("offload_optimizer", "offload_param"):
+        sub = {f.rsplit(".", 1)[1]: v for f, (_, v) in merged.items()
+               if f.startswith(f"zero.{block}.")}
+        if sub:
+            zero_kw[block] = OffloadConfig(**sub)
+    top = {name: merged[name][1] for name in ("deepspeed", "deepspeed_config") if name in merged}
+    sections = {name: cls(**_section(name, merged)) for name, cls in _SECTIONS.items()
+                if name not in ("model", "parallel", "train")}
+    cfg = MegazeroConfig(model=model, parallel=parallel, train=train, zero=ZeroConfig(**zero_kw),
+                         **sections, **top)
+    filled = _fill_auto(copy.deepcopy(ds_checked), cfg)
+    optimizer = cfg.optimizer
+    if optimizer.scheduler_type is not None:
+        optimizer = replace(optimizer, scheduler_params=dict(filled["scheduler"].get("params", {})))
+    return replace(cfg, optimizer=optimizer, ds_config=filled)
