@@ -135,6 +135,7 @@ def _equivalence_world(rank, world_size):
                                         peak=stats["peak_inflight"],
                                         bytes=stats["peak_saved_bytes"],
                                         per_fwd=stats["saved_bytes_per_forward"],
+                                        held=stats["peak_output_elements"],
                                         pp_rank=topo.pp_rank))
     # forward-only: same losses, no grads, nothing kept
     topo = ParallelTopology.build(pp=4, vpp=2)
@@ -185,6 +186,11 @@ def test_pipeline_matches_single_process_model():
             assert first[(pp, 1, m, True)]["peak"] == pp
             per_fwd = first[(pp, 1, m, True)]["per_fwd"][0]
             assert first[(pp, 1, m, True)]["bytes"] == pp * per_fwd
+        # sent outputs are deallocated: after each exchange the kept outputs of the first
+        # stage hold one element each (the data went to the next stage)
+        for vpp in (1, 2):
+            r = first[(pp, vpp, 2 * pp, True)]
+            assert 0 < r["held"] <= r["peak"], r  # without deallocation: peak * s*b*h
         # interleaved with m = 2pp: 2(p-1) + (v-1)p + 1 chunk-forwards
         assert first[(pp, 2, 2 * pp, True)]["peak"] == 2 * (pp - 1) + pp + 1
 

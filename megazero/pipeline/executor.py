@@ -77,6 +77,7 @@ class _ActivationMeter:
         self.peak_inflight = 0
         self.peak_bytes = 0
         self.bytes_per_forward: list[int] = []
+        self.peak_output_elements = 0
         self._current: tuple[int, int] | None = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -97,6 +98,11 @@ class _ActivationMeter:
 
     def backward_done(self, key: tuple[int, int]) -> None:
         self.live.pop(key, None)
+
+    def held_outputs(self, outputs: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Elements still stored in kept forward outputs (deallocated ones hold one)."""
+        held = sum(o.numel() for o in outputs.values())
+        self.peak_output_elements = max(self.peak_output_elements, held)
 
 
 def _sync_objects(grad_sync: Any, num_chunks: int) -> list[Any] | None:
@@ -154,8 +160,8 @@ def forward_backward(
     object gets ``start_grad_sync()`` right after its chunk's last backward (so reduction of
     early-finished chunks overlaps with the rest of the cool-down), a single shared object once
     after the schedule. With ``finalize=True`` :func:`finalize_model_grads` runs at the end.
-    ``stats``, if given, receives ``peak_inflight``, ``peak_saved_bytes`` and
-    ``saved_bytes_per_forward`` (see :class:`_ActivationMeter`).
+    ``stats``, if given, receives ``peak_inflight``, ``peak_saved_bytes``,
+    ``saved_bytes_per_forward`` and ``peak_output_elements`` (see :class:`_ActivationMeter`).
     """
     vpp, pp, m = len(model_chunks), topo.pp_size, num_microbatches
     if vpp != (topo.vpp_size or 1):
@@ -248,6 +254,8 @@ def forward_backward(
                     sent = outgoing.pop(key)
                     if b.kind == "SEND_F" and not forward_only:
                         deallocate_output_tensor(sent)
+            if meter:
+                meter.held_outputs(outputs)
     assert not outputs and not inputs and not recv_act and not recv_grad, "schedule left work"
     if syncs and not isinstance(grad_sync, Sequence) and not forward_only:
         syncs[0].start_grad_sync()
@@ -255,7 +263,8 @@ def forward_backward(
         finalize_model_grads(model_chunks, topo, sequence_parallel=sequence_parallel)
     if stats is not None and meter is not None:
         stats.update(peak_inflight=meter.peak_inflight, peak_saved_bytes=meter.peak_bytes,
-                     saved_bytes_per_forward=list(meter.bytes_per_forward))
+                     saved_bytes_per_forward=list(meter.bytes_per_forward),
+                     peak_output_elements=meter.peak_output_elements)
     return _broadcast_losses(losses, topo, device)
 
 
