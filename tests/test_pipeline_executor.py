@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ConfigError
-from megazero.pipeline.executor import forward_backward
+from megazero.pipeline.executor import backward_step, deallocate_output_tensor, forward_backward
 from megazero.pipeline.grads import finalize_model_grads, sync_tied_embeddings
 from megazero.pipeline.partition import chunk_layer_ranges, chunk_roles
 from megazero.testing import run_distributed
@@ -144,6 +144,10 @@ def _equivalence_world(rank, world_size):
     losses = forward_backward(chunks, iter(batches), topo, 8, SEQ, MBS, HIDDEN, forward_only=True)
     fo = dict(err=max(abs(a - b) for a, b in zip(losses, reference(batches, True)[0])),
               grads=any(p.grad is not None for c in chunks for p in c.parameters()))
+    # one data iterator per chunk (Megatron's interleaved convention) gives the same losses
+    per_chunk_iters = forward_backward(chunks, [iter(batches), iter(batches)], topo, 8, SEQ,
+                                       MBS, HIDDEN, forward_only=True)
+    fo["per_chunk_iter_err"] = max(abs(a - b) for a, b in zip(per_chunk_iters, losses))
     # grad-sync hooks: per-chunk objects and a shared one
     per_chunk = [RecordingSync(), RecordingSync()]
     suspended = []
@@ -171,7 +175,7 @@ def test_pipeline_matches_single_process_model():
         assert len(results) == 16
         for r in results:
             assert r["err"] < 1e-5, (rank, r)
-        assert fo["err"] < 1e-5 and not fo["grads"]
+        assert fo["err"] < 1e-5 and not fo["grads"] and fo["per_chunk_iter_err"] == 0.0
         # each chunk: the last micro-batch's backward outside no_sync, then start_grad_sync
         assert hooks["per_chunk"] == [["start"], ["start"]]
         assert hooks["shared"] == ["start"]
@@ -216,3 +220,15 @@ def test_chunk_roles_and_bad_splits():
     expected = r"stage 4 does not divide the 6 layers per pipeline stage .*valid values: \[1, 2, 3"
     with pytest.raises(ConfigError, match=expected):
         chunk_layer_ranges(12, 2, 4)
+
+
+def test_deallocated_output_still_backpropagates():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 3)
+    out = torch.tanh(x @ w)
+    grad = torch.randn(4, 3)
+    expected = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+    deallocate_output_tensor(out)
+    assert out.numel() == 1 and out.grad_fn is not None
+    backward_step(out, grad)
+    assert torch.equal(x.grad, expected)

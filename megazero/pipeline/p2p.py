@@ -9,10 +9,10 @@ Why tags: with pp = 2 (and in the interleaved ring) the previous and the next st
 rank, so one step may both send an activation and a grad to it. Activations travel with tag 0
 and grads with tag 1; gloo matches messages per (source, tag) in posting order, which makes the
 two directions independent FIFO channels, exactly what :mod:`megazero.pipeline.checker` proves
-the schedules against. NCCL ignores tags and matches per peer in posting order; the ops of a
-step are therefore posted in one canonical order (activations before grads, sends before
-receives for a given direction never share a peer's queue), which keeps a batch's pairing
-identical on both sides.
+the schedules against. The ops of a step are posted in one fixed order (activation send,
+activation receive, grad send, grad receive) so that a backend that ignores tags and matches
+per peer in posting order (NCCL) pairs them the same way; NCCL runs a batch as one group, so
+both directions between the same two ranks then proceed together.
 
 Shapes are not sent: every tensor has the shape the config implies, ``(seq_length / tp if
 sequence parallel else seq_length, micro_batch_size, hidden_size)``, and the dtype given.
