@@ -64,7 +64,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--recompute-num-layers", "parallel.recompute_num_layers", **_I),
     _f("--distributed-backend", "parallel.distributed_backend", choices=("nccl", "gloo")),
     # model
-    _f("--model-preset", "model.model_preset", choices=("gpt2", "llama")),
+    _f("--model-preset", "model.model_preset", choices=("gpt2", "llama"),
+       help="start the model from a preset; flags given explicitly override it"),
     _f("--num-layers", "model.num_layers", **_I),
     _f("--hidden-size", "model.hidden_size", **_I),
     _f("--num-attention-heads", "model.num_attention_heads", **_I),
@@ -114,14 +115,19 @@ FLAGS: tuple[Flag, ...] = (
     _f("--fp16", "precision.fp16", **_ON),
     _f("--bf16", "precision.bf16", **_ON),
     _f("--loss-scale", "precision.loss_scale", **_FL),
-    _f("--initial-loss-scale", "precision.initial_scale_power", _initial_loss_scale_power, **_FL),
+    _f("--initial-loss-scale", "precision.initial_scale_power", _initial_loss_scale_power,
+       help="initial dynamic loss scale, a power of two (fp16.initial_scale_power = log2)",
+       **_FL),
     _f("--min-loss-scale", "precision.min_loss_scale", **_FL),
     _f("--loss-scale-window", "precision.loss_scale_window", **_I),
     _f("--hysteresis", "precision.hysteresis", **_I),
     # ZeRO and the DeepSpeed config
-    _f("--zero-stage", "zero.stage", type=int, choices=(0, 1, 2, 3)),
-    _f("--deepspeed_config --deepspeed-config", "deepspeed_config", dest="deepspeed_config"),
-    _f("--deepspeed", "deepspeed", **_ON),
+    _f("--zero-stage", "zero.stage", type=int, choices=(0, 1, 2, 3),
+       help="ZeRO stage; the same as zero_optimization.stage in the JSON"),
+    _f("--deepspeed_config --deepspeed-config", "deepspeed_config", dest="deepspeed_config",
+       help="DeepSpeed JSON config (// and /* */ comments allowed; \"auto\" takes the flags)"),
+    _f("--deepspeed", "deepspeed", help="accepted for Megatron-DeepSpeed scripts; no effect",
+       **_ON),
     # data
     _f("--data-path", "data.data_path", tuple, nargs="+"),
     _f("--split", "data.split"),
@@ -168,9 +174,9 @@ def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
         kw = dict(flag.kwargs)
         if explicit_only:
             kw["default"] = argparse.SUPPRESS
-        elif flag.convert is None and "dest" not in kw:
+        elif flag.convert is None:
             kw["default"] = field_default(flag.field)
-        kw.setdefault("help", f"sets {flag.field}")
+        kw.setdefault("help", f"-> {flag.field} (default: %(default)s)")
         parser.add_argument(*flag.names, **kw)
     return parser
 

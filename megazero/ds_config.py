@@ -231,7 +231,8 @@ def _children(parent: str) -> list[str]:
 
 def _unknown(path: str, key: str, parent: str) -> ConfigError:
     known = _children(parent)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6) or [
+        k for k in sorted(known) if k.startswith(key) or key.startswith(k)][:1]
     where = f"in {parent!r}" if parent else "at the top level"
     fix = (f"did you mean {(parent + '.' if parent else '') + close[0]!r}?" if close
            else f"known keys {where}: {', '.join(sorted(known))}")
@@ -263,8 +264,8 @@ def _coerce(path: str, key: Key, value: Any) -> Any:
                           f"{_EXPECTED[key.kind]}" + (" (e.g. 2e8 or 200000000)"
                                                       if key.kind == INT else ""))
     if path.endswith(".device") and value == "nvme":
-        raise ConfigError(f'{path}: "nvme" offload is not supported; use "device": "cpu" (or '
-                          f'"none")')
+        raise ConfigError(f'{path}: "nvme" given, but nvme offload is not supported; use '
+                          f'device: "cpu" (or "none")')
     if key.choices and value not in key.choices:
         raise ConfigError(f"{path}: got {json.dumps(value)}, expected one of "
                           f"{', '.join(json.dumps(c) for c in key.choices)}")

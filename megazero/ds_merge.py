@@ -145,8 +145,8 @@ def _batch_triad(merged: dict[str, tuple[str, Any]], dp: int, parallel: Parallel
                  ) -> tuple[int, int, int]:
     """Derive the missing members of ``global = micro x grad_accum x dp`` and check the rest."""
     micro, gbs, gas = (merged.get(k, (None, None))[1] for k in (_MICRO, _GLOBAL, _GAS))
-    where = (f"dp_size {dp} = world size {parallel.world_size} / (tp {parallel.tp} x pp "
-             f"{parallel.pp})")
+    where = (f"dp_size {dp} (world size {parallel.world_size} / (tp {parallel.tp} x pp "
+             f"{parallel.pp}))")
     if gbs is not None and micro is None and gas is None:
         # DeepSpeed's rule for a lone train_batch_size is no accumulation; Megatron's for a lone
         # --global-batch-size is micro-batch 1. Each tool's users expect their own.

@@ -1,0 +1,123 @@
+"""The command-line surface and the DeepSpeed key table do not drift.
+
+Adding, renaming or removing a flag must be a deliberate edit of GOLDEN_FLAGS; every flag and every
+JSON key must land in a MegazeroConfig field that exists.
+"""
+
+import dataclasses
+
+import pytest
+
+from megazero.arguments import FLAGS, build_parser, field_default, flag_values, parse_args
+from megazero.config import ConfigError, MegazeroConfig
+from megazero.ds_config import DS_CONFIG_KEYS, SCHEDULER_TYPES
+
+GOLDEN_FLAGS = """
+--tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
+--sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
+--distributed-backend --model-preset --num-layers --hidden-size --num-attention-heads
+--group-query-attention --num-query-groups --ffn-hidden-size --seq-length --max-position-embeddings
+--position-embedding-type --rotary-base --normalization --norm-epsilon --swiglu
+--disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout --hidden-dropout
+--init-method-std --make-vocab-size-divisible-by --vocab-size --use-flash-attn --no-flash-attn
+--micro-batch-size --global-batch-size --train-iters --train-samples --seed --eval-interval
+--eval-iters --exit-interval --exit-duration-in-mins --lr --min-lr --lr-decay-style
+--lr-warmup-iters --lr-decay-iters --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad
+--fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
+--zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
+--tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
+--save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
+--tensorboard-dir
+""".split()
+
+CHOICES = {
+    "--recompute-granularity": ("full", "selective"),
+    "--recompute-method": ("uniform", "block"),
+    "--position-embedding-type": ("learned_absolute", "rope"),
+    "--normalization": ("LayerNorm", "RMSNorm"),
+    "--lr-decay-style": ("constant", "linear", "cosine"),
+    "--model-preset": ("gpt2", "llama"),
+    "--zero-stage": (0, 1, 2, 3),
+}
+
+
+def _option_strings(parser):
+    return [s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")]
+
+
+def test_flags_match_the_golden_list():
+    parser = build_parser()
+    assert sorted(_option_strings(parser)) == sorted(set(GOLDEN_FLAGS))
+    help_text = parser.format_help()
+    for flag in set(GOLDEN_FLAGS):
+        assert flag in help_text
+
+
+def test_choices_are_megatrons():
+    actions = {s: a for a in build_parser()._actions for s in a.option_strings}
+    for flag, choices in CHOICES.items():
+        assert tuple(actions[flag].choices) == choices
+    assert actions["--data-path"].nargs == "+"
+
+
+def _field_exists(path: str) -> bool:
+    cls = MegazeroConfig
+    for part in path.split("."):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in names:
+            return False
+        cls = type(field_default(path.split(part)[0] + part))
+    return True
+
+
+def test_every_flag_maps_to_an_existing_field():
+    assert len({n for f in FLAGS for n in f.names}) == sum(len(f.names) for f in FLAGS)
+    for flag in FLAGS:
+        assert _field_exists(flag.field), (flag.names, flag.field)
+    # two spellings may share a field only when they are one switch's on/off or an alias
+    fields = [f.field for f in FLAGS]
+    shared = {f for f in fields if fields.count(f) > 1}
+    assert shared == {"model.use_flash_attn"}
+
+
+def test_every_json_key_maps_to_an_existing_field():
+    for path, key in DS_CONFIG_KEYS.items():
+        targets = key.field if isinstance(key.field, tuple) else (key.field,)
+        for target in targets:
+            assert target is None or _field_exists(target), (path, target)
+    for _, params, _ in SCHEDULER_TYPES.values():
+        for name in params:
+            assert f"scheduler.params.{name}" in DS_CONFIG_KEYS
+
+
+def test_help_defaults_come_from_the_dataclasses():
+    ns = build_parser().parse_args([])
+    assert (ns.hidden_size, ns.micro_batch_size, ns.zero_stage) == (64, 1, 0)
+    assert (ns.lr, ns.split, ns.seed) == (3e-4, "969,30,1", 1234)
+    assert ns.use_flash_attn is True and ns.fp16 is False
+
+
+def test_explicit_parse_holds_only_typed_flags():
+    assert vars(parse_args([])) == {}
+    args = parse_args(["--micro-batch-size", "4", "--no-flash-attn", "--disable-bias-linear",
+                       "--data-path", "0.3", "a", "0.7", "b"])
+    assert vars(args) == {"micro_batch_size": 4, "use_flash_attn": False,
+                          "disable_bias_linear": True, "data_path": ["0.3", "a", "0.7", "b"]}
+    values = flag_values(args)
+    assert values["model.use_flash_attn"] == ("--no-flash-attn", False)
+    assert values["model.add_bias_linear"] == ("--disable-bias-linear", False)
+    assert values["data.data_path"] == ("--data-path", ("0.3", "a", "0.7", "b"))
+    assert flag_values(parse_args(["--use-flash-attn"]))["model.use_flash_attn"] == (
+        "--use-flash-attn", True)
+
+
+@pytest.mark.parametrize("argv, part", [
+    (["--tensor-model-paralel-size", "2"], "did you mean --tensor-model-parallel-size?"),
+    (["--hidden-size", "big"], "argument --hidden-size: invalid int value: 'big'"),
+    (["--lr-decay-style", "step"], "invalid choice: 'step'"),
+    (["--micro"], "unknown argument '--micro'"),  # abbreviations are not accepted
+])
+def test_bad_command_lines(argv, part):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert part in str(e.value)

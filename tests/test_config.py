@@ -1,0 +1,405 @@
+"""Flags + DeepSpeed JSON -> MegazeroConfig: seed configs, "auto", the batch triad, rejections."""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megazero.arguments import load_config
+from megazero.config import ConfigError
+from megazero.ds_json import load_ds_json, parse_ds_json
+from megazero.ds_merge import UnimplementedConfigWarning
+
+CONFIGS = Path(__file__).parent / "configs"
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]
+
+
+def load(ds=None, argv=(), world_size=2, fixture=None):
+    """The config and the list of keys warned about as unimplemented (in order)."""
+    if fixture is not None:
+        ds = load_ds_json(CONFIGS / fixture)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(MODEL + list(argv), world_size, ds_config=ds)
+    keys = [str(w.message).split("'")[1] for w in caught
+            if issubclass(w.category, UnimplementedConfigWarning)]
+    return cfg, keys
+
+
+def error(ds=None, argv=(), world_size=2) -> str:
+    with pytest.raises(ConfigError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_config(MODEL + list(argv), world_size, ds_config=ds)
+    return str(e.value)
+
+
+# ---------------------------------------------------------------- seed configs from tutorials
+
+
+def test_seed_zero2_offload_typical():
+    cfg, warned = load(fixture="seed000_zero2_offload.json")
+    z, p, o = cfg.zero, cfg.precision, cfg.optimizer
+    assert (z.stage, z.offload_optimizer.device, z.offload_optimizer.pin_memory) == (2, "cpu", True)
+    assert z.allgather_bucket_size == 200_000_000 and type(z.allgather_bucket_size) is int
+    assert (z.reduce_bucket_size, z.overlap_comm, z.reduce_scatter) == (200_000_000, True, True)
+    assert (p.fp16, p.bf16, p.loss_scale, p.loss_scale_window) == (True, False, 0.0, 1000)
+    assert (p.initial_scale_power, p.hysteresis, p.min_loss_scale) == (16, 2, 1.0)
+    assert (o.optimizer, o.lr, o.adam_beta1, o.adam_beta2) == ("adamw", 3e-5, 0.8, 0.999)
+    assert (o.adam_eps, o.weight_decay) == (1e-8, 3e-7)
+    assert (o.scheduler_type, o.lr_decay_style, o.lr_warmup_iters) == ("WarmupLR", "constant", 500)
+    assert o.scheduler_params == {"warmup_min_lr": 0, "warmup_max_lr": 3e-5,
+                                  "warmup_num_steps": 500}
+    assert (cfg.logging.steps_per_print, cfg.logging.wall_clock_breakdown) == (2000, False)
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (1, 2)
+    assert warned == []
+
+
+def test_seed_zero3_fragment_keeps_every_value():
+    cfg, warned = load(fixture="seed003_zero3_fragment.json")
+    z = cfg.zero
+    assert (z.stage, z.offload_param.device, z.offload_param.pin_memory) == (3, "cpu", True)
+    assert (z.sub_group_size, z.reduce_bucket_size) == (10**9, 1_000_000)
+    assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (4e6, 1e4)
+    assert (z.stage3_max_live_parameters, z.stage3_max_reuse_distance) == (10**9, 10**9)
+    assert z.stage3_gather_16bit_weights_on_model_save is True
+    assert warned == ["zero_optimization.stage3_gather_16bit_weights_on_model_save"]
+
+
+def test_seed_hf_zero3_auto_filled_from_flags():
+    argv = ["--lr", "2e-4", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-6",
+            "--weight-decay", "0.1", "--clip-grad", "0.5", "--fp16", "--micro-batch-size", "2",
+            "--global-batch-size", "16", "--lr-warmup-iters", "10"]
+    cfg, _ = load(fixture="seed003_hf_zero3_auto.json", argv=argv, world_size=4)
+    o, ds = cfg.optimizer, cfg.ds_config
+    assert (o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay) == (
+        2e-4, 0.9, 0.95, 1e-6, 0.1)
+    assert (o.clip_grad, cfg.precision.fp16) == (0.5, True)
+    assert cfg.train.gradient_accumulation_steps == 2
+    assert ds["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                         "weight_decay": 0.1}
+    assert o.scheduler_params == ds["scheduler"]["params"] == {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 10}
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]) == (16, 2)
+    assert (ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (2, 0.5)
+    assert ds["fp16"]["enabled"] is True
+    # ZeRO-3 sizes that depend on the model, filled from --hidden-size 64 as HF does
+    z = cfg.zero
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size) == (64 * 64, int(0.9 * 64 * 64))
+    assert z.stage3_param_persistence_threshold == 640
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 4096
+
+
+def test_auto_without_flags_takes_the_defaults():
+    cfg, _ = load(fixture="seed003_hf_zero2_auto.json")
+    assert (cfg.precision.fp16, cfg.optimizer.lr, cfg.optimizer.clip_grad) == (False, 3e-4, 1.0)
+    assert cfg.ds_config["fp16"]["enabled"] is False
+    assert cfg.ds_config["train_batch_size"] == 2  # micro 1 x accumulation 1 x dp 2
+
+
+def test_seed_legacy_zero_true_and_adam_type():
+    cfg, _ = load(fixture="seed002_legacy_zero_true.json")
+    assert cfg.zero.stage == 1  # "zero_optimization": true is DeepSpeed's old spelling of stage 1
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (8, 4)
+    assert (cfg.optimizer.optimizer, cfg.optimizer.lr, cfg.precision.fp16) == (
+        "adamw", 0.00015, True)
+
+
+def test_seed_bfloat16_spelling_checkpoint_block_and_float_steps():
+    cfg, warned = load(fixture="seed003_zero2_node_local_storage.json")
+    assert cfg.precision.bf16 is False and cfg.ds_config["bf16"] == {"enabled": False}
+    assert cfg.logging.steps_per_print == 100000 and type(cfg.logging.steps_per_print) is int
+    assert cfg.zero.reduce_bucket_size == 64 * 64
+    assert warned == ["checkpoint"]
+
+
+@pytest.mark.parametrize("fixture, world, check, warned", [
+    ("seed003_pipeline_alexnet.json", 2,
+     lambda c: (c.train.gradient_accumulation_steps, c.optimizer.optimizer) == (16, "adamw"), []),
+    ("seed003_autotuning.json", 2, lambda c: c.precision.fp16, ["autotuning"]),
+    ("seed003_stage0.json", 1, lambda c: c.zero.stage == 0, []),
+    ("seed003_stage1.json", 1, lambda c: c.zero.stage == 1, []),
+    ("seed003_communication_dtype.json", 1,
+     lambda c: c.precision.communication_data_type == "fp32", []),
+    ("seed003_force_ds_cpu_optimizer.json", 1, lambda c: c.zero.stage == 0,
+     ["zero_force_ds_cpu_optimizer"]),
+    ("seed003_gather_16bit.json", 1, lambda c: c.zero.stage3_gather_16bit_weights_on_model_save,
+     ["zero_optimization.stage3_gather_16bit_weights_on_model_save"]),
+    ("seed003_amp_fp16_fragments.json", 1,
+     lambda c: c.precision.fp16 and not c.precision.consecutive_hysteresis,
+     ["amp", "fp16.auto_cast"]),
+])
+def test_other_seed_configs_load(fixture, world, check, warned):
+    cfg, keys = load(fixture=fixture, world_size=world)
+    assert check(cfg)
+    assert keys == warned
+
+
+@pytest.mark.parametrize("fixture, line, fix", [
+    ("bad_seed000_placeholders.json", 35, "write exactly one value"),
+    ("bad_seed000_unquoted_auto.json", 41, 'write "auto" in double quotes'),
+    ("bad_seed003_missing_commas.json", 7, "a comma is missing"),
+    ("bad_seed004_trailing_comma.json", 5, "remove the trailing comma"),
+    ("bad_seed003_python_variables.json", 2, "'GLOBAL_BATCH_SIZE' is not a JSON value"),
+])
+def test_invalid_seed_json_names_line_and_fix(fixture, line, fix):
+    with pytest.raises(ConfigError) as e:
+        load_ds_json(CONFIGS / fixture)
+    assert f"line {line}," in str(e.value) and fix in str(e.value)
+    assert fixture in str(e.value)
+
+
+def test_seed_with_misspelled_key_suggests_the_known_one():
+    msg = error(load_ds_json(CONFIGS / "bad_seed003_unknown_key.json"))
+    assert "'gradient_accumulation'" in msg
+    assert "did you mean 'gradient_accumulation_steps'?" in msg
+
+
+# ---------------------------------------------------------------- JSON text
+
+
+def test_comments_are_stripped_but_strings_kept():
+    text = ('{\n  // a comment with "quotes"\n  "tensorboard": {"enabled": true, /* block\n'
+            ' comment */ "output_path": "http://host//x/*y*/", "job_name": "j"}\n}')
+    ds = parse_ds_json(text)
+    assert ds == {"tensorboard": {"enabled": True, "output_path": "http://host//x/*y*/",
+                                  "job_name": "j"}}
+    cfg, _ = load(ds)
+    assert (cfg.logging.tensorboard_dir, cfg.logging.tensorboard_job_name) == (
+        "http://host//x/*y*/", "j")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{\n"zero_optimization": {\n  "stage": stage\n}}', "line 3, column 12"),
+    ('{"fp16": {"enabled": True}}', "True is Python, not JSON"),
+    ('{"a": 1 /* open', "unterminated /* comment starting at line 1, column 9"),
+    ('{"fp16": {}, "fp16": {}}', "key 'fp16' appears twice"),
+    ('[1, 2]', "the top level must be a JSON object"),
+    ('{"train_batch_size": 8,\n}', "line 1, column 23"),
+])
+def test_json_syntax_errors(text, expected):
+    with pytest.raises(ConfigError, match=None) as e:
+        parse_ds_json(text)
+    assert expected in str(e.value)
+
+
+def test_deepspeed_config_flag_reads_the_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 3, // per GPU\n'
+                    ' "gradient_accumulation_steps": 2}')
+    for flag in ("--deepspeed_config", "--deepspeed-config"):
+        cfg = load_config(MODEL + [flag, str(path)], world_size=4)
+        assert (cfg.train.global_batch_size, cfg.deepspeed_config) == (24, str(path))
+    msg = error(argv=["--deepspeed_config", str(tmp_path / "missing.json")])
+    assert "--deepspeed_config" in msg and "missing.json" in msg
+
+
+# ---------------------------------------------------------------- rejections
+
+
+@pytest.mark.parametrize("ds, parts", [
+    ({"trian_batch_size": 8}, ["'trian_batch_size'", "did you mean 'train_batch_size'?"]),
+    ({"zero_optimization": {"reduce_bucket_sise": 1}},
+     ["'zero_optimization.reduce_bucket_sise'", "'zero_optimization.reduce_bucket_size'?"]),
+    ({"zero_optimization": {"offload_optimizer": {"pin_memroy": True}}},
+     ["'zero_optimization.offload_optimizer.pin_memory'?"]),
+    ({"fp16": {"loss_scale_windw": 1}}, ["'fp16.loss_scale_window'?"]),
+    ({"bf16": {"enable": True}}, ["'bf16.enabled'?"]),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}},
+     ["'optimizer.params.weight_decay'?"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
+     ["'scheduler.params.warmup_num_steps'?"]),
+    ({"tensorboard": {"output": "x"}}, ["'tensorboard.output_path'?"]),
+    ({"wandb": {"projct": "p"}}, ["'wandb.project'?"]),
+    ({"csv_monitor": {"job": "j"}}, ["'csv_monitor.job_name'?"]),
+    ({"checkpoint": {"use_node_local_storag": True}}, ["'checkpoint.use_node_local_storage'?"]),
+    ({"zero_optimization": {"xyz": 1}}, ["known keys in 'zero_optimization':", "overlap_comm"]),
+])
+def test_unknown_keys_suggest_the_closest(ds, parts):
+    msg = error(ds)
+    assert "unknown key" in msg and all(p in msg for p in parts), msg
+
+
+@pytest.mark.parametrize("ds, parts", [
+    ({"zero_optimization": {"reduce_bucket_size": "big"}},
+     ["zero_optimization.reduce_bucket_size", '"big"', "expected an integer"]),
+    ({"zero_optimization": {"allgather_bucket_size": 2.5}}, ["2.5", "expected an integer"]),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),
+    ({"train_batch_size": True}, ["train_batch_size", "expected an integer"]),
+    ({"optimizer": {"params": {"betas": [0.9]}}}, ["optimizer.params.betas", "two numbers"]),
+    ({"fp16": []}, ["fp16", "expected an object"]),
+    ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "4", "0, 1, 2, 3"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     ["zero_optimization.offload_optimizer.device", "nvme offload is not supported",
+      'device: "cpu"']),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "[cpu|nvme]"}}},
+     ["offload_param.device", "[cpu|nvme]", '"none", "cpu"']),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     ["fp16.enabled", "bf16.enabled", "at most one"]),
+    ({"optimizer": {"type": "Lamb"}}, ["optimizer.type", "'Lamb'", "Adam and AdamW"]),
+    ({"scheduler": {"type": "WarmupLr"}}, ["scheduler.type", "did you mean 'WarmupLR'?"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 9}}},
+     ["scheduler.params.total_num_steps is not a parameter of WarmupLR", "warmup_max_lr"]),
+    ({"communication_data_type": "fp8"}, ["communication_data_type", "fp8", '"fp32"']),
+    ({"bf16": {}, "bfloat16": {}}, ['"bfloat16"', 'keep "bf16"']),
+])
+def test_wrong_values_name_key_value_and_expectation(ds, parts):
+    msg = error(ds)
+    assert all(p in msg for p in parts), msg
+
+
+def test_integral_floats_are_integers():
+    cfg, _ = load({"zero_optimization": {"stage": 2.0, "reduce_bucket_size": 5e7}})
+    assert cfg.zero.stage == 2 and cfg.zero.reduce_bucket_size == 50_000_000
+    assert type(cfg.zero.reduce_bucket_size) is int
+
+
+def test_both_precision_flags():
+    msg = error(argv=["--fp16", "--bf16"])
+    assert "--fp16" in msg and "--bf16" in msg and "at most one" in msg
+
+
+# ---------------------------------------------------------------- flag vs JSON
+
+
+@pytest.mark.parametrize("argv, ds, parts", [
+    (["--micro-batch-size", "4"], {"train_micro_batch_size_per_gpu": 8},
+     ["--micro-batch-size 4", "train_micro_batch_size_per_gpu: 8"]),
+    (["--zero-stage", "2"], {"zero_optimization": {"stage": 3}},
+     ["--zero-stage 2", "zero_optimization.stage: 3"]),
+    (["--fp16"], {"fp16": {"enabled": False}}, ["--fp16 on the command line", "fp16.enabled"]),
+    (["--lr", "1e-3"], {"optimizer": {"params": {"lr": 3e-4}}},
+     ["--lr 0.001", "optimizer.params.lr: 0.0003"]),
+    (["--lr-decay-style", "cosine"], {"scheduler": {"type": "WarmupLR"}},
+     ['--lr-decay-style "cosine"', "scheduler.type 'WarmupLR'"]),
+    ([], {"optimizer": {"params": {"lr": 1e-4}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-4}}},
+     ["optimizer.params.lr: 0.0001", "scheduler.params.warmup_max_lr: 0.0002"]),
+])
+def test_flag_and_json_disagree(argv, ds, parts):
+    msg = error(ds, argv)
+    assert all(p in msg for p in parts), msg
+
+
+def test_flag_and_json_agree_or_auto():
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": "auto"}}
+    cfg, _ = load(ds, ["--micro-batch-size", "4", "--zero-stage", "2"])
+    assert (cfg.train.micro_batch_size, cfg.zero.stage) == (4, 2)
+    assert cfg.ds_config["zero_optimization"]["stage"] == 2
+
+
+# ---------------------------------------------------------------- batch triad
+
+
+@pytest.mark.parametrize("argv, ds, world, triad", [
+    (["--micro-batch-size", "4", "--global-batch-size", "64", "--tensor-model-parallel-size", "2"],
+     None, 8, (4, 64, 4)),  # dp = 8 / 2 = 4 -> accumulation derived
+    (["--tensor-model-parallel-size", "2"], {"train_batch_size": 64,
+                                             "gradient_accumulation_steps": 2}, 8, (8, 64, 2)),
+    (["--pipeline-model-parallel-size", "2"],
+     {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 8, (2, 24, 3)),
+    ([], {"train_batch_size": 32}, 4, (8, 32, 1)),  # DeepSpeed: lone train_batch_size, no accum.
+    (["--global-batch-size", "32"], None, 4, (1, 32, 8)),  # Megatron: micro-batch defaults to 1
+    ([], None, 4, (1, 4, 1)),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+     {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 2}, 8, (4, 16, 2)),  # dp excludes TP and PP ranks
+])
+def test_batch_triad_derivation(argv, ds, world, triad):
+    cfg, _ = load(ds, argv, world)
+    t = cfg.train
+    assert (t.micro_batch_size, t.global_batch_size, t.gradient_accumulation_steps) == triad
+    assert cfg.parallel.dp == world // (cfg.parallel.tp * cfg.parallel.pp)
+
+
+def test_batch_triad_inconsistent():
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+          "gradient_accumulation_steps": 2}
+    msg = error(ds, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                world_size=8)
+    for part in ("train_batch_size 32", "train_micro_batch_size_per_gpu 4",
+                 "gradient_accumulation_steps 2", "dp_size 2", "world size 8",
+                 "set train_batch_size (--global-batch-size) to 16",
+                 "gradient_accumulation_steps to 4"):
+        assert part in msg, msg
+
+
+def test_global_batch_not_divisible():
+    msg = error(argv=["--global-batch-size", "30", "--micro-batch-size", "4"], world_size=2)
+    assert "30 is not divisible by" in msg and "= 8" in msg and "e.g. 24 or 32" in msg
+
+
+def test_world_size_not_divisible_by_model_parallel():
+    msg = error(argv=["--tensor-model-parallel-size", "4"], world_size=6)
+    assert "world size 6" in msg and "= 4" in msg
+
+
+# ---------------------------------------------------------------- unimplemented keys
+
+
+def test_one_warning_per_unimplemented_key_per_load():
+    ds = {"dump_state": True, "zero_optimization": {"stage": 1, "round_robin_gradients": True},
+          "flops_profiler": {"enabled": True, "profile_step": 2, "detailed": False},
+          "steps_per_print": 5, "wall_clock_breakdown": True}
+    for _ in range(2):  # no state kept between loads: the second load warns again
+        _, warned = load(json.loads(json.dumps(ds)))
+        assert sorted(warned) == ["dump_state", "flops_profiler",
+                                  "zero_optimization.round_robin_gradients"]
+
+
+def test_unimplemented_scheduler_type_warns_once():
+    ds = {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5}}}
+    cfg, warned = load(ds)
+    assert warned.count("scheduler.type") == 1 and cfg.optimizer.scheduler_type is None
+    assert warned.count("scheduler.params.cycle_min_lr") == 1
+
+
+# ---------------------------------------------------------------- cross-field checks
+
+
+@pytest.mark.parametrize("argv, world, parts", [
+    (["--num-attention-heads", "6", "--hidden-size", "48", "--tensor-model-parallel-size", "4"],
+     4, ["--num-attention-heads 6", "--tensor-model-parallel-size 4", "[1, 2, 3, 6]"]),
+    (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
+     ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
+    (["--hidden-size", "60"], 1, ["--hidden-size 60", "--num-attention-heads 8"]),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30"], 4,
+     ["--seq-length 30", "--sequence-parallel", "multiple of 4"]),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+     ["--num-layers 3", "--pipeline-model-parallel-size 2"]),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "3"], 2, ["= 6", "[1, 2, 4]"]),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], 1, ["needs --pipeline-model-parallel-size"]),
+    (["--recompute-granularity", "full"], 1, ["--recompute-method uniform or block"]),
+    (["--group-query-attention"], 1, ["--num-query-groups"]),
+    (["--initial-loss-scale", "1000"], 1, ["--initial-loss-scale 1000", "power of two"]),
+    (["--zero-stage", "5"], 1, ["--zero-stage", "5", "0, 1, 2, 3"]),
+    (["--hidden-sise", "5"], 1, ["'--hidden-sise'", "did you mean --hidden-size?"]),
+])
+def test_cross_field_errors(argv, world, parts):
+    msg = error(argv=argv, world_size=world)
+    assert all(p in msg for p in parts), msg
+
+
+def test_interleaving_layout_and_flags():
+    argv = ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+            "--num-layers-per-virtual-pipeline-stage", "2", "--initial-loss-scale", "65536",
+            "--disable-bias-linear", "--no-flash-attn"]
+    cfg, _ = load(argv=argv, world_size=4)
+    layout = cfg.layout()
+    assert (cfg.vpp, layout.vpp, layout.dp, layout.pp) == (2, 2, 2, 2)
+    assert cfg.precision.initial_scale_power == 16
+    assert (cfg.model.add_bias_linear, cfg.model.use_flash_attn) == (False, False)
+
+
+def test_sequence_parallel_turned_off_at_tp1():
+    with pytest.warns(UserWarning, match="--sequence-parallel has no effect"):
+        cfg = load_config(MODEL + ["--sequence-parallel"], world_size=2)
+    assert cfg.parallel.sequence_parallel is False
+
+
+def test_model_preset_and_explicit_flags():
+    cfg, _ = load(argv=["--model-preset", "llama", "--normalization", "LayerNorm"])
+    m = cfg.model
+    assert (m.position_embedding_type, m.swiglu, m.add_bias_linear) == ("rope", True, False)
+    assert (m.normalization, m.model_preset, m.hidden_size) == ("LayerNorm", "llama", 64)
