@@ -1,0 +1,175 @@
+"""Building what the training loop runs on: tokenizer, datasets, model chunks, optimizer.
+
+Kept apart from :mod:`megazero.training` so the loop reads as the loop. Every function takes the
+validated :class:`~megazero.config.MegazeroConfig` and the topology explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from megazero.config import ConfigError, MegazeroConfig
+from megazero.topology import ParallelTopology
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The batch arithmetic of one run (Megatron's names)."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    train_iters: int
+
+    @classmethod
+    def from_config(cls, cfg: MegazeroConfig, dp: int) -> Batching:
+        t = cfg.train
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        if gbs % (t.micro_batch_size * dp):
+            raise ConfigError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
+                              f"{t.micro_batch_size} x data-parallel size {dp}")
+        iters = t.train_iters
+        if iters is None and t.train_samples is not None:
+            iters = t.train_samples // gbs
+        if not iters:
+            raise ConfigError("set --train-iters (or --train-samples) to say how long to train")
+        return cls(t.micro_batch_size, gbs, gbs // (t.micro_batch_size * dp), iters)
+
+
+def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
+                                  log=print) -> tuple[Any, MegazeroConfig]:
+    """The tokenizer, and the config with ``model.vocab_size`` (and the demo's data path) set.
+
+    ``--mock-data``: NullTokenizer over ``--vocab-size``. ``--data-path``: the tokenizer the
+    flags name. Neither: the built-in demo corpus (:mod:`megazero.demo`) with its own tokenizer.
+    """
+    import torch.distributed as dist
+
+    from megazero.data.tokenizers import NullTokenizer, SentencePieceTokenizer, build_tokenizer
+
+    d = cfg.data
+    if d.mock_data:
+        if d.tokenizer_type not in (None, "NullTokenizer"):
+            raise ConfigError(f"--mock-data works with --tokenizer-type NullTokenizer, got "
+                              f"{d.tokenizer_type}")
+        tok: Any = NullTokenizer(cfg.model.vocab_size)
+    elif d.data_path:
+        if not d.tokenizer_type:
+            raise ConfigError("--data-path needs --tokenizer-type (SentencePieceTokenizer with "
+                              "--tokenizer-model, GPT2BPETokenizer with --vocab-file and "
+                              "--merge-file, or NullTokenizer with --vocab-size)")
+        tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                              vocab_file=d.vocab_file, merge_file=d.merge_file,
+                              vocab_size=cfg.model.vocab_size)
+    else:
+        from megazero.demo import prepare_demo_data
+
+        # One builder per node (the cache may be node-local); the others wait at the barrier.
+        local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        data = None
+        if local_rank == 0:
+            data = prepare_demo_data(d.data_cache_path, log=log if topo.rank == 0 else _quiet)
+        dist.barrier()
+        if data is None:
+            data = prepare_demo_data(d.data_cache_path, log=_quiet)
+        tok = SentencePieceTokenizer(data.tokenizer_model)
+        cfg = replace(cfg, data=replace(d, data_path=(data.data_prefix,),
+                                        tokenizer_type="SentencePieceTokenizer",
+                                        tokenizer_model=data.tokenizer_model))
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=tok.vocab_size))
+    return tok, cfg
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    pass
+
+
+def build_datasets(cfg: MegazeroConfig, batching: Batching) -> tuple[Any, Any]:
+    """``(train, valid)`` datasets (valid may be None when --eval-iters is 0)."""
+    from megazero.data.builder import DataConfig, build_train_valid_test_datasets
+
+    t = cfg.train
+    evals = (batching.train_iters // t.eval_interval + 1) if t.eval_interval > 0 else 1
+    valid = evals * t.eval_iters * batching.global_batch_size if t.eval_iters > 0 else 0
+    dc = DataConfig(seq_length=cfg.model.seq_length,
+                    num_samples=(batching.train_iters * batching.global_batch_size, valid, 0),
+                    data_path=tuple(cfg.data.data_path), split=cfg.data.split, seed=t.seed,
+                    cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data,
+                    vocab_size=cfg.model.vocab_size)
+    train, valid_ds, _ = build_train_valid_test_datasets(dc)
+    return train, valid_ds
+
+
+def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
+                   consumed_samples: int = 0, cyclic: bool = False) -> Iterator[dict]:
+    from megazero.data.builder import build_data_iterator
+
+    return build_data_iterator(dataset, batching.micro_batch_size, topo.dp_rank, topo.dp_size,
+                               batching.global_batch_size, consumed_samples, cyclic=cyclic)
+
+
+def get_batch(data_iterator: Iterator[dict]) -> dict[str, torch.Tensor]:
+    """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
+    ``labels [b, s]``."""
+    tokens = next(data_iterator)["tokens"]
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+
+def recompute_spec(cfg: MegazeroConfig) -> Any:
+    p = cfg.parallel
+    if p.recompute_granularity == "selective":
+        return "selective"
+    if p.recompute_granularity == "full":
+        return ("full", p.recompute_method, p.recompute_num_layers or 1)
+    return None
+
+
+def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
+                              device: torch.device) -> tuple[list[torch.nn.Module], Any]:
+    """Model chunks for this rank (fp32 init, identical at every layout), then the ZeRO engine,
+    which casts them to the training dtype and keeps fp32 masters."""
+    from megazero.pipeline.partition import build_model_chunks
+    from megazero.zero import build_zero_optimizer
+
+    sp = cfg.parallel.sequence_parallel and topo.tp_size > 1
+    chunks = build_model_chunks(cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
+                                sequence_parallel=sp, recompute=recompute_spec(cfg),
+                                seed=cfg.train.seed)
+    chunks = [c.to(device) for c in chunks]
+    engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
+                                  sequence_parallel=sp)
+    return chunks, engine
+
+
+class ChunkTrackers:
+    """The TP-aware RNG trackers of all model chunks, saved and restored as one."""
+
+    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+        self.trackers = [getattr(c, "rng_tracker", None) for c in chunks]
+
+    def get_states(self) -> list[Any]:
+        return [t.get_states() if t is not None else None for t in self.trackers]
+
+    def set_states(self, states: list[Any]) -> None:
+        for t, s in zip(self.trackers, states):
+            if t is not None and s is not None:
+                t.set_states(s)
+
+
+class GradSync:
+    """What the pipeline executor expects around backwards (``no_sync`` /
+    ``start_grad_sync``), backed by the ZeRO engine; the reduction itself completes in
+    ``engine.finish_grad_sync()`` after the schedule."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def no_sync(self):
+        return self.engine.no_sync()
+
+    def start_grad_sync(self) -> None:
+        pass

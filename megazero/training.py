@@ -1,0 +1,305 @@
+"""The training loop: pipeline schedule -> gradient sync -> optimizer step -> schedule -> log ->
+evaluate -> checkpoint, until ``--train-iters`` or an exit condition.
+
+One iteration on every rank::
+
+    losses = forward_backward(chunks, train_iter, topo, m, ...)   # m micro-batches, 1F1B
+    engine.finish_grad_sync()      # dp reduce (-scatter), TP-SP and tied-embedding sums
+    result = engine.step()         # overflow check, grad norm + clip, AdamW on the shard
+    scheduler.step()               # only after an update, as Megatron and DeepSpeed do
+
+The reported ``lm loss`` is the mean of the per-micro-batch token means over all micro-batches
+and data-parallel ranks, the same number a one-process run on the whole global batch computes.
+Rank 0 reports (the pipeline executor returns the losses on every pipeline rank).
+
+Exit conditions (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM) are agreed by every
+rank through one small all-reduce per iteration, so all ranks stop after the same iteration and
+save the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megazero.checkpointing import load_checkpoint, save_checkpoint
+from megazero.config import MegazeroConfig
+from megazero.flops import model_flops_per_iteration
+from megazero.initialize import DistEnv, initialize_distributed, set_seed
+from megazero.lr_scheduler import LRScheduler, build_lr_function
+from megazero.monitor import Monitor, Timers
+from megazero.topology import ParallelTopology
+from megazero.train_setup import (
+    Batching,
+    ChunkTrackers,
+    GradSync,
+    batch_iterator,
+    build_datasets,
+    build_model_and_optimizer,
+    build_tokenizer_and_data_path,
+    get_batch,
+)
+
+
+@dataclass
+class ExitFlags:
+    """Set from the SIGTERM handler; read once per iteration (no module-level state)."""
+
+    sigterm: bool = False
+    previous: Any = None
+
+    def install(self) -> None:
+        def handler(signum, frame):  # noqa: ARG001
+            self.sigterm = True
+
+        self.previous = signal.signal(signal.SIGTERM, handler)
+
+    def uninstall(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """Everything one training run holds."""
+
+    cfg: MegazeroConfig
+    env: DistEnv
+    topo: ParallelTopology
+    batching: Batching
+    chunks: list[torch.nn.Module]
+    engine: Any
+    scheduler: LRScheduler
+    monitor: Monitor
+    timers: Timers
+    train_ds: Any
+    valid_ds: Any
+    state: TrainState
+
+    @property
+    def sp(self) -> bool:
+        return self.cfg.parallel.sequence_parallel and self.topo.tp_size > 1
+
+
+def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
+    """One pass of the pipeline schedule over ``m`` micro-batches; returns their mean losses."""
+    from megazero.pipeline.executor import default_loss_fn, forward_backward
+
+    scale = run.engine.loss_scale if (run.cfg.precision.fp16 and not forward_only) else 1.0
+
+    def loss_fn(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
+        # fp16: the executor back-propagates what this returns, so the loss scale goes here;
+        # the scale is a power of two, so dividing the reported loss by it below is exact.
+        return default_loss_fn(per_token, batch) * scale
+
+    m = run.cfg.model
+    losses = forward_backward(
+        run.chunks, data_iter, run.topo, run.batching.num_microbatches, m.seq_length,
+        run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
+        sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
+        get_batch=get_batch, grad_sync=None if forward_only else GradSync(run.engine))
+    return [x / scale for x in losses]
+
+
+def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) -> float:
+    t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64, device=device)
+    if topo.dp_size > 1:
+        dist.all_reduce(t, group=topo.dp_group)
+    return (t[0] / t[1]).item()
+
+
+def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
+    """One iteration; returns (global mean loss, StepResult, seconds per phase)."""
+    t = run.timers
+    t.start("forward-backward")
+    losses = _schedule(run, data_iter, forward_only=False)
+    t.stop("forward-backward")
+    t.start("grad-sync")
+    run.engine.finish_grad_sync()
+    t.stop("grad-sync")
+    t.start("optimizer")
+    result = run.engine.step()
+    t.stop("optimizer")
+    if result.updated:
+        run.scheduler.step()
+    return _dp_mean(losses, run.topo, run.env.device), result, t.pop_all()
+
+
+def evaluate(run: Run) -> float | None:
+    """Mean validation loss over ``--eval-iters`` global batches, forward only. The validation
+    iterator restarts at its first sample each time, so evaluations are comparable."""
+    if run.valid_ds is None or run.cfg.train.eval_iters <= 0:
+        return None
+    for c in run.chunks:
+        c.eval()
+    it = batch_iterator(run.valid_ds, run.batching, run.topo, 0, cyclic=True)
+    losses: list[float] = []
+    with torch.no_grad():
+        for _ in range(run.cfg.train.eval_iters):
+            losses += _schedule(run, it, forward_only=True)
+    for c in run.chunks:
+        c.train()
+    return _dp_mean(losses, run.topo, run.env.device)
+
+
+def _save(run: Run) -> None:
+    ck = run.cfg.checkpoint
+    if not ck.save:
+        return
+    t0 = time.perf_counter()
+    save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
+                    optimizer=run.engine, scheduler=run.scheduler,
+                    consumed_samples=run.state.consumed_samples, config=run.cfg,
+                    zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks))
+    run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
+                     f"({time.perf_counter() - t0:.2f}s)")
+
+
+def _load(run: Run) -> None:
+    ck = run.cfg.checkpoint
+    if not ck.load:
+        return
+    res = load_checkpoint(ck.load, run.topo, models=run.chunks, optimizer=run.engine,
+                          scheduler=run.scheduler, zero_stage=run.cfg.zero.stage,
+                          rng_tracker=ChunkTrackers(run.chunks), no_load_optim=ck.no_load_optim,
+                          no_load_rng=ck.no_load_rng, finetune=ck.finetune)
+    if res is None:
+        run.monitor.info(f"no checkpoint found in {ck.load}; starting from scratch")
+        return
+    run.state.iteration, run.state.consumed_samples = res.iteration, res.consumed_samples
+    if ck.no_load_optim and not ck.finetune:
+        run.scheduler.load_state_dict({"num_steps": res.iteration})
+    run.monitor.info(f"loaded checkpoint {res.path} at iteration {res.iteration}")
+
+
+def _should_exit(run: Run, flags: ExitFlags, start: float) -> tuple[bool, str]:
+    """All ranks agree (MAX all-reduce) on SIGTERM, the duration limit and the exit interval."""
+    t = run.cfg.train
+    over_time = (t.exit_duration_in_mins is not None
+                 and (time.time() - start) / 60.0 > t.exit_duration_in_mins)
+    v = torch.tensor([float(flags.sigterm), float(over_time)], device=run.env.device)
+    if run.topo.world_size > 1:
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    if v[0] > 0:
+        return True, "received SIGTERM"
+    if v[1] > 0:
+        return True, f"exceeded --exit-duration-in-mins {t.exit_duration_in_mins}"
+    if t.exit_interval and run.state.iteration % t.exit_interval == 0:
+        return True, f"reached --exit-interval {t.exit_interval}"
+    return False, ""
+
+
+def train(run: Run) -> TrainState:
+    cfg, st, b = run.cfg, run.state, run.batching
+    log_interval = run.monitor.config.log_interval
+    flops = model_flops_per_iteration(b.global_batch_size, cfg.model.seq_length,
+                                      cfg.model.num_layers, cfg.model.hidden_size,
+                                      cfg.model.vocab_size)
+    data_iter = batch_iterator(run.train_ds, b, run.topo, st.consumed_samples)
+    flags = ExitFlags()
+    flags.install()
+    start = time.time()
+    saved_at = st.iteration if cfg.checkpoint.load else None
+    try:
+        while st.iteration < b.train_iters:
+            t0 = time.perf_counter()
+            loss, result, phases = train_step(run, data_iter)
+            st.iteration += 1
+            st.consumed_samples += b.global_batch_size
+            run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases)
+            st.history.append({"iteration": st.iteration, "loss": loss,
+                               "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+                               "skipped": float(result.skipped)})
+            if st.iteration % log_interval == 0:
+                norm = None if result.skipped or math.isnan(result.grad_norm) else (
+                    result.grad_norm)
+                run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
+                                   run.scheduler.get_lr(), b.global_batch_size,
+                                   cfg.model.seq_length, result.loss_scale, norm, flops,
+                                   run.topo.world_size)
+            if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
+                val = evaluate(run)
+                if val is not None:
+                    run.monitor.report_validation(st.iteration, val)
+            if (cfg.checkpoint.save_interval
+                    and st.iteration % cfg.checkpoint.save_interval == 0):
+                _save(run)
+                saved_at = st.iteration
+            stop, why = _should_exit(run, flags, start)
+            if stop:
+                run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
+                break
+    finally:
+        flags.uninstall()
+    if saved_at != st.iteration:
+        _save(run)
+    return st
+
+
+def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
+    """Initialise the process group and build everything the loop needs."""
+    env = initialize_distributed(cfg.parallel.distributed_backend)
+    topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp)
+    set_seed(cfg.train.seed, topo.pp_rank)
+    is_reporter = topo.rank == 0
+    log = print if is_reporter else (lambda *a, **k: None)
+    _, cfg = build_tokenizer_and_data_path(cfg, topo, log=log)
+    batching = Batching.from_config(cfg, topo.dp_size)
+    train_ds, valid_ds = build_datasets(cfg, batching)
+    chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
+    scheduler = LRScheduler(engine.param_groups, build_lr_function(cfg.optimizer,
+                                                                   batching.train_iters))
+    logging = cfg.logging
+    monitor = Monitor(logging, enabled=is_reporter, log_json=log_json, run_config=None)
+    run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor,
+              Timers(enabled=logging.wall_clock_breakdown), train_ds, valid_ds, TrainState())
+    _describe(run)
+    _load(run)
+    return run
+
+
+def _describe(run: Run) -> None:
+    cfg, topo, b = run.cfg, run.topo, run.batching
+    n_params = sum(p.numel() for c in run.chunks for p in c.parameters())
+    counts = torch.tensor([n_params], dtype=torch.float64, device=run.env.device)
+    if topo.world_size > 1:
+        dist.all_reduce(counts)
+    total = int(counts.item()) // topo.dp_size  # dp replicas hold the same (tp, pp) shards
+    precision = "fp16" if cfg.precision.fp16 else "bf16" if cfg.precision.bf16 else "fp32"
+    run.monitor.info(
+        f"> world {topo.world_size} ({run.env.backend}): tp {topo.tp_size} x pp {topo.pp_size} "
+        f"x dp {topo.dp_size}, vpp {topo.vpp_size or 1}, sequence parallel {run.sp}, "
+        f"ZeRO stage {cfg.zero.stage}, {precision}\n"
+        f"> model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, heads "
+        f"{cfg.model.num_attention_heads}, seq {cfg.model.seq_length}, vocab "
+        f"{cfg.model.vocab_size}: {total / 1e6:.2f}M parameters\n"
+        f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
+        f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations")
+
+
+def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
+    """Set up, train, evaluate once more at the end, and close the sinks."""
+    run = setup(cfg, log_json)
+    try:
+        state = train(run)
+        if cfg.train.eval_iters > 0 and (
+                not cfg.train.eval_interval or state.iteration % cfg.train.eval_interval):
+            val = evaluate(run)
+            if val is not None:
+                run.monitor.report_validation(state.iteration, val)
+    finally:
+        run.monitor.close()
+    return state
