@@ -6,8 +6,8 @@ Training-loop use, per iteration (every rank)::
     losses = forward_backward(chunks, data_iterator, topo, num_microbatches, seq_length,
                               micro_batch_size, hidden_size, sequence_parallel=sp,
                               grad_sync=engine)
-    finalize_model_grads(chunks, topo, sequence_parallel=sp, dp_reduce=engine.reduce)
-    optimizer.step()
+    finalize_model_grads(chunks, topo, sequence_parallel=sp, grad_sync=engine)
+    engine.step()
 """
 
 from megazero.pipeline.checker import ScheduleError, SimResult, check_schedules, render_grid

@@ -4,12 +4,18 @@
 dispatches it: ``F`` runs a model chunk and keeps its input and output for the backward, ``B``
 back-propagates the received output grad, and communication steps go through :class:`P2P`.
 
-Training-loop order for one iteration (``grads`` are local sums until the last line)::
+Training-loop order for one iteration::
 
     losses = forward_backward(chunks, data_iter, topo, m, seq, mbs, hidden,
-                              grad_sync=engine)       # engine.no_sync() around early backwards
-    finalize_model_grads(chunks, topo, sequence_parallel=sp)   # TP (SP) and embedding sums
-    engine.reduce_and_step()                          # data-parallel reduction, optimizer
+                              sequence_parallel=sp, grad_sync=engine)
+    finalize_model_grads(chunks, topo, sequence_parallel=sp, grad_sync=engine)
+    engine.step()
+
+``engine.no_sync()`` wraps every backward but each chunk's last; ``finalize_model_grads`` does
+the sequence-parallel and tied-embedding sums, or hands them to ``engine.finish_grad_sync()``
+when the engine owns them (``megazero.zero`` does). Without an engine
+(``grad_sync=None``), the grads after ``finalize_model_grads`` are this data-parallel
+replica's complete gradients.
 
 Losses: every micro-batch's loss is the mean over its tokens; the backward uses it divided by
 the number of micro-batches, so the accumulated grads equal those of one model run on all
@@ -159,7 +165,8 @@ def forward_backward(
     Every backward except each chunk's last micro-batch runs inside ``no_sync()``; a per-chunk
     object gets ``start_grad_sync()`` right after its chunk's last backward (so reduction of
     early-finished chunks overlaps with the rest of the cool-down), a single shared object once
-    after the schedule. With ``finalize=True`` :func:`finalize_model_grads` runs at the end.
+    after the schedule. With ``finalize=True`` :func:`finalize_model_grads` runs at the end
+    (with the same ``grad_sync``).
     ``stats``, if given, receives ``peak_inflight``, ``peak_saved_bytes``,
     ``saved_bytes_per_forward`` and ``peak_output_elements`` (see :class:`_ActivationMeter`).
     """
@@ -260,7 +267,9 @@ def forward_backward(
     if syncs and not isinstance(grad_sync, Sequence) and not forward_only:
         syncs[0].start_grad_sync()
     if finalize and not forward_only:
-        finalize_model_grads(model_chunks, topo, sequence_parallel=sequence_parallel)
+        sync = grad_sync if not isinstance(grad_sync, Sequence) else None
+        finalize_model_grads(model_chunks, topo, sequence_parallel=sequence_parallel,
+                             grad_sync=sync)
     if stats is not None and meter is not None:
         stats.update(peak_inflight=meter.peak_inflight, peak_saved_bytes=meter.peak_bytes,
                      saved_bytes_per_forward=list(meter.bytes_per_forward),

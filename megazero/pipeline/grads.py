@@ -10,11 +10,18 @@ long after the last stage, and a collective between them in mid-schedule would d
 
 Grads are read from ``param.main_grad`` when a wrapper keeps them there (an fp32 accumulation
 buffer), otherwise from ``param.grad``.
+
+A data-parallel engine may own these sums instead: ``megazero.zero``'s optimizer keeps
+``sequence_parallel`` and ``shared_embedding`` grads in deferred buckets and sums them in its
+``finish_grad_sync()`` before its own reduction (a reduce-scatter would reorder them). Pass such
+an engine as ``grad_sync``: :func:`finalize_model_grads` then calls ``finish_grad_sync()`` and
+does not sum again (summing twice would double those grads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,9 +77,17 @@ def finalize_model_grads(
     *,
     sequence_parallel: bool = False,
     dp_reduce: Callable[[], None] | None = None,
+    grad_sync: Any = None,
 ) -> None:
     """Sequence-parallel sums over TP, tied-embedding sums over the embedding group, then the
-    optional data-parallel reduction ``dp_reduce()``. Call on every rank after the schedule."""
+    optional data-parallel reduction ``dp_reduce()``. Call on every rank after the schedule.
+
+    With a ``grad_sync`` engine that has ``finish_grad_sync()`` (see the module docstring), that
+    call replaces all three.
+    """
+    if grad_sync is not None and hasattr(grad_sync, "finish_grad_sync"):
+        grad_sync.finish_grad_sync()
+        return
     if sequence_parallel and topo.tp_size > 1:
         from megazero.tensor_parallel.grads import allreduce_sequence_parallel_grads
 
