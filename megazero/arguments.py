@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
@@ -129,7 +131,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--deepspeed", "deepspeed", help="accepted for Megatron-DeepSpeed scripts; no effect",
        **_ON),
     # data
-    _f("--data-path", "data.data_path", tuple, nargs="+"),
+    _f("--data-path", "data.data_path", lambda v: tuple(t for x in v for t in x.split()),
+       nargs="+", help='"PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights for blending)'),
     _f("--split", "data.split"),
     _f("--mock-data", "data.mock_data", **_ON),
     _f("--tokenizer-type", "data.tokenizer_type"),
@@ -181,10 +184,10 @@ def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Only the flags given in ``argv``; an unknown flag is an error with the closest match."""
     parser = build_parser(explicit_only=True)
-    args, unknown = parser.parse_known_args(list(argv or []))
+    args, unknown = parser.parse_known_args(list(argv))
     for token in unknown:
         known = [name for flag in FLAGS for name in flag.names]
         close = difflib.get_close_matches(token.split("=")[0], known, n=1, cutoff=0.6)
@@ -208,14 +211,17 @@ def flag_values(args: argparse.Namespace | dict[str, Any]) -> dict[str, tuple[st
     return out
 
 
-def load_config(argv: Sequence[str] | None, world_size: int,
+def load_config(argv: Sequence[str] | None, world_size: int | None = None,
                 ds_config: dict[str, Any] | None = None) -> MegazeroConfig:
     """Parse ``argv``, read ``--deepspeed_config`` (or take ``ds_config``), merge, validate.
 
-    ``world_size`` is the number of processes (``torchrun``'s WORLD_SIZE); the data-parallel
-    size is ``world_size / (tp * pp)``.
+    ``argv`` None means ``sys.argv[1:]``. ``world_size`` is the number of processes (None:
+    torchrun's ``WORLD_SIZE`` variable, else 1); the data-parallel size is
+    ``world_size / (tp * pp)``.
     """
-    args = parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     path = getattr(args, "deepspeed_config", None)
     if path is not None and ds_config is not None:
         raise ConfigError("give the DeepSpeed config either as --deepspeed_config or as a dict, "

@@ -128,9 +128,8 @@ class ParallelConfig:
                    f"multiple of {mp} processes or choose TP/PP sizes whose product divides "
                    f"{self.world_size}")
         if self.num_layers_per_virtual_pipeline_stage is not None:
-            _check(self.num_layers_per_virtual_pipeline_stage >= 1,
-                   f"--num-layers-per-virtual-pipeline-stage must be >= 1, got "
-                   f"{self.num_layers_per_virtual_pipeline_stage}")
+            _check(self.num_layers_per_virtual_pipeline_stage >= 1, "--num-layers-per-virtual-"
+                   f"pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
             _check(self.pp > 1,
                    "--num-layers-per-virtual-pipeline-stage (interleaved schedule) needs "
                    "--pipeline-model-parallel-size > 1; drop it or use more pipeline stages")
@@ -328,9 +327,7 @@ class MegazeroConfig:
     def vpp(self) -> int | None:
         """Virtual pipeline chunks per stage (interleaved 1F1B), or None without interleaving."""
         per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
-        if per_chunk is None:
-            return None
-        return self.model.num_layers // self.parallel.pp // per_chunk
+        return None if per_chunk is None else self.model.num_layers // self.parallel.pp // per_chunk
 
     def layout(self):
         """The :class:`~megazero.topology.ParallelLayout` of this run (needs the world size)."""
@@ -373,11 +370,25 @@ def validate(cfg: MegazeroConfig) -> None:
                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk} = {pp * per_chunk}; "
                f"use a multiple of {pp * per_chunk} layers or layers-per-virtual-stage in "
                f"{_divisors(m.num_layers // pp) if m.num_layers % pp == 0 else []}")
-    if p.recompute_num_layers is not None and p.recompute_granularity == "full":
-        _check(p.recompute_num_layers >= 1,
-               f"--recompute-num-layers must be >= 1, got {p.recompute_num_layers}")
+    _check(p.recompute_num_layers is None or p.recompute_num_layers >= 1,
+           f"--recompute-num-layers must be >= 1, got {p.recompute_num_layers}")
     _check(t.micro_batch_size >= 1, f"--micro-batch-size (train_micro_batch_size_per_gpu) must "
            f"be >= 1, got {t.micro_batch_size}")
+    _check(t.train_iters is None or t.train_samples is None,
+           f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are both given; "
+           f"give only one of them")
+    o = cfg.optimizer
+    for flag, value, ok in (
+            ("--lr (optimizer.params.lr)", o.lr, o.lr >= 0),
+            ("--min-lr", o.min_lr, o.min_lr >= 0),
+            ("--adam-beta1 (optimizer.params.betas[0])", o.adam_beta1, 0 <= o.adam_beta1 < 1),
+            ("--adam-beta2 (optimizer.params.betas[1])", o.adam_beta2, 0 <= o.adam_beta2 < 1),
+            ("--adam-eps (optimizer.params.eps)", o.adam_eps, o.adam_eps >= 0),
+            ("--weight-decay (optimizer.params.weight_decay)", o.weight_decay, o.weight_decay >= 0),
+            ("--clip-grad (gradient_clipping)", o.clip_grad, o.clip_grad >= 0),
+            ("--lr-warmup-iters (scheduler.params.warmup_num_steps)", o.lr_warmup_iters,
+             o.lr_warmup_iters >= 0)):
+        _check(ok, f"{flag}: got {value}, expected a value >= 0 (betas: 0 <= beta < 1)")
     if p.world_size is not None and None not in (t.global_batch_size,
                                                  t.gradient_accumulation_steps):
         dp = p.dp

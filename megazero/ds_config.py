@@ -298,6 +298,9 @@ def check_ds_config(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     paths of keys that are accepted but have no effect yet (outermost path of each only, so a
     block of an unimplemented feature gives one warning, not one per entry).
     """
+    if not isinstance(ds, dict):
+        raise ConfigError(f"the DeepSpeed config must be a JSON object {{...}}, got "
+                          f"{type(ds).__name__}")
     ds = dict(ds)
     if "bfloat16" in ds:  # DeepSpeed's older spelling of "bf16"
         if "bf16" in ds:

@@ -108,9 +108,11 @@ def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]])
             found["optimizer.scheduler_type"] = [("scheduler.type", kind)]
             found["optimizer.lr_decay_style"] = [(f"scheduler.type {kind!r}", style)]
     tb = ds.get("tensorboard")
-    if tb is not None and not tb.get("enabled", False):
+    if tb is not None and tb.get("enabled") is not True:  # false, absent or "auto"
         found.pop("logging.tensorboard_dir", None)
         found.pop("logging.tensorboard_job_name", None)
+    elif tb is not None and not tb.get("output_path"):  # DeepSpeed writes under the cwd
+        found["logging.tensorboard_dir"] = [("tensorboard.output_path", ".")]
     for block in ("wandb", "csv_monitor"):
         if block in ds:
             found[f"logging.{block}"] = [(block, dict(ds[block]))]

@@ -1,14 +1,23 @@
-"""The command-line surface and the DeepSpeed key table do not drift.
+"""The command-line surface and the DeepSpeed key table do not drift; flags are validated.
 
 Adding, renaming or removing a flag must be a deliberate edit of GOLDEN_FLAGS; every flag and every
-JSON key must land in a MegazeroConfig field that exists.
+JSON key must land in a MegazeroConfig field that exists. The cross-field checks of the flags
+(divisibility by TP/PP, interleaving, recompute) are tested here too, each message with its fix.
 """
 
 import dataclasses
+import warnings
 
 import pytest
 
-from megazero.arguments import FLAGS, build_parser, field_default, flag_values, parse_args
+from megazero.arguments import (
+    FLAGS,
+    build_parser,
+    field_default,
+    flag_values,
+    load_config,
+    parse_args,
+)
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.ds_config import DS_CONFIG_KEYS, SCHEDULER_TYPES
 
@@ -121,3 +130,84 @@ def test_bad_command_lines(argv, part):
     with pytest.raises(ConfigError) as e:
         parse_args(argv)
     assert part in str(e.value)
+
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]
+
+
+def error(argv, world_size) -> str:
+    with pytest.raises(ConfigError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_config(MODEL + argv, world_size)
+    return str(e.value)
+
+
+# ---------------------------------------------------------------- cross-field checks
+
+
+@pytest.mark.parametrize("argv, world, parts", [
+    (["--num-attention-heads", "6", "--hidden-size", "48", "--tensor-model-parallel-size", "4"],
+     4, ["--num-attention-heads 6", "--tensor-model-parallel-size 4", "[1, 2, 3, 6]"]),
+    (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
+     ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
+    (["--hidden-size", "60"], 1, ["--hidden-size 60", "--num-attention-heads 8"]),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30"], 4,
+     ["--seq-length 30", "--sequence-parallel", "multiple of 4"]),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+     ["--num-layers 3", "--pipeline-model-parallel-size 2"]),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "3"], 2, ["= 6", "[1, 2, 4]"]),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], 1, ["needs --pipeline-model-parallel-size"]),
+    (["--recompute-granularity", "full"], 1, ["--recompute-method uniform or block"]),
+    (["--group-query-attention"], 1, ["--num-query-groups"]),
+    (["--initial-loss-scale", "1000"], 1, ["--initial-loss-scale 1000", "power of two"]),
+    (["--zero-stage", "5"], 1, ["--zero-stage", "5", "0, 1, 2, 3"]),
+    (["--hidden-sise", "5"], 1, ["'--hidden-sise'", "did you mean --hidden-size?"]),
+])
+def test_cross_field_errors(argv, world, parts):
+    msg = error(argv, world)
+    assert all(p in msg for p in parts), msg
+
+
+def test_interleaving_layout_and_flags():
+    argv = ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+            "--num-layers-per-virtual-pipeline-stage", "2", "--initial-loss-scale", "65536",
+            "--disable-bias-linear", "--no-flash-attn"]
+    cfg = load_config(MODEL + argv, world_size=4)
+    layout = cfg.layout()
+    assert (cfg.vpp, layout.vpp, layout.dp, layout.pp) == (2, 2, 2, 2)
+    assert cfg.precision.initial_scale_power == 16
+    assert (cfg.model.add_bias_linear, cfg.model.use_flash_attn) == (False, False)
+
+
+def test_sequence_parallel_turned_off_at_tp1():
+    with pytest.warns(UserWarning, match="--sequence-parallel has no effect"):
+        cfg = load_config(MODEL + ["--sequence-parallel"], world_size=2)
+    assert cfg.parallel.sequence_parallel is False
+
+
+def test_model_preset_and_explicit_flags():
+    cfg = load_config(MODEL + ["--model-preset", "llama", "--normalization", "LayerNorm"], 2)
+    m = cfg.model
+    assert (m.position_embedding_type, m.swiglu, m.add_bias_linear) == ("rope", True, False)
+    assert (m.normalization, m.model_preset, m.hidden_size) == ("LayerNorm", "llama", 64)
+
+
+def test_deepspeed_config_flag_reads_the_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 3, // per GPU\n'
+                    ' "gradient_accumulation_steps": 2}')
+    for flag in ("--deepspeed_config", "--deepspeed-config"):
+        cfg = load_config(MODEL + [flag, str(path)], world_size=4)
+        assert (cfg.train.global_batch_size, cfg.deepspeed_config) == (24, str(path))
+    msg = error(["--deepspeed_config", str(tmp_path / "missing.json")], 1)
+    assert "--deepspeed_config" in msg and "missing.json" in msg
+
+
+def test_argv_none_reads_sys_argv_and_world_size_env(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *MODEL, "--micro-batch-size", "3",
+                                     "--data-path", "0.3 a 0.7 b"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = load_config(None)
+    assert (cfg.parallel.world_size, cfg.train.global_batch_size) == (4, 12)
+    assert cfg.data.data_path == ("0.3", "a", "0.7", "b")
