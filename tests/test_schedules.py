@@ -170,3 +170,24 @@ def test_grid_renders_every_action():
     grid = render_grid(res)
     assert "F3.1" in grid and "B7.0" in grid
     assert grid.count("\n") >= 4 + 4
+
+
+def _grid_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "schedule_grid.py"
+    spec = importlib.util.spec_from_file_location("schedule_grid", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_schedule_grid_tool(capsys):
+    tool = _grid_tool()
+    assert tool.main(["--pp", "4", "--vpp", "2", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "F3.1" in out and "rank 0: busy 48, idle 9 (bubble 0.188)" in out
+    assert "formula bubble (p-1)/(v*m) = 0.188" in out
+    assert tool.main(["--pp", "4", "--vpp", "2", "--microbatches", "6"]) == 1
+    assert "multiple of pp=4" in capsys.readouterr().err
