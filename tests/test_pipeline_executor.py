@@ -110,6 +110,9 @@ class RecordingSync:
     def start_grad_sync(self):
         self.events.append("start")
 
+    def finish_grad_sync(self):
+        self.events.append("finish")
+
 
 def _equivalence_world(rank, world_size):
     results = []
@@ -158,6 +161,9 @@ def _equivalence_world(rank, world_size):
     outside, inside = suspended.count(False), suspended.count(True)
     shared = RecordingSync()
     forward_backward(chunks, iter(batches), topo, 8, SEQ, MBS, HIDDEN, grad_sync=shared)
+    # finalize=True hands the gradient sums to the engine's finish_grad_sync, once per engine
+    forward_backward(chunks, iter(batches), topo, 8, SEQ, MBS, HIDDEN, grad_sync=per_chunk,
+                     finalize=True)
     hooks = dict(per_chunk=[s.events for s in per_chunk], shared=shared.events,
                  outside=outside, inside=inside)
     # micro-batch counts the interleaved schedule cannot run are refused on every rank
@@ -177,7 +183,7 @@ def test_pipeline_matches_single_process_model():
             assert r["err"] < 1e-5, (rank, r)
         assert fo["err"] < 1e-5 and not fo["grads"] and fo["per_chunk_iter_err"] == 0.0
         # each chunk: the last micro-batch's backward outside no_sync, then start_grad_sync
-        assert hooks["per_chunk"] == [["start"], ["start"]]
+        assert hooks["per_chunk"] == [["start", "start", "finish"]] * 2
         assert hooks["shared"] == ["start"]
         n_params = {0: 3, 1: 2, 2: 2, 3: 3}[rank]  # layer weights + embedding / output copy
         assert hooks["outside"] == n_params and hooks["inside"] == 7 * n_params

@@ -267,9 +267,8 @@ def forward_backward(
     if syncs and not isinstance(grad_sync, Sequence) and not forward_only:
         syncs[0].start_grad_sync()
     if finalize and not forward_only:
-        sync = grad_sync if not isinstance(grad_sync, Sequence) else None
         finalize_model_grads(model_chunks, topo, sequence_parallel=sequence_parallel,
-                             grad_sync=sync)
+                             grad_sync=grad_sync)
     if stats is not None and meter is not None:
         stats.update(peak_inflight=meter.peak_inflight, peak_saved_bytes=meter.peak_bytes,
                      saved_bytes_per_forward=list(meter.bytes_per_forward),

@@ -82,11 +82,14 @@ def finalize_model_grads(
     """Sequence-parallel sums over TP, tied-embedding sums over the embedding group, then the
     optional data-parallel reduction ``dp_reduce()``. Call on every rank after the schedule.
 
-    With a ``grad_sync`` engine that has ``finish_grad_sync()`` (see the module docstring), that
-    call replaces all three.
+    With a ``grad_sync`` engine that has ``finish_grad_sync()`` (or a list of them, one per
+    chunk; see the module docstring), that call replaces all three.
     """
-    if grad_sync is not None and hasattr(grad_sync, "finish_grad_sync"):
-        grad_sync.finish_grad_sync()
+    engines = list(grad_sync) if isinstance(grad_sync, Sequence) else [grad_sync]
+    engines = [e for e in engines if e is not None]
+    if engines and all(hasattr(e, "finish_grad_sync") for e in engines):
+        for e in {id(e): e for e in engines}.values():  # one call per distinct engine
+            e.finish_grad_sync()
         return
     if sequence_parallel and topo.tp_size > 1:
         from megazero.tensor_parallel.grads import allreduce_sequence_parallel_grads
