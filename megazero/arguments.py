@@ -153,6 +153,21 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
+#: Flags of older Megatron / Megatron-DeepSpeed scripts, with what to write instead.
+RENAMED_FLAGS = {
+    "--model-parallel-size": "--tensor-model-parallel-size",
+    "--batch-size": "--micro-batch-size",
+    "--checkpoint-activations": "--recompute-granularity full --recompute-method uniform",
+    "--activations-checkpoint-method": "--recompute-method",
+    "--sequence-parallel-size": "--sequence-parallel (a mode of the TP group)",
+    "--use-distributed-optimizer": "--zero-stage 1",
+    "--warmup": "--lr-warmup-iters",
+    "--deepscale_config": "--deepspeed_config",
+    "--local_rank": "nothing: launch with torchrun, which sets LOCAL_RANK",
+    "--local-rank": "nothing: launch with torchrun, which sets LOCAL_RANK",
+}
+
+
 def field_default(path: str) -> Any:
     """The dataclass default of a dotted MegazeroConfig field path such as ``zero.stage``."""
     cls: Any = MegazeroConfig
@@ -189,8 +204,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_parser(explicit_only=True)
     args, unknown = parser.parse_known_args(list(argv))
     for token in unknown:
-        known = [name for flag in FLAGS for name in flag.names]
-        close = difflib.get_close_matches(token.split("=")[0], known, n=1, cutoff=0.6)
+        name = token.split("=")[0]
+        if name in RENAMED_FLAGS:
+            raise ConfigError(f"command line: {name} is not a megazero flag; use "
+                              f"{RENAMED_FLAGS[name]}")
+        known = [n for flag in FLAGS for n in flag.names]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         raise ConfigError(f"command line: unknown argument {token!r}"
                           + (f"; did you mean {close[0]}?" if close else "; see --help"))
     return args

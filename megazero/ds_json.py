@@ -82,6 +82,8 @@ def _hint(text: str, pos: int, msg: str) -> tuple[int, str]:
                      f"true/false or a string in double quotes")
     if here == "'":
         return pos, "JSON strings use double quotes, not single quotes"
+    if here == "#":
+        return pos, "# does not start a comment here: use // or /* */"
     if "delimiter" in msg and "','" in msg:
         return pos, "a comma is missing between two entries: add ',' after the previous entry"
     return pos, "fix the JSON syntax here"

@@ -81,7 +81,7 @@ def _js(value: Any) -> str:
 def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]]) -> None:
     """Keys whose meaning is more than "copy into a field": optimizer/scheduler type, monitors."""
     opt_type = get_path(ds, "optimizer.type")
-    if opt_type is not None:
+    if opt_type not in (None, "auto"):
         if opt_type.lower() not in OPTIMIZER_TYPES:
             close = difflib.get_close_matches(opt_type, ["Adam", "AdamW"], n=1)
             raise ConfigError(f"optimizer.type: got {opt_type!r}; megazero supports Adam and AdamW"

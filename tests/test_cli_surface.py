@@ -125,6 +125,9 @@ def test_explicit_parse_holds_only_typed_flags():
     (["--hidden-size", "big"], "argument --hidden-size: invalid int value: 'big'"),
     (["--lr-decay-style", "step"], "invalid choice: 'step'"),
     (["--micro"], "unknown argument '--micro'"),  # abbreviations are not accepted
+    (["--model-parallel-size", "2"], "use --tensor-model-parallel-size"),
+    (["--checkpoint-activations"], "use --recompute-granularity full --recompute-method uniform"),
+    (["--local_rank=0"], "torchrun"),
 ])
 def test_bad_command_lines(argv, part):
     with pytest.raises(ConfigError) as e:

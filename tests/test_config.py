@@ -175,6 +175,8 @@ def test_comments_are_stripped_but_strings_kept():
     ('{"a": 1 /* open', "unterminated /* comment starting at line 1, column 9"),
     ('{"fp16": {}, "fp16": {}}', "key 'fp16' appears twice"),
     ('[1, 2]', "the top level must be a JSON object"),
+    ("{'fp16': {}}", "JSON strings use double quotes"),
+    ('{\n  # note\n}', "line 2, column 3"),
     ('{"train_batch_size": 8,\n}', "line 1, column 23"),
 ])
 def test_json_syntax_errors(text, expected):
