@@ -39,10 +39,11 @@ class GPTDataset:
         seed: shuffling seed.
         split: name recorded in the cache key (``train``/``valid``/``test``).
         cache_dir: where the ``.npy`` indices live (default :func:`default_cache_dir`).
-        is_builder / barrier: who builds a missing cache and how the others wait. Defaults: rank 0
-            of ``group`` builds and ``torch.distributed.barrier(group)`` syncs when
-            torch.distributed is initialised, else this process builds alone. A non-builder with
-            ``barrier=None`` polls for the files.
+        is_builder / barrier: who builds a missing cache and how the others wait. With
+            ``is_builder=None``: rank 0 of ``group`` builds and (unless a ``barrier`` is given)
+            ``torch.distributed.barrier(group)`` syncs when torch.distributed is initialised;
+            otherwise this process builds alone. A non-builder with ``barrier=None`` polls for
+            the files.
     """
 
     def __init__(self, indexed_dataset: IndexedDataset, document_range: tuple[int, int],
@@ -80,8 +81,8 @@ class GPTDataset:
         cache = IndexCache(self.cache_dir, self.description, INDEX_NAMES)
         if is_builder is None:
             is_builder = default_is_builder(group)
-        if barrier is None:
-            barrier = default_barrier(group)
+            if barrier is None:
+                barrier = default_barrier(group)
         arrays, self.built_anew = cache.get_or_build(self._build, is_builder, barrier)
         self.cache_key = cache.key
         self.document_index = arrays["document_index"]
