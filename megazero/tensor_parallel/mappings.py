@@ -79,16 +79,25 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     if x.shape[0] % world != 0:
         raise ValueError(f"reduce-scatter: dim 0 ({x.shape[0]}) not divisible by {world} ranks")
-    chunk = x.shape[0] // world
     if _backend(group) in _REDUCE_SCATTER_FALLBACK_BACKENDS:
-        summed = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(summed, group=group)
-        return summed.narrow(0, group_rank(group) * chunk, chunk).clone()
+        return reduce_scatter_dim0_fallback(x, group)
+    return reduce_scatter_dim0_native(x, group)
+
+
+def reduce_scatter_dim0_native(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty((chunk, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0] // group_size(group), *x.shape[1:]), dtype=x.dtype,
+                      device=x.device)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(out, x, group=group)
     return out
+
+
+def reduce_scatter_dim0_fallback(x: torch.Tensor, group: Group) -> torch.Tensor:
+    chunk = x.shape[0] // group_size(group)
+    summed = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(summed, group=group)
+    return summed.narrow(0, group_rank(group) * chunk, chunk).clone()
 
 
 def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
