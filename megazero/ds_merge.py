@@ -44,6 +44,7 @@ from megazero.ds_config import (
     DS_CONFIG_KEYS,
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
+    UnimplementedConfigWarning,
     check_ds_config,
     get_path,
     json_field_values,
@@ -61,10 +62,6 @@ _AUTO_FROM_HIDDEN = {
     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
 }
-
-
-class UnimplementedConfigWarning(UserWarning):
-    """A DeepSpeed config key megazero knows but does not act on yet."""
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -8,8 +8,8 @@ import pytest
 
 from megazero.arguments import load_config
 from megazero.config import ConfigError
+from megazero.ds_config import UnimplementedConfigWarning
 from megazero.ds_json import load_ds_json, parse_ds_json
-from megazero.ds_merge import UnimplementedConfigWarning
 
 CONFIGS = Path(__file__).parent / "configs"
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]
