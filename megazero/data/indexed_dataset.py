@@ -183,6 +183,14 @@ class IndexedDataset:
     def __len__(self) -> int:
         return self.sequence_count
 
+    def __getstate__(self) -> dict:
+        """Pickle the path only: a memmap would otherwise be pickled as a full in-memory copy
+        (e.g. when a spawn-started DataLoader worker receives the dataset)."""
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path_prefix"])
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset+length)`` of sequence ``idx`` as a read-only view."""
         seq_len = int(self.sequence_lengths[idx])
