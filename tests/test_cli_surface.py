@@ -172,6 +172,11 @@ def test_cross_field_errors(argv, world, parts):
     assert all(p in msg for p in parts), msg
 
 
+def test_both_precision_flags():
+    msg = error(["--fp16", "--bf16"], 1)
+    assert "--fp16" in msg and "--bf16" in msg and "at most one" in msg
+
+
 def test_interleaving_layout_and_flags():
     argv = ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
             "--num-layers-per-virtual-pipeline-stage", "2", "--initial-loss-scale", "65536",

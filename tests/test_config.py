@@ -149,6 +149,17 @@ def test_invalid_seed_json_names_line_and_fix(fixture, line, fix):
     assert fixture in str(e.value)
 
 
+def test_seed_template_loads_once_its_placeholders_are_filled():
+    text = (CONFIGS / "bad_seed000_placeholders.json").read_text()
+    ds = parse_ds_json(text.replace("[0|1|2|3]", "3").replace('"[cpu|nvme]"', '"cpu"'))
+    cfg, warned = load(ds, ["--bf16"])
+    assert (cfg.zero.stage, cfg.zero.sub_group_size, cfg.precision.bf16) == (3, 10**12, True)
+    assert (cfg.zero.offload_param.device, cfg.zero.elastic_checkpoint) == ("cpu", True)
+    assert len(warned) == len(set(warned)) == 18
+    assert {"zero_optimization.offload_param.nvme_path", "optimizer.params.freeze_step",
+            "zero_optimization.zero_quantized_weights", "dump_state"} <= set(warned)
+
+
 def test_seed_with_misspelled_key_suggests_the_known_one():
     msg = error(load_ds_json(CONFIGS / "bad_seed003_unknown_key.json"))
     assert "'gradient_accumulation'" in msg
@@ -245,11 +256,6 @@ def test_integral_floats_are_integers():
     assert type(cfg.zero.reduce_bucket_size) is int
 
 
-def test_both_precision_flags():
-    msg = error(argv=["--fp16", "--bf16"])
-    assert "--fp16" in msg and "--bf16" in msg and "at most one" in msg
-
-
 # ---------------------------------------------------------------- flag vs JSON
 
 
@@ -323,9 +329,6 @@ def test_global_batch_not_divisible():
 def test_world_size_not_divisible_by_model_parallel():
     msg = error(argv=["--tensor-model-parallel-size", "4"], world_size=6)
     assert "world size 6" in msg and "= 4" in msg
-
-
-# ---------------------------------------------------------------- unimplemented keys
 
 
 def test_one_warning_per_unimplemented_key_per_load():
