@@ -132,6 +132,13 @@ class ZeroOptimizer:
         else:
             store.grad_accumulated(param)
 
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket still waiting (the pipeline executor calls this
+        after its last backward); :meth:`finish_grad_sync` completes it."""
+        if not self._synced:
+            for store in self.stores:
+                store.flush()
+
     def finish_grad_sync(self) -> None:
         """Complete this step's gradient reduction (see the module docstring for the order)."""
         if self._synced:
@@ -235,6 +242,19 @@ class ZeroOptimizer:
     def _all_params(self) -> Iterator[nn.Parameter]:
         for store in self.stores:
             yield from store.params()
+
+    @contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Inside, every parameter holds its full (data-parallel) value: for saving a
+        consolidated checkpoint or evaluating at stage 3. Collective over dp."""
+        stores = [s for s in self.stores if hasattr(s, "gather_all")]
+        for store in stores:
+            store.gather_all()
+        try:
+            yield
+        finally:
+            for store in stores:
+                store.release_all()
 
     def full_parameters(self) -> dict[int, torch.Tensor]:
         """A full copy of every parameter keyed by ``id(param)`` (collective at stage 3)."""

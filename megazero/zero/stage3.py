@@ -16,7 +16,8 @@ with ``offload_param``). Hooks make the full parameters exist only while needed:
   the persistent gradient shard (asynchronously with ``overlap_comm``) and release the unit.
 
 Parameters used outside the module that owns them (a tied embedding used by the output layer:
-``shared_embedding`` or ``zero_external`` set) are gathered for the whole forward of the model
+``chunk.shared_embedding_or_output_weight()``, or ``shared_embedding`` / ``zero_external`` set)
+are gathered for the whole forward of the model
 chunk instead, and released after their gradients arrive.
 
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
@@ -38,7 +39,7 @@ from megazero.zero.master import Piece
 
 class Unit:
     def __init__(self, index: int, params: list[nn.Parameter], dp_size: int, dp_rank: int,
-                 persistent: bool, external: bool, kind: str | None) -> None:
+                 persistent: bool, kind: str | None) -> None:
         self.index = index
         self.params = params
         self.shapes = [p.shape for p in params]
@@ -53,7 +54,6 @@ class Unit:
         self.shard_size = self.padded // dp_size
         self.own_lo, self.own_hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
         self.persistent = persistent
-        self.external = external
         self.kind = kind
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
@@ -84,36 +84,41 @@ class Stage3Params:
         self.device, self.dtype = first.device, first.dtype
         self.offload = zero.offload_param.enabled
         self.units: list[Unit] = []
-        self.unit_of_module: dict[nn.Module, Unit] = {}
         self.unit_of_param: dict[int, Unit] = {}
-        externals: list[nn.Parameter] = []
+        self.owner: dict[Unit, nn.Module] = {}  # the module whose forward gathers the unit
+        self.root = chunk
+        self.parent = {c: m for m in chunk.modules() for c in m.children()}
+        tied = getattr(chunk, "shared_embedding_or_output_weight", None)
+        tied = tied() if callable(tied) else None
         for module in chunk.modules():
             own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            ext = [p for p in own if getattr(p, "shared_embedding", False)
+            ext = [p for p in own if p is tied or getattr(p, "shared_embedding", False)
                    or getattr(p, "zero_external", False)]
-            externals += ext
-            own = [p for p in own if p not in ext]
-            if own:
-                self.unit_of_module[module] = self._add_unit(own, kinds, external=False)
-        self.external_units = [self._add_unit([p], kinds, external=True) for p in externals]
+            rest = [p for p in own if all(p is not e for e in ext)]
+            if rest:
+                self.owner[self._add_unit(rest, kinds)] = module
+            for p in ext:
+                self.owner[self._add_unit([p], kinds)] = chunk
+        self.units_of: dict[nn.Module, list[Unit]] = {}
         self.order: list[Unit] = []
         self._pos: dict[Unit, int] = {}
+        self._held_before: set[int] = set()
+        self._ran: list[nn.Module] = []
         self.recording = True
         self.live = 0
-        self._in_forward = 0
-        for module in self.unit_of_module:
-            module.register_forward_pre_hook(self._pre_forward)
-            module.register_forward_hook(self._post_forward)
+        for module in chunk.modules():
+            if module is not chunk:
+                module.register_forward_pre_hook(self._pre_forward)
+                module.register_forward_hook(self._post_forward)
         chunk.register_forward_pre_hook(self._root_pre_forward)
         chunk.register_forward_hook(self._root_post_forward)
         self.padding = sum(u.padding for u in self.units)
 
-    def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], external: bool
-                  ) -> Unit:
+    def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str]) -> Unit:
         n = sum(p.numel() for p in params)
         kind = next((kinds[id(p)] for p in params if id(p) in kinds), None)
         u = Unit(len(self.units), params, self.dp.size, self.dp.rank,
-                 n < self.zero.stage3_param_persistence_threshold, external, kind)
+                 n < self.zero.stage3_param_persistence_threshold, kind)
         flat = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
         for p, s in zip(params, u.starts):
             flat[s:s + p.numel()].copy_(p.data.reshape(-1))
@@ -178,50 +183,78 @@ class Stage3Params:
     def _reuse_distance(self, u: Unit) -> float:
         """Elements gathered between this unit's forward and its backward (rest of the forward
         and the start of the backward both touch every later unit)."""
-        if self.recording or u not in self._pos:
+        if u not in self._pos:
             return float("inf")
         return 2 * sum(v.padded for v in self.order[self._pos[u] + 1:])
 
     # --- hooks --------------------------------------------------------------------------------
 
+    def _finish_recording(self) -> None:
+        """After the first forward: a unit whose module never ran its own forward (a parent
+        reads the parameter directly, like a position-embedding table) is gathered by the
+        nearest ancestor that did run; the execution order drives prefetch and reuse."""
+        ran = set(self._ran)
+        for u, m in self.owner.items():
+            while m is not self.root and m not in ran:
+                m = self.parent[m]
+            self.owner[u] = m
+        for u, m in self.owner.items():
+            self.units_of.setdefault(m, []).append(u)
+        self.order = [u for m in self._ran for u in self.units_of.get(m, [])]
+        self._pos = {u: i for i, u in enumerate(self.order)}
+        self.recording = False
+
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._in_forward += 1
-        for u in self.external_units:
+        # The first forward runs with everything gathered while it records who uses what.
+        for u in self.units if self.recording else self.units_of.get(self.root, []):
             self._ensure(u)
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self._in_forward -= 1
-        if self.recording and self.order:
-            self.recording = False
-            self._pos = {u: i for i, u in enumerate(self.order)}
-        for u in self.external_units:
+        if self.recording:
+            self._finish_recording()
+            for u in self.units:
+                if self.owner[u] is not self.root:
+                    self._post_forward_unit(u)
+        mine = self.units_of.get(self.root, [])
+        for u in mine:
             self._release(u)
-        if torch.is_grad_enabled() and self.external_units:
-            return _wrap(output, lambda: [self._ensure(u) for u in self.external_units])
+        if torch.is_grad_enabled() and mine:
+            return _wrap(output, lambda: self._pre_backward(self.root))
         return None
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        u = self.unit_of_module[module]
-        if self.recording and u not in self.order:
-            self.order.append(u)
-        self._ensure(u)
-        if not self.recording and u in self._pos:
+        if self.recording:
+            if module not in self._ran:
+                self._ran.append(module)
+            return
+        for u in self.units_of.get(module, ()):
+            self._ensure(u)
             self._prefetch(self._pos[u], +1)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        u = self.unit_of_module[module]
+        if self.recording:
+            return _wrap(output, lambda: self._pre_backward(module)) if (
+                torch.is_grad_enabled()) else None
+        units = self.units_of.get(module)
+        if not units:
+            return None
+        for u in units:
+            self._post_forward_unit(u)
+        if torch.is_grad_enabled():
+            return _wrap(output, lambda: self._pre_backward(module))
+        return None
+
+    def _post_forward_unit(self, u: Unit) -> None:
         keep = (self._reuse_distance(u) < self.zero.stage3_max_reuse_distance
                 and self.live <= self.zero.stage3_max_live_parameters)
         if not keep or not torch.is_grad_enabled():
             self._release(u)
-        if torch.is_grad_enabled():
-            return _wrap(output, lambda: self._pre_backward(u))
-        return None
 
-    def _pre_backward(self, u: Unit) -> None:
-        self._ensure(u)
-        if not self.recording and u in self._pos:
-            self._prefetch(self._pos[u], -1)
+    def _pre_backward(self, module: nn.Module) -> None:
+        for u in self.units_of.get(module, ()):
+            self._ensure(u)
+            if u in self._pos:
+                self._prefetch(self._pos[u], -1)
 
     # --- gradients ----------------------------------------------------------------------------
 
@@ -339,6 +372,16 @@ class Stage3Params:
         out += [u.grad_full for u in self.units if u.grad_full is not None]
         out += [p.grad for u in self.units for p in u.params if p.grad is not None]
         return out
+
+    def gather_all(self) -> None:
+        self._held_before = {u.index for u in self.units if u.full is not None}
+        for u in self.units:
+            self._ensure(u)
+
+    def release_all(self) -> None:
+        for u in self.units:
+            if u.index not in self._held_before:
+                self._release(u)
 
     def gathered_state(self) -> dict[int, torch.Tensor]:
         """Full copies of every parameter (collective over dp), keyed by ``id(param)``."""
