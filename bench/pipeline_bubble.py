@@ -1,10 +1,11 @@
 """Measure the pipeline bubble of 1F1B and interleaved 1F1B and compare with the formulas.
 
-    python bench/pipeline_bubble.py [--compute sleep|matmul] [--stage-ms 40] [--steps 3]
+    python bench/pipeline_bubble.py [--compute sleep|matmul] [--stage-ms 200] [--steps 3]
 
 Four pipeline ranks (gloo, CPU) run the real executor on stand-in chunks. Each rank measures
-its busy time (time spent inside chunk forwards and backwards) and the step time (barrier to
-end of schedule); its bubble is ``(step - busy) / busy``, the quantity Megatron's formulas give:
+its busy time (time spent inside chunk forwards and backwards); the step time runs from the
+first rank's start (after a barrier) to the last rank's finish. A rank's bubble is
+``(step - busy) / busy``, the quantity Megatron's formulas give:
 ``(p - 1) / m`` for 1F1B and ``(p - 1) / (v m)`` for interleaved 1F1B.
 
 Compute: this machine may have fewer cores than ranks, and ranks competing for a core would
@@ -108,7 +109,7 @@ def _bench_rank(rank, world_size, cases, stage_ms, mode, steps):
         g = torch.Generator().manual_seed(0)
         batches = [{"tokens": torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
                     "labels": torch.zeros(MBS, SEQ, dtype=torch.long)} for _ in range(m)]
-        times, busies = [], []
+        spans = []
         for step in range(steps + 1):  # the first step warms up
             busy.seconds = 0.0
             dist.barrier()
@@ -116,17 +117,26 @@ def _bench_rank(rank, world_size, cases, stage_ms, mode, steps):
             forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN)
             t1 = time.perf_counter()
             if step:
-                times.append(t1 - t0)
-                busies.append(busy.seconds)
-        out.append(dict(pp=pp, vpp=vpp, m=m, step_s=sum(times) / steps,
-                        busy_s=sum(busies) / steps))
+                spans.append((t0, t1, busy.seconds))
+        out.append(spans)
     return out
+
+
+def _step_stats(spans_per_rank: list[list[tuple[float, float, float]]]) -> tuple[float, list]:
+    """Step time = first start to last finish over all ranks (perf_counter is the system-wide
+    monotonic clock, comparable across processes): the pipeline is only done when its last
+    rank is. Returns the mean step time and each rank's mean busy time."""
+    steps = len(spans_per_rank[0])
+    step_s = sum(max(r[i][1] for r in spans_per_rank) - min(r[i][0] for r in spans_per_rank)
+                 for i in range(steps)) / steps
+    busy = [sum(s[2] for s in r) / steps for r in spans_per_rank]
+    return step_s, busy
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="pipeline bubble: measured vs formula")
     ap.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
-    ap.add_argument("--stage-ms", type=float, default=40.0,
+    ap.add_argument("--stage-ms", type=float, default=200.0,
                     help="forward time of one micro-batch through a whole stage (ms)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -138,12 +148,13 @@ def main() -> None:
                                timeout=600)
     rows = []
     for i, (p, v, m) in enumerate(cases):
-        bubbles = [(r[i]["step_s"] - r[i]["busy_s"]) / r[i]["busy_s"] for r in per_rank]
+        step_s, busy = _step_stats([r[i] for r in per_rank])
+        bubbles = [(step_s - b) / b for b in busy]
         rows.append(dict(
             schedule="1F1B" if v == 1 else "interleaved 1F1B", pp=p, vpp=v, microbatches=m,
             formula=(p - 1) / (v * m), measured_mean=sum(bubbles) / len(bubbles),
-            measured_per_rank=bubbles, step_ms=1000 * max(r[i]["step_s"] for r in per_rank),
-            busy_ms_per_rank=[1000 * r[i]["busy_s"] for r in per_rank]))
+            measured_per_rank=bubbles, step_ms=1000 * step_s,
+            busy_ms_per_rank=[1000 * b for b in busy]))
     print(f"pipeline bubble, pp={pp}, compute={args.compute} "
           f"(stage forward {args.stage_ms:g} ms, backward 2x; sleep = fixed-duration compute)")
     print(f"{'schedule':<18}{'v':>3}{'m':>4}{'formula':>10}{'measured':>10}"

@@ -211,9 +211,7 @@ def interleaved_one_f_one_b(
     fwd = order
     bwd = [(mb, vpp - 1 - c) for mb, c in order]
     total = len(order)
-    if forward_only:
-        warmup = total
-    elif num_microbatches == pp:
+    if forward_only or num_microbatches == pp:  # one group: nothing to overlap, all warm-up
         warmup = total
     else:
         warmup = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp, total)
