@@ -32,8 +32,9 @@ def sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.stack([n.float() for n in norms]).pow(2).sum()
+    # fp32 accumulation: scaled fp16 gradients routinely have norms above fp16's 65504.
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.stack(norms).pow(2).sum()
 
 
 def all_reduce_scalar(value: torch.Tensor, comms: list[GroupComm], op: Any = None) -> float:
