@@ -3,7 +3,6 @@ are replayed exactly by recomputation."""
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megazero.model import GPTModel
 from megazero.tensor_parallel import allreduce_sequence_parallel_grads, full_model_state_dict
@@ -95,15 +94,15 @@ def _mask_agreement(rank, world):
     topo = ParallelTopology.build(tp=2)
     tokens, _ = batch(3)
     masks, kept = [], []
-    original = F.dropout
+    original = torch.native_dropout
 
-    def recording_dropout(x, p=0.5, training=True, inplace=False):
-        y = original(x, p, training, inplace)
-        masks.append((y == 0) & (x != 0))  # dropped, among elements that were non-zero
+    def recording_dropout(x, p, train):
+        y, keep = original(x, p, train)
+        masks.append(~keep & (x != 0))  # dropped, among elements that were non-zero
         kept.append(x != 0)
-        return y
+        return y, keep
 
-    F.dropout = recording_dropout
+    torch.native_dropout = recording_dropout
     try:
         for sp in (False, True):
             masks.clear()
@@ -125,7 +124,7 @@ def _mask_agreement(rank, world):
                 rate = mask.sum().item() / valid.sum().item()
                 assert 0.2 < rate < 0.4, f"{kind}: dropped fraction {rate:.3f}, p=0.3"
     finally:
-        F.dropout = original
+        torch.native_dropout = original
     return True
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.model.dropout import dropout
 from megazero.model.positional import apply_rotary
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megazero.tensor_parallel.mappings import Group, group_size
@@ -90,7 +91,7 @@ class CoreAttention(nn.Module):
                                alpha=1.0 / math.sqrt(d))
         probs = F.softmax(scores, dim=-1)
         if p > 0:
-            probs = F.dropout(probs, p=p, training=True)
+            probs = dropout(probs, p)
         vb = v.reshape(s, b * n, d).transpose(0, 1)  # [b*n, s, d]
         ctx = torch.bmm(probs, vb)  # [b*n, s, d]
         return ctx.transpose(0, 1).reshape(s, b, n * d)

@@ -16,11 +16,11 @@ Forward contract (the pipeline schedules rely on it)::
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ConfigError, ModelConfig
 from megazero.model.attention import BACKENDS
+from megazero.model.dropout import dropout
 from megazero.model.init import initialize_parameters
 from megazero.model.positional import RotaryEmbedding
 from megazero.model.recompute import apply_recompute
@@ -101,7 +101,7 @@ class Embedding(nn.Module):
         if self.training and self.dropout > 0:
             stream = MODEL_PARALLEL_STREAM if self.sequence_parallel else DEFAULT_STREAM
             with self.tracker.fork(stream):
-                x = F.dropout(x, p=self.dropout, training=True)
+                x = dropout(x, self.dropout)
         return x
 
 

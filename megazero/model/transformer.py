@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
 from megazero.model.attention import SelfAttention
+from megazero.model.dropout import dropout
 from megazero.model.mlp import MLP
 from megazero.model.norms import build_norm
 from megazero.tensor_parallel.mappings import Group
@@ -46,7 +46,7 @@ class TransformerLayer(nn.Module):
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
             with self.tracker.fork(self.dropout_stream):
-                out = F.dropout(out, p=self.hidden_dropout, training=True)
+                out = dropout(out, self.hidden_dropout)
         return residual + out
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
