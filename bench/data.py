@@ -20,6 +20,7 @@ import io
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 import time
@@ -65,14 +66,20 @@ def bench_tokenize(tmp: str, n_docs: int, vocab_size: int) -> list[dict]:
     train_s = time.perf_counter() - t0
     rows = []
     for workers in (1, 2):
+        cpu0 = time.process_time() + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+        load0 = os.getloadavg()[0]
         stats = preprocess([src], os.path.join(tmp, f"tok{workers}"),
                            {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": model},
                            append_eod=True, workers=workers, progress=Progress(io.StringIO()))
+        # pool workers are reaped when the pool closes, so RUSAGE_CHILDREN now includes them
+        cpu = time.process_time() + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - cpu0
         rows.append({"workers": workers, "documents": stats.documents, "tokens": stats.tokens,
                      "input_mb": stats.input_bytes / 1e6, "seconds": stats.seconds,
                      "tokens_per_s": stats.tokens / stats.seconds,
                      "docs_per_s": stats.documents / stats.seconds,
                      "mb_per_s": stats.input_bytes / 1e6 / stats.seconds,
+                     "cpu_s": cpu, "tokens_per_cpu_s": stats.tokens / cpu,
+                     "load_average_before": load0,
                      "tokenizer_train_s": train_s, "vocab_size": vocab_size})
     return rows
 
@@ -156,12 +163,13 @@ def main() -> None:
 
     print("\nPreprocessing (SentencePiece BPE, vocab "
           f"{args.vocab_size}, synthetic JSON lines, --append-eod)")
-    print(f"{'workers':>7} {'docs':>8} {'tokens':>10} {'MB':>7} {'s':>7} {'tokens/s':>10} "
-          f"{'docs/s':>8} {'MB/s':>6}")
+    print(f"{'workers':>7} {'docs':>8} {'tokens':>10} {'MB':>7} {'wall s':>7} {'tokens/s':>10} "
+          f"{'docs/s':>8} {'MB/s':>6} {'CPU s':>7} {'tokens/CPU s':>12} {'load':>5}")
     for r in tok_rows:
         print(f"{r['workers']:>7} {r['documents']:>8} {r['tokens']:>10} {r['input_mb']:>7.1f} "
               f"{r['seconds']:>7.2f} {r['tokens_per_s']:>10.0f} {r['docs_per_s']:>8.0f} "
-              f"{r['mb_per_s']:>6.2f}")
+              f"{r['mb_per_s']:>6.2f} {r['cpu_s']:>7.2f} {r['tokens_per_cpu_s']:>12.0f} "
+              f"{r['load_average_before']:>5.1f}")
     print(f"\nIndex building: {idx['tokens'] / 1e6:.0f}M tokens, {idx['documents']} documents, "
           f"seq_length {idx['seq_length']}")
     rows = [("write .bin/.idx (builder, incl. random tokens)", "write"),

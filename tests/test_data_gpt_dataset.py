@@ -207,3 +207,28 @@ def test_range_and_sequence_errors(tmp_path, corpus):
         GPTDataset(idx, (5, 5), 16, 10, cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"outside the 300 documents"):
         GPTDataset(idx, (0, 301), 16, 10, cache_dir=str(tmp_path))
+
+
+def test_rewritten_corpus_invalidates_cache(tmp_path):
+    prefix = str(tmp_path / "c")
+    make_corpus(prefix, 50, seed=1, allow_empty=False)
+    cache = str(tmp_path / "cache")
+    first = GPTDataset(IndexedDataset(prefix), (0, 50), 8, 40, cache_dir=cache)
+    # same number of tokens, different document lengths: the old indices would be wrong
+    lengths = IndexedDataset(prefix).sequence_lengths.copy()
+    with IndexedDatasetBuilder(prefix, np.uint16) as b:
+        b.add_document(np.zeros(lengths[0] + lengths[1], dtype=np.uint16))
+        for n in lengths[2:]:
+            b.add_document(np.zeros(n, dtype=np.uint16))
+        b.add_document([])
+        b.finalize()
+    second = GPTDataset(IndexedDataset(prefix), (0, 50), 8, 40, cache_dir=cache)
+    assert second.built_anew and second.cache_key != first.cache_key
+
+
+def test_unwritable_cache_dir_is_named(tmp_path, corpus):
+    prefix, _ = corpus
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(OSError, match=r"cannot write the index cache to .*not-a-dir.*cache_dir"):
+        GPTDataset(IndexedDataset(prefix), (0, 300), 16, 10, cache_dir=str(blocker))

@@ -190,3 +190,21 @@ def test_train_tokenizer_tool(tmp_path):
     assert tool.main(["--input", str(bad), "--output-prefix", str(tmp_path / "x"),
                       "--vocab-size", "300"]) == 1
     assert not os.path.exists(tmp_path / "x.model")
+
+
+def test_interrupted_run_leaves_no_dataset(tmp_path, sp_model, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", make_texts(50))
+    real = SentencePieceTokenizer.tokenize
+    calls = {"n": 0}
+
+    def flaky(self, text):
+        calls["n"] += 1
+        if calls["n"] == 30:
+            raise KeyboardInterrupt  # as if Ctrl-C arrived mid-run
+        return real(self, text)
+
+    monkeypatch.setattr(SentencePieceTokenizer, "tokenize", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess([src], str(tmp_path / "out"), sp_args(sp_model))
+    assert calls["n"] == 30
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

@@ -9,6 +9,7 @@ sample ``shuffle_index[i]``; ``stream_sample(j)`` reads stream sample ``j`` dire
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 
@@ -71,7 +72,10 @@ class GPTDataset:
             "class": type(self).__name__,
             "format": _CACHE_FORMAT,
             "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
-            "data_bytes": os.path.getsize(indexed_dataset.path_prefix + ".bin"),
+            # The indices depend on the data only through these lengths: hashing them catches a
+            # corpus re-preprocessed under the same name.
+            "lengths_sha256": hashlib.sha256(np.ascontiguousarray(
+                indexed_dataset.sequence_lengths[begin:end]).tobytes()).hexdigest(),
             "document_range": list(self.document_range),
             "seq_length": self.seq_length,
             "num_samples": num_samples,

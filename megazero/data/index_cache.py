@@ -71,7 +71,14 @@ class IndexCache:
         return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in self.paths.items()}
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:
-        os.makedirs(self.cache_dir, exist_ok=True)
+        try:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            self._save(arrays)
+        except OSError as e:
+            raise OSError(f"cannot write the index cache to {self.cache_dir!r} ({e}); pass a "
+                          "writable cache directory (cache_dir)") from e
+
+    def _save(self, arrays: dict[str, np.ndarray]) -> None:
         for n in self.names:
             _save_atomic(self.paths[n], arrays[n])
         # The description goes last: its presence marks the set as complete.
