@@ -166,6 +166,18 @@ def _equivalence_world(rank, world_size):
                      finalize=True)
     hooks = dict(per_chunk=[s.events for s in per_chunk], shared=shared.events,
                  outside=outside, inside=inside)
+    # bf16 activations and grads travel in bf16; losses stay close to the fp32 model
+    bf16_chunks = [c.to(torch.bfloat16) for c in build_chunks(topo, 2, True)]
+    bf16_losses = forward_backward(bf16_chunks, iter(batches), topo, 8, SEQ, MBS, HIDDEN,
+                                   dtype=torch.bfloat16)
+    fo["bf16_err"] = max(abs(a - b) for a, b in zip(bf16_losses, losses))
+    # the last stage's embedding copy is re-synchronised from the first stage
+    for p in bf16_chunks[-1].parameters():
+        if getattr(p, "shared", False):
+            p.data.add_(1.0)
+    sync_tied_embeddings(bf16_chunks, topo)
+    emb = [p for c in bf16_chunks for p in c.parameters() if getattr(p, "shared_embedding", 0)]
+    fo["tied_sum"] = emb[0].detach().float().sum().item() if emb else None
     # micro-batch counts the interleaved schedule cannot run are refused on every rank
     try:
         forward_backward(chunks, iter(batches), topo, 6, SEQ, MBS, HIDDEN)
@@ -182,12 +194,15 @@ def test_pipeline_matches_single_process_model():
         for r in results:
             assert r["err"] < 1e-5, (rank, r)
         assert fo["err"] < 1e-5 and not fo["grads"] and fo["per_chunk_iter_err"] == 0.0
+        assert 0 < fo["bf16_err"] < 0.05, fo["bf16_err"]
         # each chunk: the last micro-batch's backward outside no_sync, then start_grad_sync
         assert hooks["per_chunk"] == [["start", "start", "finish"]] * 2
         assert hooks["shared"] == ["start"]
         n_params = {0: 3, 1: 2, 2: 2, 3: 3}[rank]  # layer weights + embedding / output copy
         assert hooks["outside"] == n_params and hooks["inside"] == 7 * n_params
         assert "multiple of pp=4" in refused and "valid: 4, 8, 12" in refused
+    tied = [o[1]["tied_sum"] for o in out]  # first (rank 0) and last (rank 3) stage copies
+    assert tied[1] is None and tied[2] is None and tied[0] == tied[3]
     # activation memory on the first stage (pp rank 0 is global rank 0 in every layout)
     first = {(r["pp"], r["vpp"], r["m"], r["tied"]): r for r in out[0][0]}
     for pp in (2, 4):
