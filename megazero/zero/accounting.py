@@ -68,11 +68,14 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
     return out
 
 
-def formula_bytes(stage: int, numel: int, dp: int, mixed: bool) -> float:
+def formula_bytes(stage: int, numel: int, dp: int, mixed: bool, offload: bool = False) -> float:
     """ZeRO paper's model-state bytes per rank (Adam): K = 12 mixed, 8 in fp32 (masters = params).
+
+    With the optimizer offloaded, fp32 training needs a host copy of the master weights too
+    (the device keeps the parameters it computes with), so K = 12 there as well.
     """
     p = g = 2 if mixed else 4
-    k = 12 if mixed else 8
+    k = 12 if mixed or offload else 8
     n = float(dp)
     per = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
     return per * numel
