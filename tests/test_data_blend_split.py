@@ -39,7 +39,7 @@ def test_every_prefix_tracks_the_weights(weights):
     counts = np.cumsum(onehot, axis=0)  # counts[m-1, k]: picks of k among the first m
     m = np.arange(1, n + 1)[:, None]
     err = np.abs(counts - w[None, :] * m)
-    bound = 0.5 + len(w) * w / 2 + 1e-9
+    bound = np.maximum(1.0, len(w) * w) + 1e-9
     assert np.all(err <= bound[None, :])
     # final fractions within ~1/n of the weights
     np.testing.assert_allclose(counts[-1] / n, w, atol=len(w) / n)
@@ -49,22 +49,30 @@ def test_every_prefix_tracks_the_weights(weights):
         np.testing.assert_array_equal(picks, np.arange(len(picks)))
 
 
-def test_close_to_megatron_greedy_counts():
-    weights = [0.2, 0.35, 0.45]
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.5, 0.5], [0.9, 0.1], [0.1, 0.9],
+                                     [1 / 3, 2 / 3], [0.618, 0.382], [0.07, 0.93]])
+def test_two_datasets_match_megatron_greedy_exactly(weights):
+    ours, _ = build_blending_indices(weights, 5000)
+    np.testing.assert_array_equal(ours, megatron_greedy_reference(weights, 5000))
+
+
+@pytest.mark.parametrize("weights", [[0.2, 0.35, 0.45], [0.1, 0.2, 0.3, 0.4],
+                                     [0.5, 0.25, 0.125, 0.125]])
+def test_more_datasets_stay_within_one_sample_of_megatron(weights):
     n = 5000
     ours, _ = build_blending_indices(weights, n)
     ref = megatron_greedy_reference(weights, n)
-    ours_c = np.cumsum(np.eye(3)[ours], axis=0)
-    ref_c = np.cumsum(np.eye(3)[ref], axis=0)
-    # both track the same targets; running counts never differ by more than 2 samples
-    assert np.abs(ours_c - ref_c).max() <= 2
+    eye = np.eye(len(weights))
+    ours_c = np.cumsum(eye[ours], axis=0)
+    ref_c = np.cumsum(eye[ref], axis=0)
+    assert np.abs(ours_c - ref_c).max() <= 1
 
 
 def test_blending_is_deterministic_and_fast():
     a = build_blending_indices([0.3, 0.7], 1_000_000)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: wall time on a shared CI machine is not the code's
     b = build_blending_indices([0.3, 0.7], 1_000_000)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
     assert np.bincount(a[0]).tolist() == [300000, 700000]

@@ -54,13 +54,15 @@ def build_blending_indices(weights: Sequence[float], num_samples: int
 
     Returns ``(dataset_index int16[n], dataset_sample_index int64[n])``.
 
-    Megatron picks, sample by sample, the dataset furthest behind its target count (a sequential
-    C++ loop). The same goal is met without a loop by a divisor (Sainte-Lague) apportionment: the
-    ``j``-th sample of dataset ``k`` is due at time ``(j + 0.5) / w_k``, and samples are taken in
-    order of due time (ties: lower dataset first). After any prefix of ``m`` samples each dataset's
-    count stays within ``0.5 + K * w_k / 2`` of ``w_k * m`` (K datasets), so the realised fractions
-    match the weights to about ``1/m``; one stable sort of ``~n`` keys builds 1M samples in tens of
-    milliseconds.
+    Megatron picks, sample by sample, the dataset furthest behind its target count
+    (``argmax_k w_k * max(i, 1) - count_k``, a sequential C++ loop). Here the ``j``-th sample of
+    dataset ``k`` is given the due time ``j / w_k`` and one stable sort merges all datasets by
+    due time (ties: the lower dataset first; the first samples, all due at 0, by decreasing
+    weight as Megatron's ``max(i, 1)`` orders them). For two datasets this is exactly Megatron's
+    sequence, because the two errors always sum to zero so "furthest behind" is "earliest due";
+    for more it can differ by one sample at a time. Either way every prefix of ``m`` samples holds
+    within ``max(1, K * w_k)`` of ``w_k * m`` samples of dataset ``k`` (K datasets), and 1M samples
+    take tens of milliseconds.
     """
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or np.any(w < 0) or w.sum() <= 0:
@@ -77,11 +79,12 @@ def build_blending_indices(weights: Sequence[float], num_samples: int
             continue
         # Enough candidates that the n earliest due times always come from this pool.
         count = int(math.ceil(wk * num_samples + len(w))) + 1
-        keys.append((np.arange(count, dtype=np.float64) + 0.5) / wk)
+        keys.append(np.arange(count, dtype=np.float64) / wk)
         owners.append(np.full(count, k, dtype=np.int16))
     all_keys = np.concatenate(keys)
     all_owners = np.concatenate(owners)
-    order = np.argsort(all_keys, kind="stable")[:num_samples]  # stable: lower k wins ties
+    tie_break = np.where(all_keys == 0, -w[all_owners], all_owners.astype(np.float64))
+    order = np.lexsort((tie_break, all_keys))[:num_samples]
     dataset_index = all_owners[order]
     # Within one dataset the chosen candidates are its first c_k in order, so the sample index of
     # each pick is its rank among earlier picks of the same dataset.
