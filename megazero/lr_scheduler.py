@@ -146,24 +146,34 @@ def build_lr_function(config: OptimizerConfig, train_iters: int | None) -> Calla
 
 
 class LRScheduler:
-    """Sets the learning rate of ``param_groups`` from a schedule and the step count.
+    """Sets the learning rate of an optimizer's ``param_groups`` from a schedule and step count.
 
-    ``num_steps`` counts optimizer steps taken; :meth:`step` advances it after each successful
-    update (a step skipped by the loss scaler still advances it, as in Megatron, so the schedule
-    stays tied to the iteration number).
+    ``num_steps`` counts optimizer updates taken; :meth:`step` advances it after each update
+    that was applied. A step skipped by the fp16 loss scaler does not advance it (Megatron and
+    DeepSpeed both hold the schedule on overflow).
+
+    ``optimizer`` is anything with a ``param_groups`` attribute (or a plain list of groups).
+    The attribute is read on every update, never cached: ``torch.optim.Optimizer.load_state_dict``
+    replaces the group list, and a scheduler holding the old list would silently stop steering
+    the learning rate after a checkpoint is loaded.
     """
 
-    def __init__(self, param_groups: list[dict], lr_fn: Callable[[int], float],
+    def __init__(self, optimizer: Any, lr_fn: Callable[[int], float],
                  num_steps: int = 0) -> None:
-        self.param_groups = param_groups
+        self.optimizer = optimizer
         self.lr_fn = lr_fn
         self.num_steps = int(num_steps)
         self._apply()
 
+    @property
+    def param_groups(self) -> list[dict]:
+        groups = getattr(self.optimizer, "param_groups", self.optimizer)
+        return list(groups)
+
     @classmethod
-    def from_config(cls, param_groups: list[dict], config: OptimizerConfig,
+    def from_config(cls, optimizer: Any, config: OptimizerConfig,
                     train_iters: int | None) -> LRScheduler:
-        return cls(param_groups, build_lr_function(config, train_iters))
+        return cls(optimizer, build_lr_function(config, train_iters))
 
     def get_lr(self) -> float:
         """The learning rate the next optimizer step will use."""

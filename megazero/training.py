@@ -260,8 +260,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     batching = Batching.from_config(cfg, topo.dp_size)
     train_ds, valid_ds = build_datasets(cfg, batching)
     chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
-    scheduler = LRScheduler(engine.param_groups, build_lr_function(cfg.optimizer,
-                                                                   batching.train_iters))
+    scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
     logging = cfg.logging
     monitor = Monitor(logging, enabled=is_reporter, log_json=log_json, run_config=None)
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor,

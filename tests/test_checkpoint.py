@@ -61,7 +61,8 @@ class _MomentumSGD:
     def load_state_dict(self, sd):
         for p, m in zip(self.param_groups[0]["params"], sd["momentum"]):
             self.state[p] = {"momentum_buffer": m.clone()}
-        self.param_groups[0]["lr"] = sd["lr"]
+        # Like torch.optim: loading builds a new group list (the scheduler must follow it).
+        self.param_groups = [{"params": self.param_groups[0]["params"], "lr": sd["lr"]}]
 
 
 def _build(topo, seed=0):
@@ -70,7 +71,7 @@ def _build(topo, seed=0):
     random.seed(seed + topo.rank)
     models = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
     opt = _MomentumSGD([p for m in models for p in m.parameters()], lr=0.1)
-    sched = LRScheduler(opt.param_groups, lambda step: 0.1 / (1 + step))
+    sched = LRScheduler(opt, lambda step: 0.1 / (1 + step))
     return models, opt, sched, _Tracker(seed + topo.rank)
 
 

@@ -92,3 +92,18 @@ def test_state_dict_resumes_and_errors():
                                           scheduler_params={"warmup_steps": 3}), 10)
     with pytest.raises(ConfigError, match="lr-warmup-iters"):
         build_lr_function(OptimizerConfig(lr_warmup_iters=50, lr_decay_iters=20), 100)
+
+
+def test_scheduler_follows_optimizer_after_load_state_dict():
+    """torch.optim's load_state_dict replaces param_groups; the schedule must keep applying."""
+    import torch
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w], lr=1.0)
+    s = LRScheduler(opt, lambda step: 1.0 / (1 + step))
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+    s.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
+    s.load_state_dict({"num_steps": 3})
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25)
