@@ -88,6 +88,8 @@ def test_sentencepiece_train_and_use(tmp_path):
     model = train_sentencepiece(texts, str(tmp_path / "sp"), vocab_size=320)
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
     assert isinstance(tok, SentencePieceTokenizer)
+    alias = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+    assert alias.tokenize("paper signal") == tok.tokenize("paper signal")
     assert tok.vocab_size == 320 and tok.eod == 2
     ids = tok.tokenize("quiet forest morning")
     assert len(ids) <= 6 and max(ids) < 320

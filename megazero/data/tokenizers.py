@@ -99,16 +99,18 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
+                   "NullTokenizer")
 
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
                     vocab_file: str | None = None, merge_file: str | None = None,
                     vocab_size: int | None = None) -> Tokenizer:
     """Build a tokenizer from Megatron-style arguments; errors name the missing flag."""
-    if tokenizer_type == "SentencePieceTokenizer":
+    # Megatron's GPTSentencePieceTokenizer also uses the model's eos as end of document.
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         if not tokenizer_model:
-            raise ValueError("SentencePieceTokenizer needs --tokenizer-model")
+            raise ValueError(f"{tokenizer_type} needs --tokenizer-model")
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
