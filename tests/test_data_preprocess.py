@@ -208,3 +208,30 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, sp_model, monkeypatch):
         preprocess([src], str(tmp_path / "out"), sp_args(sp_model))
     assert calls["n"] == 30
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_gpt2_bpe_tokenizer_through_the_tool(tmp_path):
+    from megazero.data.gpt2_bpe import EOD_TOKEN, GPT2BPETokenizer, bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values()) + ["Ġw", "or", "Ġwor", EOD_TOKEN]
+    (tmp_path / "vocab.json").write_text(json.dumps({s: i for i, s in enumerate(symbols)}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nĠ w\no r\nĠw or\n", encoding="utf-8")
+    src = write_jsonl(tmp_path / "in.jsonl", ["hello world", "a world of words"])
+    tool = _load_tool("preprocess_data")
+    rc = tool.main(["--input", src, "--output-prefix", str(tmp_path / "g"), "--tokenizer-type",
+                    "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "vocab.json"),
+                    "--merge-file", str(tmp_path / "merges.txt"), "--append-eod",
+                    "--workers", "2"])
+    assert rc == 0
+    tok = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    ds = IndexedDataset(str(tmp_path / "g_text_document"))
+    assert ds[0].tolist() == tok.tokenize("hello world") + [tok.eod]
+    assert tok.detokenize(ds[1][:-1]) == "a world of words"
+    assert symbols[int(ds[1][1])] == "Ġwor"
+
+
+def test_json_keys_do_not_apply_to_plain_text(tmp_path, sp_model):
+    (tmp_path / "a.txt").write_text("amber")
+    with pytest.raises(PreprocessError, match="--json-keys .* only applies to JSON lines"):
+        preprocess([str(tmp_path / "a.txt")], str(tmp_path / "o"), sp_args(sp_model),
+                   json_keys=["body"])
