@@ -111,7 +111,7 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  recompute: dict | tuple | str | None = None,
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", rng_tracker: RNGStatesTracker | None = None):
         """``recompute``: ``None``, ``"selective"``, or ``("full", method, num_layers)`` /
         ``{"granularity", "method", "num_layers"}`` (see :func:`apply_recompute`).
         ``attention_backend``: ``auto`` (flash-attn when usable, else SDPA), ``sdpa``,
@@ -133,10 +133,7 @@ class GPTModel(nn.Module):
         self.vocab_size = config.vocab_size
         self.padded_vocab_size = pad_vocab_size(config.vocab_size,
                                                 config.make_vocab_size_divisible_by, tp)
-        # Dropout streams follow Megatron: one seed per pipeline stage, +2718+tp_rank for the
-        # model-parallel stream. Weight init uses ``seed`` alone (layout independence).
-        self.rng_tracker = RNGStatesTracker.for_tensor_parallel(
-            seed + 100 * topo.pp_rank, topo.tp_rank)
+        self.rng_tracker = rng_tracker or self.default_rng_tracker(seed, topo, layer_range[0])
         group = topo.tp_group
 
         self.embedding = Embedding(config, topo, self.sequence_parallel, self.rng_tracker,
@@ -168,6 +165,15 @@ class GPTModel(nn.Module):
                 apply_recompute(self, **recompute)
             else:
                 apply_recompute(self, *recompute)
+
+    @staticmethod
+    def default_rng_tracker(seed: int, topo: ParallelTopology, first_layer: int = 0
+                            ) -> RNGStatesTracker:
+        """Dropout streams as in Megatron: ``seed + 100 * pp_rank`` per pipeline stage (plus the
+        chunk's first global layer, so two chunks of one rank never replay the same masks), and
+        ``+ 2718 + tp_rank`` for the model-parallel stream. Weight init uses ``seed`` alone."""
+        return RNGStatesTracker.for_tensor_parallel(seed + 100 * topo.pp_rank + first_layer,
+                                                    topo.tp_rank)
 
     def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
         if self.pre_process:

@@ -96,6 +96,10 @@ class TransformerBlock(nn.Module):
             if i < first:
                 x = self._run(layers[i:first])(x, *extra)
             if first < last:
+                if not x.requires_grad:
+                    # The reentrant checkpoint only reaches parameters through its inputs'
+                    # graph; an input without grad would silently drop the layers' grads.
+                    x = x.detach().requires_grad_()
                 x = checkpoint(self._run(layers[first:last]), x, *extra, tracker=self.tracker)
             i = last
         if self.final_layernorm is not None:
