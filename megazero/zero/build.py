@@ -13,6 +13,8 @@ from megazero.zero.master import MasterParams
 from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off").
+# The DeepSpeed-config loader (megazero/ds_config.py) marks the same keys TODO and warns once when
+# a config sets them, so the engine does not warn again for these.
 NO_EFFECT_KEYS: tuple[tuple[str, Any], ...] = (
     ("round_robin_gradients", False),
     ("elastic_checkpoint", False),
@@ -54,10 +56,6 @@ def check_zero_config(zero: ZeroConfig, topo: Any) -> None:
     if zero.stage == 3 and topo.pp_size > 1:
         raise ConfigError("ZeRO stage 3 with pipeline parallelism is not supported; use stage "
                           "0-2 with --pipeline-model-parallel-size > 1")
-    for key, off in NO_EFFECT_KEYS:
-        if getattr(zero, key) != off:
-            warnings.warn(f"zero_optimization.{key} = {getattr(zero, key)!r} is accepted but has "
-                          f"no effect in megazero yet", stacklevel=3)
     if zero.offload_param.enabled and zero.stage != 3:
         warnings.warn("zero_optimization.offload_param has an effect only with stage 3; "
                       "ignored", stacklevel=3)

@@ -1,0 +1,156 @@
+"""Memory per rank for ZeRO stages 0, 1, 2, 2+offload, 3, 3+offload at dp 2 and 4.
+
+For each case: model-state bytes (the engine's ``memory_report``: real tensor storage of
+parameters, gradients and optimizer state, split into the model's device and offloaded host
+memory) after the forward, after the backward and after the optimizer step, plus activations
+after the forward, and the median step time. On a CPU-only machine there is no CUDA allocator to
+ask, so activations are the bytes of the tensors autograd saved for backward (counted through
+``saved_tensors_hooks``, each storage once, parameters excluded): tracked tensor bytes, not
+allocator peaks. The ordering 2+offload > 3 on the device needs, by the formulas, N > 3 in
+fp32 (4Ψ + 4Ψ/N vs 16Ψ/N) and N > 7 with fp16 (2Ψ + 2Ψ/N vs 16Ψ/N); the JSON records whether
+it holds at each dp.
+
+    python bench/zero_memory.py [--precision fp32|fp16] [--steps 4]
+
+Prints the table and writes bench/results/zero_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megazero.config import ModelConfig, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.model import GPTModel
+from megazero.testing import run_distributed
+from megazero.topology import ParallelTopology
+from megazero.zero import build_zero_optimizer
+
+CPU = OffloadConfig(device="cpu")
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("0", dict(stage=0)),
+    ("1", dict(stage=1)),
+    ("2", dict(stage=2)),
+    ("2+offload", dict(stage=2, offload_optimizer=CPU)),
+    ("3", dict(stage=3)),
+    ("3+offload", dict(stage=3, offload_optimizer=CPU, offload_param=CPU)),
+]
+MB = 2**20
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64,
+                       vocab_size=2048, attention_dropout=0.0, hidden_dropout=0.0)
+
+
+class SavedBytes:
+    """Bytes of the storages autograd saves during a forward, each storage counted once."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter):
+            # Saved by reference to the parameter object: at stage 3 its gathered storage is
+            # released after the forward and re-gathered for the backward, not kept alive.
+            return t
+        s = t.untyped_storage()
+        self.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    def total(self, exclude: set[int]) -> int:
+        return sum(n for p, n in self.storages.items() if p not in exclude)
+
+
+def _zero_config(kw: dict[str, Any]) -> ZeroConfig:
+    # Small buckets and a low persistence threshold so a model this small still shards.
+    return ZeroConfig(**{"reduce_bucket_size": 200_000, "stage3_param_persistence_threshold": 0,
+                         "stage3_max_reuse_distance": 0, **kw})
+
+
+def _memory_world(rank: int, world_size: int, precision: str, steps: int) -> list[dict]:
+    topo = ParallelTopology.build()
+    cfg = model_config()
+    prec = PrecisionConfig(fp16=precision == "fp16", initial_scale_power=8)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    labels = torch.roll(tokens, -1, 1)
+    rows = []
+    for name, kw in CASES:
+        model = GPTModel(cfg, topo)
+        engine = build_zero_optimizer([model], OptimizerConfig(lr=1e-4), _zero_config(kw), prec,
+                                      topo)
+        times = []
+        for _ in range(steps + 1):
+            saved = SavedBytes()
+            t0 = time.perf_counter()
+            engine.zero_grad()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                loss = model(tokens, labels).float().mean()
+            fwd = engine.memory_report()
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            act = saved.total(params)
+            engine.backward(loss)
+            engine.finish_grad_sync()
+            bwd = engine.memory_report()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            after = engine.memory_report()
+        rows.append(dict(
+            case=name, dp=topo.dp_size, precision=precision, activations=act,
+            after_forward=fwd["device_total"] + act, after_backward=bwd["device_total"],
+            after_step=after["device_total"], offload=after["offload_total"],
+            model_states=after["bytes"], padding_elements=after["padding_elements"],
+            params=sum(p.numel() for p in model.parameters()) if name == "0" else None,
+            step_ms=1000 * statistics.median(times[1:])))
+        del engine, model
+    return rows
+
+
+def check_order(rows: list[dict]) -> dict[str, bool]:
+    """Whether device memory decreases 0 > 1 > 2 > 2+offload > 3 > 3+offload (after step)."""
+    out = {}
+    for dp in sorted({r["dp"] for r in rows}):
+        mine = {r["case"]: r["after_step"] for r in rows if r["dp"] == dp}
+        seq = [mine[c] for c, _ in CASES]
+        out[f"dp{dp}"] = all(a > b for a, b in zip(seq, seq[1:]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_memory.json"))
+    args = ap.parse_args(argv)
+    rows: list[dict] = []
+    for dp in (2, 4):
+        rows += run_distributed(_memory_world, dp, args.precision, args.steps, timeout=900)[0]
+    psi = next(r["params"] for r in rows if r["params"])
+    print(f"GPT {psi / 1e6:.2f}M params, {args.precision}, activations = saved-for-backward "
+          f"tensor bytes (CPU run: tracked tensors, not a CUDA allocator)")
+    print(f"{'dp':>3} {'stage':>10} {'fwd MB':>8} {'bwd MB':>8} {'step MB':>8} {'host MB':>8} "
+          f"{'act MB':>7} {'pad':>5} {'ms/step':>8}")
+    for r in rows:
+        print(f"{r['dp']:>3} {r['case']:>10} {r['after_forward'] / MB:8.2f} "
+              f"{r['after_backward'] / MB:8.2f} {r['after_step'] / MB:8.2f} "
+              f"{r['offload'] / MB:8.2f} {r['activations'] / MB:7.2f} "
+              f"{r['padding_elements']:5d} {r['step_ms']:8.1f}")
+    order = check_order(rows)
+    print("device memory after step strictly decreasing 0>1>2>2+offload>3>3+offload:", order)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"precision": args.precision, "params": psi, "rows": rows, "order": order,
+                   "model": model_config().__dict__}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
