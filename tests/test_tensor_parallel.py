@@ -19,6 +19,7 @@ from megazero.tensor_parallel import (
     gather_from_tensor_parallel_region,
     gather_full_param,
     pad_vocab_size,
+    param_is_not_tensor_parallel_duplicate,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -219,6 +220,12 @@ def test_shard_unshard_roundtrip_with_stride():
         assert torch.equal(unshard_tensor(shards, 0, stride), full)
     # stride 2 = [gate; up]: rank 0 holds the first half of each block
     assert torch.equal(shard_tensor(full, 0, 2, 0, 2), torch.cat([full[0:3], full[6:9]]))
+    sharded, replicated = torch.nn.Parameter(full), torch.nn.Parameter(full)
+    sharded.tensor_model_parallel = True
+    assert param_is_not_tensor_parallel_duplicate(sharded, 1)
+    assert param_is_not_tensor_parallel_duplicate(replicated, 0)
+    tp_rank_1 = ParallelTopology(ParallelLayout(world_size=2, tp=2), rank=1, groups={})
+    assert not param_is_not_tensor_parallel_duplicate(replicated, tp_rank_1)
 
 
 def test_rng_tracker_fork_and_checkpoint_replay():

@@ -88,6 +88,10 @@ class RNGStatesTracker:
                 for k, (c, g) in self._states.items()}
 
     def set_states(self, states: dict[str, Any]) -> None:
+        unknown = set(states) - set(self._seeds)
+        if unknown:
+            raise KeyError(f"random streams {sorted(unknown)} not in this tracker "
+                           f"({sorted(self._seeds)})")
         self._states = {k: (c.clone(), None if g is None else g.clone())
                         for k, (c, g) in states.items()}
 
@@ -96,6 +100,11 @@ class RNGStatesTracker:
         """Draw from stream ``name`` inside the block; the global generators are untouched."""
         if name not in self._states:
             raise KeyError(f"unknown random stream {name!r}; have {list(self._states)}")
+        cpu, cuda = self._states[name]
+        if cuda is None and _cuda_ready():
+            # Built before CUDA was initialised (model constructed on CPU, then moved): seed the
+            # CUDA stream now, or GPU dropout would silently draw from the global generator.
+            self._states[name] = (cpu, _seeded_state(self._seeds[name])[1])
         saved = _get_global_state()
         _set_global_state(self._states[name])
         try:

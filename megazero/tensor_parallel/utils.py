@@ -57,9 +57,11 @@ def gather_from_tensor_parallel_output(y: torch.Tensor, group: Group, stride: in
     return torch.cat(ordered, dim=-1)
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, topo_or_tp_rank: Any) -> bool:
     """True if ``param`` should be counted on this rank (for norms and parameter counts):
-    TP-sharded parameters on every rank, replicated ones only on TP rank 0."""
+    TP-sharded parameters on every rank, replicated ones only on TP rank 0. Takes the
+    topology or the TP rank."""
+    tp_rank = getattr(topo_or_tp_rank, "tp_rank", topo_or_tp_rank)
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
