@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "metadata.json"
-FAULT_ENV = "MEGAZERO_SAVE_FAULT_AFTER_FILES"  # test hook: die after writing N checkpoint files
+# Test hook: "N" (or "N@ITER": only when saving iteration ITER) makes this process exit after it
+# has written N files of a checkpoint, as a crash in mid-save would.
+FAULT_ENV = "MEGAZERO_SAVE_FAULT_AFTER_FILES"
 
 
 class CheckpointError(RuntimeError):
@@ -68,9 +70,10 @@ def _optim_path(root: str, iteration: int, tp: int, pp: int, dp: int) -> str:
 class _Writer:
     """Atomic file writes, with the fault-injection hook tests use to crash mid-save."""
 
-    def __init__(self) -> None:
-        limit = os.environ.get(FAULT_ENV)
-        self.limit = int(limit) if limit else None
+    def __init__(self, iteration: int) -> None:
+        spec = os.environ.get(FAULT_ENV, "")
+        limit, _, only = spec.partition("@")
+        self.limit = int(limit) if limit and (not only or int(only) == iteration) else None
         self.written = 0
 
     def _commit(self, tmp: str, path: str) -> None:
@@ -137,7 +140,7 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
                     zero_stage: int = 0, rng_tracker: Any = None,
                     barrier: Callable[[], None] = _barrier) -> str:
     """Collective: every rank calls it. Returns the iteration directory."""
-    w = _Writer()
+    w = _Writer(iteration)
     c = topo.coord
     per_dp_model = zero_stage == 3
     common = {"iteration": iteration, "consumed_samples": consumed_samples,
