@@ -12,7 +12,11 @@ import torch
 
 from megazero.config import ModelConfig
 from megazero.model import GPTModel
-from megazero.tensor_parallel import allreduce_sequence_parallel_grads, full_model_state_dict
+from megazero.tensor_parallel import (
+    allreduce_sequence_parallel_grads,
+    full_model_state_dict,
+    gather_from_tensor_parallel_region,
+)
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
 
@@ -90,6 +94,14 @@ def _equivalence(rank, world):
                 for name, g in grads.items():
                     assert_close(g, ref_grads[name], f"unfused {preset}: d{name}")
                 results.append((f"tp=4 {preset} sp unfused", 0.0))
+                # without labels: this rank's vocab shard of the logits, pad columns at -inf
+                with torch.no_grad():
+                    shard = model(tokens)
+                    ref_logits = ref(tokens)
+                assert shard.shape == (BATCH, SEQ, model.padded_vocab_size // tp)
+                full = gather_from_tensor_parallel_region(shard, topo.tp_group)
+                assert torch.isinf(full[..., VOCAB:]).all() and (full[..., VOCAB:] < 0).all()
+                assert_close(full[..., :VOCAB], ref_logits[..., :VOCAB], f"{preset} logits")
     return results
 
 
