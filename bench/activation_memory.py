@@ -3,8 +3,11 @@
     python bench/activation_memory.py [--seq 128] [--batch 2] [--hidden 256] [--heads 8] [--tp 4]
 
 A gpt2-preset layer (LayerNorm, GELU, biases, dropout 0.1, unfused core attention) in bf16 on
-``--tp`` gloo ranks, for no TP, TP, TP+SP and TP+SP+selective recomputation. Prints a table and
-writes ``bench/results/activation_memory.json``.
+``--tp`` gloo ranks, for no TP, TP, TP+SP and TP+SP+selective recomputation; then the same with
+SDPA as the core attention, for comparison (the formulas describe the unfused attention; on CPU,
+SDPA with dropout runs an fp32 math path that saves more, without dropout a fused kernel that
+saves no ``s^2`` term at all). Prints the tables and writes
+``bench/results/activation_memory.json``.
 """
 
 from __future__ import annotations
@@ -35,15 +38,19 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--tp", type=int, default=4)
     args = ap.parse_args()
-    rows = run_distributed(measure_layer_cases, args.tp, args.seq, args.batch, args.hidden,
-                           args.heads, args.tp, timeout=600)[0]
-    print(f"s={args.seq} b={args.batch} h={args.hidden} a={args.heads} t={args.tp}, bf16, "
-          f"bytes per layer")
-    print(f"{'case':<17} {'formula':<26} {'measured':>10} {'formula':>10} {'ratio':>7}")
-    for r in rows:
-        r["formula"] = FORMULAS[r["case"]]
-        print(f"{r['case']:<17} {r['formula']:<26} {r['measured_bytes']:>10} "
-              f"{r['formula_bytes']:>10.0f} {r['ratio']:>7.4f}")
+    rows = []
+    for backend, p_attn in (("unfused", 0.1), ("sdpa", 0.1), ("sdpa", 0.0)):
+        part = run_distributed(measure_layer_cases, args.tp, args.seq, args.batch, args.hidden,
+                               args.heads, args.tp, backend, p_attn, timeout=600)[0]
+        print(f"\n{backend} core attention: s={args.seq} b={args.batch} h={args.hidden} "
+              f"a={args.heads} t={args.tp}, bf16, hidden dropout 0.1, attention dropout "
+              f"{p_attn}, bytes per layer")
+        print(f"{'case':<17} {'formula':<26} {'measured':>10} {'formula':>10} {'ratio':>7}")
+        for r in part:
+            r["formula"] = FORMULAS[r["case"]]
+            print(f"{r['case']:<17} {r['formula']:<26} {r['measured_bytes']:>10} "
+                  f"{r['formula_bytes']:>10.0f} {r['ratio']:>7.4f}")
+        rows += part
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        "activation_memory.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

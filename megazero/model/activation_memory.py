@@ -91,9 +91,11 @@ CASES = (  # (name, tp, sequence_parallel, selective recompute)
 
 
 def measure_layer_cases(rank: int, world: int, s: int, b: int, h: int, a: int,
-                        tp: int) -> list[dict]:
+                        tp: int, attention_backend: str = "unfused",
+                        attention_dropout: float = 0.1) -> list[dict]:
     """Per-layer saved bytes of a gpt2-preset layer (LayerNorm, GELU, biases, dropout 0.1,
-    unfused core attention, bf16) for the four cases of Megatron's table, next to the formula.
+    unfused core attention unless ``attention_backend`` says otherwise, bf16) for the four
+    cases of Megatron's table, next to the formula.
 
     Run on every rank of a world of ``tp`` ranks (e.g. with ``run_distributed``): the TP cases
     communicate. Returns rank 0's measurements (every rank measures the same sizes).
@@ -103,7 +105,7 @@ def measure_layer_cases(rank: int, world: int, s: int, b: int, h: int, a: int,
     from megazero.topology import ParallelTopology
 
     cfg = ModelConfig.preset("gpt2", num_layers=1, hidden_size=h, num_attention_heads=a,
-                             seq_length=s, vocab_size=100, attention_dropout=0.1,
+                             seq_length=s, vocab_size=100, attention_dropout=attention_dropout,
                              hidden_dropout=0.1)
     tp_topo = ParallelTopology.build(tp=tp)
     rows = []
@@ -111,12 +113,14 @@ def measure_layer_cases(rank: int, world: int, s: int, b: int, h: int, a: int,
         t = tp if t is None else t
         topo = tp_topo if t > 1 else ParallelTopology.single()
         model = GPTModel(cfg, topo, sequence_parallel=sp, params_dtype=torch.bfloat16,
-                         attention_backend="unfused",
+                         attention_backend=attention_backend,
                          recompute="selective" if selective else None)
         layer = model.decoder.layers["0"]
         x = torch.randn(s // t if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
         measured = measure_saved_bytes(layer, x)
         formula = megatron_layer_activation_bytes(s, b, h, a, t, sp, selective)
-        rows.append(dict(case=name, s=s, b=b, h=h, a=a, t=t, measured_bytes=measured,
-                         formula_bytes=formula, ratio=measured / formula))
+        rows.append(dict(case=name, attention_backend=attention_backend,
+                         attention_dropout=attention_dropout, s=s, b=b, h=h, a=a,
+                         t=t, measured_bytes=measured, formula_bytes=formula,
+                         ratio=measured / formula))
     return rows
