@@ -33,6 +33,7 @@ from megazero.model import GPTModel
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
+from megazero.zero.accounting import formula_bytes, formula_comm_bytes
 
 CPU = OffloadConfig(device="cpu")
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -86,6 +87,7 @@ def _memory_world(rank: int, world_size: int, precision: str, steps: int) -> lis
     rows = []
     for name, kw in CASES:
         model = GPTModel(cfg, topo)
+        psi = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
         engine = build_zero_optimizer([model], OptimizerConfig(lr=1e-4), _zero_config(kw), prec,
                                       topo)
         times = []
@@ -104,12 +106,19 @@ def _memory_world(rank: int, world_size: int, precision: str, steps: int) -> lis
             engine.step()
             times.append(time.perf_counter() - t0)
             after = engine.memory_report()
+        offload = "offload" in name
+        comm = engine.comm_report()["logical_bytes"]
         rows.append(dict(
             case=name, dp=topo.dp_size, precision=precision, activations=act,
+            model_state_total=after["total"], params=psi,
+            formula=formula_bytes(kw["stage"], psi, topo.dp_size, precision == "fp16", offload),
+            dp_bytes_moved=sum(v for k, v in comm.items() if k.startswith("dp/")
+                               and "scalar" not in k),
+            comm_formula=formula_comm_bytes(kw["stage"], psi, topo.dp_size,
+                                            2 if precision == "fp16" else 4),
             after_forward=fwd["device_total"] + act, after_backward=bwd["device_total"],
             after_step=after["device_total"], offload=after["offload_total"],
             model_states=after["bytes"], padding_elements=after["padding_elements"],
-            params=sum(p.numel() for p in model.parameters()) if name == "0" else None,
             step_ms=1000 * statistics.median(times[1:])))
         del engine, model
     return rows
@@ -118,37 +127,44 @@ def _memory_world(rank: int, world_size: int, precision: str, steps: int) -> lis
 def check_order(rows: list[dict]) -> dict[str, bool]:
     """Whether device memory decreases 0 > 1 > 2 > 2+offload > 3 > 3+offload (after step)."""
     out = {}
-    for dp in sorted({r["dp"] for r in rows}):
-        mine = {r["case"]: r["after_step"] for r in rows if r["dp"] == dp}
-        seq = [mine[c] for c, _ in CASES]
-        out[f"dp{dp}"] = all(a > b for a, b in zip(seq, seq[1:]))
+    for prec in sorted({r["precision"] for r in rows}):
+        for dp in sorted({r["dp"] for r in rows}):
+            mine = {r["case"]: r["after_step"] for r in rows if r["dp"] == dp
+                    and r["precision"] == prec}
+            seq = [mine[c] for c, _ in CASES]
+            out[f"{prec} dp{dp}"] = all(a > b for a, b in zip(seq, seq[1:]))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
+    ap.add_argument("--precision", choices=["fp32", "fp16", "both"], default="both")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_memory.json"))
     args = ap.parse_args(argv)
     rows: list[dict] = []
-    for dp in (2, 4):
-        rows += run_distributed(_memory_world, dp, args.precision, args.steps, timeout=900)[0]
-    psi = next(r["params"] for r in rows if r["params"])
-    print(f"GPT {psi / 1e6:.2f}M params, {args.precision}, activations = saved-for-backward "
-          f"tensor bytes (CPU run: tracked tensors, not a CUDA allocator)")
-    print(f"{'dp':>3} {'stage':>10} {'fwd MB':>8} {'bwd MB':>8} {'step MB':>8} {'host MB':>8} "
-          f"{'act MB':>7} {'pad':>5} {'ms/step':>8}")
+    precisions = ["fp32", "fp16"] if args.precision == "both" else [args.precision]
+    for prec in precisions:
+        for dp in (2, 4):
+            rows += run_distributed(_memory_world, dp, prec, args.steps, timeout=900)[0]
+    psi = rows[0]["params"]
+    print(f"GPT {psi / 1e6:.3f}M params; MB = 2^20 bytes per rank; device columns: the model's "
+          f"device (CPU here); activations = saved-for-backward tensor bytes (tracked tensors, "
+          f"not a CUDA allocator)")
+    print(f"{'prec':>4} {'dp':>2} {'stage':>9} {'fwd MB':>7} {'bwd MB':>7} {'step MB':>7} "
+          f"{'host MB':>7} {'act MB':>6} {'states/formula':>14} {'pad':>4} "
+          f"{'dp bytes/formula':>16} {'ms/step':>8}")
     for r in rows:
-        print(f"{r['dp']:>3} {r['case']:>10} {r['after_forward'] / MB:8.2f} "
-              f"{r['after_backward'] / MB:8.2f} {r['after_step'] / MB:8.2f} "
-              f"{r['offload'] / MB:8.2f} {r['activations'] / MB:7.2f} "
-              f"{r['padding_elements']:5d} {r['step_ms']:8.1f}")
+        print(f"{r['precision']:>4} {r['dp']:>2} {r['case']:>9} {r['after_forward'] / MB:7.2f} "
+              f"{r['after_backward'] / MB:7.2f} {r['after_step'] / MB:7.2f} "
+              f"{r['offload'] / MB:7.2f} {r['activations'] / MB:6.2f} "
+              f"{r['model_state_total'] / r['formula']:14.4f} {r['padding_elements']:4d} "
+              f"{r['dp_bytes_moved'] / r['comm_formula']:16.4f} {r['step_ms']:8.1f}")
     order = check_order(rows)
     print("device memory after step strictly decreasing 0>1>2>2+offload>3>3+offload:", order)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"precision": args.precision, "params": psi, "rows": rows, "order": order,
+        json.dump({"precisions": precisions, "params": psi, "rows": rows, "order": order,
                    "model": model_config().__dict__}, f, indent=1, default=str)
 
 
