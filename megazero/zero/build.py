@@ -10,6 +10,7 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.zero.buffers import GradBuffer
 from megazero.zero.master import MasterParams
+from megazero.zero.offload import OffloadPlan
 from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off").
@@ -46,10 +47,7 @@ IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
 
 def check_zero_config(zero: ZeroConfig, topo: Any) -> None:
     """Reject what cannot run; warn once per key that is accepted but has no effect."""
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(zero, name).device == "nvme":
-            raise ConfigError(f"zero_optimization.{name}.device 'nvme' is not supported; use "
-                              f"'cpu' (host memory) or 'none'")
+    OffloadPlan.from_config(zero)  # rejects nvme
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the "
                           "offloaded optimizer runs on the rank's shard); set stage >= 1")
@@ -114,10 +112,8 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                 reduce_scatter=zero_config.reduce_scatter, overlap=zero_config.overlap_comm,
                 deferred_kind=kinds))
     pieces = [piece for store in stores for piece in store.pieces()]
-    # Offloaded stage-3 shards keep their masters on the host too (never on the device).
-    offload = zero_config.offload_optimizer.enabled or (
-        zero_config.stage == 3 and zero_config.offload_param.enabled)
-    masters = MasterParams(pieces, optimizer_config, offload=offload,
+    plan = OffloadPlan.from_config(zero_config)
+    masters = MasterParams(pieces, optimizer_config, offload=plan.optimizer,
                            pin_memory=zero_config.offload_optimizer.pin_memory,
                            sub_group_size=max(1, int(zero_config.sub_group_size)))
     return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megazero.config import OptimizerConfig
+from megazero.zero.offload import host_empty
 
 
 @dataclass
@@ -71,10 +72,9 @@ class MasterParams:
         self.flat: torch.Tensor | None = None
         total = sum(p.model.numel() for p in self.pieces)
         if self.copy:
-            device = torch.device("cpu") if offload else (
-                self.pieces[0].model.device if self.pieces else torch.device("cpu"))
-            pin = offload and pin_memory and torch.cuda.is_available()
-            self.flat = torch.empty(total, dtype=torch.float32, device=device, pin_memory=pin)
+            device = self.pieces[0].model.device if self.pieces else torch.device("cpu")
+            self.flat = (host_empty(total, torch.float32, pin_memory) if offload
+                         else torch.empty(total, dtype=torch.float32, device=device))
             pos = 0
             for p in self.pieces:
                 n = p.model.numel()

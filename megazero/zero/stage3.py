@@ -35,6 +35,7 @@ from torch import nn
 from megazero.config import ZeroConfig
 from megazero.zero.comm import Handle
 from megazero.zero.master import Piece
+from megazero.zero.offload import OffloadPlan, host_empty
 
 
 class Unit:
@@ -82,7 +83,8 @@ class Stage3Params:
         self.overlap = zero.overlap_comm
         first = next(chunk.parameters())
         self.device, self.dtype = first.device, first.dtype
-        self.offload = zero.offload_param.enabled
+        self.plan = OffloadPlan.from_config(zero)
+        self.offload = self.plan.params
         self.units: list[Unit] = []
         self.unit_of_param: dict[int, Unit] = {}
         self.owner: dict[Unit, nn.Module] = {}  # the module whose forward gathers the unit
@@ -127,9 +129,8 @@ class Stage3Params:
             u.full, u.shard = flat, shard
             u.attach()
         else:
-            pin = self.offload and torch.cuda.is_available() and self.zero.offload_param.pin_memory
-            host = torch.device("cpu") if self.offload else self.device
-            u.shard = torch.empty(u.shard_size, dtype=self.dtype, device=host, pin_memory=pin)
+            u.shard = (host_empty(u.shard_size, self.dtype, self.plan.pin_params) if self.offload
+                       else torch.empty(u.shard_size, dtype=self.dtype, device=self.device))
             u.shard.copy_(shard)
             for p in params:
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
