@@ -124,7 +124,7 @@ class _CheckpointFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, fn, tracker, num_tensors, *args):
+    def forward(ctx, fn, tracker, *args):
         ctx.fn, ctx.tracker = fn, tracker
         ctx.global_state = _get_global_state()
         ctx.tracker_state = tracker.get_states() if tracker is not None else None
@@ -164,7 +164,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(i.grad if torch.is_tensor(i) else None for i in inputs)
-        return (None, None, None, *input_grads)
+        return (None, None, *input_grads)
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None):
@@ -175,5 +175,4 @@ def checkpoint(fn: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | N
     through ``loss.backward()`` (not ``torch.autograd.grad``), and at least one tensor input
     should require grad.
     """
-    num = sum(torch.is_tensor(a) for a in args)
-    return _CheckpointFunction.apply(fn, tracker, num, *args)
+    return _CheckpointFunction.apply(fn, tracker, *args)
