@@ -115,3 +115,20 @@ def test_attention_backend_selection():
     auto = GPTModel(cfg, topo)  # CPU fp32: falls back to SDPA
     core = auto.decoder.layers["0"].self_attention.core_attention
     assert core._resolve(torch.zeros(1)) == "sdpa"
+
+
+def test_autocast_bf16_forward_backward():
+    cfg = tiny_config("llama")
+    topo = ParallelTopology.single()
+    model = GPTModel(cfg, topo)
+    tokens, labels = batch(7)
+    ref = model(tokens, labels).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens, labels)
+    loss.mean().backward()
+    assert loss.dtype == torch.float32
+    # bf16 has 8 mantissa bits: per-token losses agree to a few 1e-2
+    assert (loss.detach() - ref).abs().max() < 5e-2
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.isfinite(p.grad).all(), name

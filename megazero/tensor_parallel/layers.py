@@ -94,6 +94,7 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(x, weight)
         total = all_gather_dim0(x, group) if sequence_parallel else x
         return F.linear(total, weight, bias)
@@ -103,16 +104,20 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group = ctx.group
         grad_x = grad_w = grad_b = None
+        # Casts keep backward valid when forward ran under autocast (saved x / weight in
+        # their storage dtype, grad in the autocast dtype); they are no-ops otherwise.
         if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight)
+            grad_x = grad.matmul(weight.to(grad.dtype))
             grad_x = reduce_scatter_dim0(grad_x, group) if ctx.sequence_parallel \
                 else all_reduce(grad_x, group)
+            grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
             total = all_gather_dim0(x, group) if ctx.sequence_parallel else x
             g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+            grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]).to(grad.dtype))
+            grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
