@@ -67,13 +67,12 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        backend = self._resolve(q)
+        run = {"unfused": self._unfused, "sdpa": self._sdpa, "flash": self._flash}[
+            self._resolve(q)]
+        if p == 0.0:  # no randomness drawn: skip swapping generator states
+            return run(q, k, v, p)
         with self.tracker.fork(MODEL_PARALLEL_STREAM):
-            if backend == "unfused":
-                return self._unfused(q, k, v, p)
-            if backend == "sdpa":
-                return self._sdpa(q, k, v, p)
-            return self._flash(q, k, v, p)
+            return run(q, k, v, p)
 
     @staticmethod
     def _unfused(q, k, v, p):
