@@ -30,7 +30,7 @@ from megazero.zero.reference import torch_adamw
 SEQ, VOCAB, HIDDEN, STEPS, ROWS = 16, 100, 32, 10, 8  # ROWS: global batch
 # eps 1e-6: Adam's update is scale-free, so an element whose gradient is at rounding level
 # (~1e-9) would get an O(lr) update from noise alone with eps 1e-8.
-OPT = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=1.0, adam_eps=1e-6)
+OPT = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.5, adam_eps=1e-6)
 CPU = OffloadConfig(device="cpu")
 TOL, WTOL = 2e-5, 1e-4
 
@@ -54,15 +54,15 @@ def reference(cfg):
     single = ParallelTopology.single()
     model = GPTModel(cfg, single)
     opt = torch_adamw(model, OPT)
-    losses = []
+    losses, norms = [], []
     for tokens, labels in batches():
         opt.zero_grad()
         loss = model(tokens, labels).mean()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad).item())
         opt.step()
         losses.append(loss.item())
-    return losses, full_model_state_dict(model, single)
+    return losses, full_model_state_dict(model, single), norms
 
 
 def _dp_mean(x: float, topo) -> float:
@@ -88,7 +88,7 @@ def _run_flat(topo, cfg, zkw, sp, micro):
     engine = build_zero_optimizer([model], OPT, ZeroConfig(**zkw), PrecisionConfig(), topo,
                                   sequence_parallel=sp)
     rows = ROWS // topo.dp_size
-    losses = []
+    losses, norms = [], []
     for tokens, labels in batches():
         tokens = tokens[topo.dp_rank * rows:(topo.dp_rank + 1) * rows]
         labels = labels[topo.dp_rank * rows:(topo.dp_rank + 1) * rows]
@@ -100,10 +100,12 @@ def _run_flat(topo, cfg, zkw, sp, micro):
                 engine.backward(loss / micro)
             total += loss.item() / micro
         engine.finish_grad_sync()
-        assert engine.step().updated
+        res = engine.step()
+        assert res.updated
         losses.append(_dp_mean(total, topo))
+        norms.append(res.grad_norm)
     with engine.gathered_parameters():
-        return losses, [model]
+        return losses, [model], norms
 
 
 def _run_pipeline(topo, cfg, zkw, vpp, micro):
@@ -112,7 +114,7 @@ def _run_pipeline(topo, cfg, zkw, vpp, micro):
     engine = build_zero_optimizer(chunks, OPT, ZeroConfig(**zkw), PrecisionConfig(), topo)
     rows = ROWS // topo.dp_size
     mbs = rows // micro
-    losses = []
+    losses, norms = [], []
     for tokens, labels in batches():
         mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
         data = [{"tokens": tokens[mine][i * mbs:(i + 1) * mbs],
@@ -121,9 +123,11 @@ def _run_pipeline(topo, cfg, zkw, vpp, micro):
         out = forward_backward(chunks, iter(data), topo, micro, SEQ, mbs, HIDDEN,
                                grad_sync=engine)
         engine.finish_grad_sync()
-        assert engine.step().updated
+        res = engine.step()
+        assert res.updated
         losses.append(_dp_mean(sum(out) / micro, topo))
-    return losses, chunks
+        norms.append(res.grad_norm)
+    return losses, chunks, norms
 
 
 class _nullcontext:
@@ -165,18 +169,19 @@ def _gpt_world(rank, world_size):
         topo = ParallelTopology.build(tp=tp, pp=pp, vpp=vpp)
         layers = 4 if vpp else 2
         cfg = cfg4 if vpp else cfg2
-        ref_losses, ref_w = refs[layers]
+        ref_losses, ref_w, ref_norms = refs[layers]
         if pp > 1:
-            losses, chunks = _run_pipeline(topo, cfg, zkw, vpp, micro)
+            losses, chunks, norms = _run_pipeline(topo, cfg, zkw, vpp, micro)
             werr = _compare(chunks, topo, ref_w)
         else:
-            losses, chunks = _run_flat(topo, cfg, zkw, sp, micro)
+            losses, chunks, norms = _run_flat(topo, cfg, zkw, sp, micro)
             engine_chunks = chunks
             werr = _compare(engine_chunks, topo, ref_w) if zkw["stage"] < 3 else None
             if werr is None:  # stage 3: compare inside a gather of the full parameters
                 werr = _stage3_weights(topo, cfg, zkw, sp, micro, ref_w)
         lerr = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        results.append((name, lerr, werr))
+        nerr = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+        results.append((name, lerr, werr, nerr, max(ref_norms)))
     return results
 
 
@@ -199,6 +204,8 @@ def test_gpt_zero_matches_single_process_adamw():
     out = run_distributed(_gpt_world, 4, timeout=400)
     for rank_results in out:
         assert len(rank_results) == len(_cases())
-        for name, lerr, werr in rank_results:
+        for name, lerr, werr, nerr, max_norm in rank_results:
             assert lerr < TOL, f"{name}: loss error {lerr:.3g}"
             assert werr < WTOL, f"{name}: weight error {werr:.3g}"
+            assert nerr < 1e-4, f"{name}: grad-norm relative error {nerr:.3g}"
+            assert max_norm > OPT.clip_grad  # clipping was active"

@@ -158,6 +158,12 @@ class GradBuffer:
     def _absorb(self, b: Bucket, s: Slot) -> None:
         """Move ``param.grad`` into the bucket unless it already lives there."""
         if self.view_mode:
+            view = b.grad[s.start:s.start + s.numel]
+            g = s.param.grad
+            if g is not None and g.data_ptr() != view.data_ptr():
+                # Someone replaced the view (e.g. ``model.zero_grad()``): take the values back.
+                view.copy_(g.reshape(-1))
+                s.param.grad = view.view_as(s.param)
             return
         if b.grad is None:  # stage 2: staging buffer for this bucket
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)

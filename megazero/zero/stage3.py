@@ -356,10 +356,18 @@ class Stage3Params:
         return out
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
-        """Persistent units hold full parameters: refresh them from the updated shards."""
-        for u in self.units:
-            if u.persistent and self.dp.size > 1:
-                self.dp.all_gather(u.full, u.shard.clone(), chunk=chunk)
+        """Persistent units hold full parameters: refresh them from the updated shards, all in
+        one all-gather (they are small and many: one collective each would be latency-bound)."""
+        pers = [u for u in self.units if u.persistent]
+        if not pers or self.dp.size == 1:
+            return
+        shards = torch.cat([u.shard for u in pers])
+        out = torch.empty(self.dp.size * shards.numel(), dtype=shards.dtype, device=shards.device)
+        self.dp.all_gather(out, shards, chunk=chunk)
+        rows, pos = out.view(self.dp.size, -1), 0
+        for u in pers:
+            u.full.view(self.dp.size, u.shard_size).copy_(rows[:, pos:pos + u.shard_size])
+            pos += u.shard_size
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:
         shards = [u.shard for u in self.units if not u.persistent]
