@@ -57,13 +57,32 @@ def _accounting_world(rank, world_size):
                                                            offload),
                                  comm_formula=formula_comm_bytes(stage, psi, topo.dp_size,
                                                                  2 if mixed else 4)))
+    # reduce-scatter fallbacks: logical bytes stay the ring's, physical bytes show the price
+    topo = ParallelTopology.build()
+    for impl in ("native", "all_to_all", "all_reduce"):
+        model = _model()
+        engine = build_zero_optimizer([model], OPT, ZeroConfig(stage=2), PrecisionConfig(), topo,
+                                      reduce_scatter_impl=impl)
+        engine.zero_grad()
+        engine.backward(model(*batches[0]).float().mean())
+        engine.step()
+        rep = engine.comm_report()
+        rows.append(dict(impl=impl, logical=rep["logical_bytes"]["dp/reduce_scatter"],
+                         physical=rep["physical_bytes"]))
     return rows
 
 
 def test_memory_and_traffic_match_zero_formulas():
     rows = run_distributed(_accounting_world, 4, timeout=400)[0]
-    assert len(rows) == 24
-    for r in rows:
+    assert len(rows) == 27
+    fallbacks = {r["impl"]: r for r in rows[24:]}
+    logical = fallbacks["native"]["logical"]
+    assert fallbacks["native"]["physical"]["dp/reduce_scatter"] == logical
+    assert fallbacks["all_to_all"]["logical"] == logical
+    assert fallbacks["all_to_all"]["physical"]["dp/all_to_all"] == logical
+    assert fallbacks["all_reduce"]["logical"] == logical
+    assert fallbacks["all_reduce"]["physical"]["dp/all_reduce"] == 2 * logical
+    for r in rows[:24]:
         what = f"dp={r['dp']} stage={r['stage']} mixed={r['mixed']} offload={r['offload']}"
         mem, total = r["mem"], r["mem"]["total"]
         assert abs(total / r["mem_formula"] - 1) < 0.05, (what, total, r["mem_formula"])

@@ -101,7 +101,7 @@ class GroupComm:
         if self.size == 1:
             return Handle()
         b = t.numel() * t.element_size()
-        self.log.record(self.name, what, 2 * self._frac() * b, "all_reduce", 2 * self._frac() * b)
+        self.log.record(self.name, what, 2 * self._frac() * b, what, 2 * self._frac() * b)
         work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
                                async_op=async_op)
         return Handle(work) if async_op else _done()
