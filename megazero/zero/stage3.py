@@ -36,40 +36,7 @@ from megazero.config import ZeroConfig
 from megazero.zero.comm import Handle
 from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan, host_empty
-
-
-class Unit:
-    def __init__(self, index: int, params: list[nn.Parameter], dp_size: int, dp_rank: int,
-                 persistent: bool, kind: str | None) -> None:
-        self.index = index
-        self.params = params
-        self.shapes = [p.shape for p in params]
-        self.starts = []
-        n = 0
-        for p in params:
-            self.starts.append(n)
-            n += p.numel()
-        self.numel = n
-        self.padded = -(-n // dp_size) * dp_size
-        self.padding = self.padded - n
-        self.shard_size = self.padded // dp_size
-        self.own_lo, self.own_hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
-        self.persistent = persistent
-        self.kind = kind
-        self.full: torch.Tensor | None = None
-        self.shard: torch.Tensor | None = None
-        self.gather_handle: Handle | None = None
-        self.grad_full: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
-        self.reduce_handle: Handle | None = None
-        self.pending: set[int] = set()
-        self.reduced = False
-
-    def attach(self) -> None:
-        """Point every parameter at its slice of the gathered buffer."""
-        assert self.full is not None
-        for p, s, shape in zip(self.params, self.starts, self.shapes):
-            p.data = self.full[s:s + shape.numel()].view(shape)
+from megazero.zero.units import Unit, wrap_outputs
 
 
 class Stage3Params:
@@ -217,10 +184,15 @@ class Stage3Params:
                 if self.owner[u] is not self.root:
                     self._post_forward_unit(u)
         mine = self.units_of.get(self.root, [])
+        # The root's units (a tied output embedding) are the first used by the backward: reuse
+        # distance 0, so they stay gathered unless stage3_max_reuse_distance is 0.
+        keep = (self.zero.stage3_max_reuse_distance > 0
+                and self.live <= self.zero.stage3_max_live_parameters)
         for u in mine:
-            self._release(u)
+            if not keep or not torch.is_grad_enabled():
+                self._release(u)
         if torch.is_grad_enabled() and mine:
-            return _wrap(output, lambda: self._pre_backward(self.root))
+            return wrap_outputs(output, lambda: self._pre_backward(self.root))
         return None
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -234,7 +206,7 @@ class Stage3Params:
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.recording:
-            return _wrap(output, lambda: self._pre_backward(module)) if (
+            return wrap_outputs(output, lambda: self._pre_backward(module)) if (
                 torch.is_grad_enabled()) else None
         units = self.units_of.get(module)
         if not units:
@@ -242,7 +214,7 @@ class Stage3Params:
         for u in units:
             self._post_forward_unit(u)
         if torch.is_grad_enabled():
-            return _wrap(output, lambda: self._pre_backward(module))
+            return wrap_outputs(output, lambda: self._pre_backward(module))
         return None
 
     def _post_forward_unit(self, u: Unit) -> None:
@@ -403,29 +375,3 @@ class Stage3Params:
             if not was:
                 self._release(u)
         return out
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity whose backward runs ``callback`` first (gathers a unit before its backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.callback = callback
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        ctx.callback()
-        return None, grad
-
-
-def _wrap(output: Any, callback: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return _PreBackward.apply(callback, output) if output.requires_grad else output
-    if isinstance(output, tuple):
-        return tuple(_wrap(o, callback) for o in output)
-    if isinstance(output, list):
-        return [_wrap(o, callback) for o in output]
-    if isinstance(output, dict):
-        return {k: _wrap(v, callback) for k, v in output.items()}
-    return output

@@ -1,0 +1,75 @@
+"""Stage-3 building blocks: a module's flattened, sharded parameters, and the autograd identity
+that lets a module gather its parameters again right before its backward runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from megazero.zero.comm import Handle
+
+
+class Unit:
+    """One module's directly owned parameters, flattened and padded to a multiple of dp: this
+    rank owns elements ``[own_lo, own_hi)``; ``full`` exists only while gathered."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], dp_size: int, dp_rank: int,
+                 persistent: bool, kind: str | None) -> None:
+        self.index = index
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.starts = []
+        n = 0
+        for p in params:
+            self.starts.append(n)
+            n += p.numel()
+        self.numel = n
+        self.padded = -(-n // dp_size) * dp_size
+        self.padding = self.padded - n
+        self.shard_size = self.padded // dp_size
+        self.own_lo, self.own_hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        self.persistent = persistent
+        self.kind = kind
+        self.full: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        self.gather_handle: Handle | None = None
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.reduce_handle: Handle | None = None
+        self.pending: set[int] = set()
+        self.reduced = False
+
+    def attach(self) -> None:
+        """Point every parameter at its slice of the gathered buffer."""
+        assert self.full is not None
+        for p, s, shape in zip(self.params, self.starts, self.shapes):
+            p.data = self.full[s:s + shape.numel()].view(shape)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward runs ``callback`` first (gathers a unit before its backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.callback = callback
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.callback()
+        return None, grad
+
+
+def wrap_outputs(output: Any, callback: Any) -> Any:
+    """Route every tensor of a module's output through :class:`_PreBackward`."""
+    if isinstance(output, torch.Tensor):
+        return _PreBackward.apply(callback, output) if output.requires_grad else output
+    if isinstance(output, tuple):
+        return tuple(wrap_outputs(o, callback) for o in output)
+    if isinstance(output, list):
+        return [wrap_outputs(o, callback) for o in output]
+    if isinstance(output, dict):
+        return {k: wrap_outputs(v, callback) for k, v in output.items()}
+    return output
