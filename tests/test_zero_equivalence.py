@@ -131,3 +131,34 @@ def test_state_dict_resume_is_exact():
         assert len(results) == 6
         for name, err, same_scale in results:
             assert err < 1e-6 and same_scale, (name, err)
+
+
+def _load_weights_world(rank, world_size):
+    """Weights loaded into the model from outside (no optimizer state) reach the shards and the
+    fp32 masters: the next step starts from them."""
+    topo = ParallelTopology.build()
+    source = TinyLM(vocab=VOCAB, seed=99)
+    want = {n: p.detach().clone() for n, p in source.named_parameters()}
+    out = []
+    for name, zkw, prec in [("3", dict(stage=3, stage3_param_persistence_threshold=50),
+                             PrecisionConfig()),
+                            ("3 fp16 offload", dict(stage=3, offload_optimizer=CPU,
+                                                    offload_param=CPU), PrecisionConfig(fp16=True)),
+                            ("2 bf16", dict(stage=2), PrecisionConfig(bf16=True))]:
+        model = _tiny()
+        engine = build_zero_optimizer([model], OPT, ZeroConfig(**zkw), prec, topo)
+        with engine.gathered_parameters(write_back=True):
+            model.load_state_dict(source.state_dict())
+        names = {id(p): n for n, p in model.named_parameters()}
+        full = engine.full_parameters()
+        werr = max((w.float() - want[names[i]]).abs().max().item() for i, w in full.items())
+        merr = max((p.master - p.model.float()).abs().max().item() for p in engine.pieces())
+        out.append((name, werr, merr, prec.params_dtype))
+    return out
+
+
+def test_weights_loaded_into_the_model_reach_shards_and_masters():
+    for results in run_distributed(_load_weights_world, 4, timeout=400):
+        for name, werr, merr, dtype in results:
+            assert werr <= (0 if dtype == torch.float32 else 1e-2), (name, werr)
+            assert merr == 0, (name, merr)

@@ -117,6 +117,12 @@ class MasterParams:
                 if self.copy:
                     p.model.copy_(p.master, non_blocking=True)
 
+    def sync_masters_from_model(self) -> None:
+        """After model weights were loaded from outside (a checkpoint without optimizer state)."""
+        if self.copy:
+            for p in self.pieces:
+                p.master.copy_(p.model)
+
     def sync_model_from_masters(self) -> None:
         if self.copy:
             for p in self.pieces:

@@ -244,9 +244,13 @@ class ZeroOptimizer:
             yield from store.params()
 
     @contextmanager
-    def gathered_parameters(self) -> Iterator[None]:
+    def gathered_parameters(self, write_back: bool = False) -> Iterator[None]:
         """Inside, every parameter holds its full (data-parallel) value: for saving a
-        consolidated checkpoint or evaluating at stage 3. Collective over dp."""
+        consolidated checkpoint or evaluating at stage 3. Collective over dp.
+
+        ``write_back=True``: weights assigned inside (``model.load_state_dict``) are kept: the
+        stage-3 shards and the fp32 masters are refreshed from them on exit.
+        """
         stores = [s for s in self.stores if hasattr(s, "gather_all")]
         for store in stores:
             store.gather_all()
@@ -254,7 +258,14 @@ class ZeroOptimizer:
             yield
         finally:
             for store in stores:
-                store.release_all()
+                store.release_all(write_back)
+            if write_back:
+                self.sync_masters_from_model()
+
+    def sync_masters_from_model(self) -> None:
+        """Refresh the fp32 masters from the model's weights: call after loading weights into
+        the model without the optimizer state (finetuning), or they would overwrite them."""
+        self.masters.sync_masters_from_model()
 
     def full_parameters(self) -> dict[int, torch.Tensor]:
         """A full copy of every parameter keyed by ``id(param)`` (collective at stage 3)."""

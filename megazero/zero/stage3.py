@@ -359,7 +359,10 @@ class Stage3Params:
         for u in self.units:
             self._ensure(u)
 
-    def release_all(self) -> None:
+    def release_all(self, write_back: bool = False) -> None:
+        for u in self.units:
+            if write_back and u.full is not None and not u.persistent:
+                u.shard.copy_(u.full[u.own_lo:u.own_hi])
         for u in self.units:
             if u.index not in self._held_before:
                 self._release(u)
