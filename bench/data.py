@@ -129,6 +129,13 @@ def bench_index(tmp: str, n_tokens: int, seq_length: int) -> dict:
         n = sample_idx.shape[0] - 1
         res.run(f"shuffle_index_{e}ep", build_shuffle_index, n, n, r)
         res[f"samples_{e}ep"] = n
+    # many short samples: the sample index of 3 epochs at seq_length 128 (~1.2M rows for 50M)
+    r = np.random.RandomState(1234)
+    doc_idx = build_document_index(docs, 3, r)
+    short = res.run("sample_index_3ep_seq128", build_sample_index, ds.sequence_lengths, doc_idx,
+                    128)
+    res["samples_3ep_seq128"] = short.shape[0] - 1
+    res.run("shuffle_index_3ep_seq128", build_shuffle_index, len(short) - 1, len(short) - 1, r)
     num_samples = 3 * ((n_tokens - 1) // seq_length) - 10
     cache = os.path.join(tmp, "cache")
     doc_range = (0, ds.num_documents)
@@ -179,7 +186,10 @@ def main() -> None:
                  (f"sample index, {e} epoch(s), {idx[f'samples_{e}ep']} samples",
                   f"sample_index_{e}ep"),
                  (f"shuffle index, {e} epoch(s)", f"shuffle_index_{e}ep")]
-    rows += [("GPTDataset build + save to cache, 3 epochs", "gpt_dataset_build"),
+    rows += [(f"sample index, 3 epochs, seq 128, {idx['samples_3ep_seq128']} samples",
+              "sample_index_3ep_seq128"),
+             ("shuffle index, 3 epochs, seq 128", "shuffle_index_3ep_seq128"),
+             ("GPTDataset build + save to cache, 3 epochs", "gpt_dataset_build"),
              ("GPTDataset cached load", "gpt_dataset_cached_load"),
              ("blending index, 3 datasets, 1M samples", "blend_1m_samples")]
     print(f"  {'step':<52} {'wall s':>8} {'CPU s':>8}")
