@@ -135,7 +135,25 @@ def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
     t.stop("optimizer")
     if result.updated:
         run.scheduler.step()
-    return _dp_mean(losses, run.topo, run.env.device), result, t.pop_all()
+    return _dp_mean(losses, run.topo, run.env.device), result, _phases(t.pop_all())
+
+
+def _phases(times: dict[str, float]) -> dict[str, float]:
+    """``wall_clock_breakdown`` columns. Forward time comes from hooks on the model chunks;
+    backward is the rest of the schedule (it includes waiting on pipeline sends/receives);
+    communication is the data-parallel gradient reduction with the TP/embedding sums."""
+    if not times:
+        return {}
+    fwd = times.get("forward", 0.0)
+    return {"forward": fwd, "backward": times.get("forward-backward", 0.0) - fwd,
+            "communication": times.get("grad-sync", 0.0),
+            "optimizer": times.get("optimizer", 0.0)}
+
+
+def _time_forwards(chunks: list[torch.nn.Module], timers: Timers) -> None:
+    for c in chunks:
+        c.register_forward_pre_hook(lambda *_: timers.start("forward"))
+        c.register_forward_hook(lambda *_: timers.stop("forward"))
 
 
 def evaluate(run: Run) -> float | None:
@@ -152,6 +170,7 @@ def evaluate(run: Run) -> float | None:
             losses += _schedule(run, it, forward_only=True)
     for c in run.chunks:
         c.train()
+    run.timers.pop_all()  # evaluation forwards are not part of the next iteration's breakdown
     return _dp_mean(losses, run.topo, run.env.device)
 
 
@@ -263,8 +282,11 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
     logging = cfg.logging
     monitor = Monitor(logging, enabled=is_reporter, log_json=log_json, run_config=None)
-    run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor,
-              Timers(enabled=logging.wall_clock_breakdown), train_ds, valid_ds, TrainState())
+    timers = Timers(enabled=logging.wall_clock_breakdown)
+    if timers.enabled:
+        _time_forwards(chunks, timers)
+    run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
+              valid_ds, TrainState())
     _describe(run)
     _load(run)
     return run
