@@ -82,7 +82,7 @@ def _compare(chunks, topo, ref_w):
     return err
 
 
-def _run_flat(topo, cfg, zkw, sp, micro):
+def _run_flat(topo, cfg, zkw, sp, micro, ref_w):
     """tp x dp without pipelining: this dp rank's rows, ``micro`` micro-batches."""
     model = GPTModel(cfg, topo, sequence_parallel=sp)
     engine = build_zero_optimizer([model], OPT, ZeroConfig(**zkw), PrecisionConfig(), topo,
@@ -104,8 +104,8 @@ def _run_flat(topo, cfg, zkw, sp, micro):
         assert res.updated
         losses.append(_dp_mean(total, topo))
         norms.append(res.grad_norm)
-    with engine.gathered_parameters():
-        return losses, [model], norms
+    with engine.gathered_parameters():  # stage 3: full weights for the comparison
+        return losses, _compare([model], topo, ref_w), norms
 
 
 def _run_pipeline(topo, cfg, zkw, vpp, micro):
@@ -139,22 +139,23 @@ class _nullcontext:
 
 
 def _cases():
+    stages = [("0", dict(stage=0)), ("1", dict(stage=1)), ("2", dict(stage=2)),
+              ("3", dict(stage=3)), ("2+offload", dict(stage=2, offload_optimizer=CPU)),
+              ("3+offload", dict(stage=3, offload_optimizer=CPU, offload_param=CPU))]
     out = []
-    for i, (name, kw) in enumerate([
-            ("0", dict(stage=0)), ("1", dict(stage=1)), ("2", dict(stage=2)),
-            ("3", dict(stage=3)), ("2+offload", dict(stage=2, offload_optimizer=CPU)),
-            ("3+offload", dict(stage=3, offload_optimizer=CPU, offload_param=CPU))]):
-        overlap = i % 2 == 1
+    for overlap in (False, True):
+        for name, kw in stages:
+            kw = dict(kw, overlap_comm=overlap, reduce_bucket_size=4000,
+                      stage3_param_persistence_threshold=0)
+            out.append((f"dp4 stage {name} overlap={overlap}", 1, 1, None, kw, False,
+                        1 + overlap))
+    for i, (name, kw) in enumerate(stages):
+        sp, overlap = i % 2 == 0, i % 3 != 0
         kw = dict(kw, overlap_comm=overlap, reduce_bucket_size=4000,
                   stage3_param_persistence_threshold=0)
-        out.append((f"dp4 stage {name} overlap={overlap}", 1, 1, None, kw, False, 1 + overlap))
-    for stage, sp, overlap in [(0, True, False), (1, False, True), (2, True, True),
-                               (3, True, True)]:
-        kw = dict(stage=stage, overlap_comm=overlap, reduce_bucket_size=4000,
-                  stage3_param_persistence_threshold=0)
-        out.append((f"tp2 dp2 stage {stage} sp={sp} overlap={overlap}", 2, 1, None, kw, sp, 2))
-    for stage, vpp, overlap in [(0, None, False), (1, None, True), (2, 2, False),
-                                (1, 2, True)]:
+        out.append((f"tp2 dp2 stage {name} sp={sp} overlap={overlap}", 2, 1, None, kw, sp, 2))
+    for stage, vpp, overlap in [(0, None, False), (1, None, True), (2, None, True),
+                                (2, 2, False), (1, 2, True)]:
         kw = dict(stage=stage, overlap_comm=overlap, reduce_bucket_size=4000)
         out.append((f"pp2 dp2 stage {stage} vpp={vpp} overlap={overlap}", 1, 2, vpp, kw, False,
                     2))
@@ -174,30 +175,11 @@ def _gpt_world(rank, world_size):
             losses, chunks, norms = _run_pipeline(topo, cfg, zkw, vpp, micro)
             werr = _compare(chunks, topo, ref_w)
         else:
-            losses, chunks, norms = _run_flat(topo, cfg, zkw, sp, micro)
-            engine_chunks = chunks
-            werr = _compare(engine_chunks, topo, ref_w) if zkw["stage"] < 3 else None
-            if werr is None:  # stage 3: compare inside a gather of the full parameters
-                werr = _stage3_weights(topo, cfg, zkw, sp, micro, ref_w)
+            losses, werr, norms = _run_flat(topo, cfg, zkw, sp, micro, ref_w)
         lerr = max(abs(a - b) for a, b in zip(losses, ref_losses))
         nerr = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
         results.append((name, lerr, werr, nerr, max(ref_norms)))
     return results
-
-
-def _stage3_weights(topo, cfg, zkw, sp, micro, ref_w):
-    model = GPTModel(cfg, topo, sequence_parallel=sp)
-    engine = build_zero_optimizer([model], OPT, ZeroConfig(**zkw), PrecisionConfig(), topo,
-                                  sequence_parallel=sp)
-    rows = ROWS // topo.dp_size
-    for tokens, labels in batches():
-        mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
-        engine.zero_grad()
-        engine.backward(model(tokens[mine], labels[mine]).mean())
-        engine.finish_grad_sync()
-        engine.step()
-    with engine.gathered_parameters():
-        return _compare([model], topo, ref_w)
 
 
 def test_gpt_zero_matches_single_process_adamw():
