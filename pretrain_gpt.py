@@ -49,10 +49,18 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = replace(cfg, logging=replace(cfg.logging,
                                            log_interval=cfg.logging.steps_per_print))
-    pretrain(cfg, log_json=log_json)
+    from megazero.checkpointing import CheckpointError
     from megazero.initialize import destroy
 
-    destroy()
+    try:
+        pretrain(cfg, log_json=log_json)
+    except (CheckpointError, ConfigError) as e:
+        # Raised on every rank alike (a checkpoint saved at another layout, a config the
+        # data or model rejects): a message, not a traceback per rank.
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy()
     return 0
 
 

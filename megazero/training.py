@@ -69,6 +69,7 @@ class ExitFlags:
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+    exit_reason: str | None = None  # set when training stopped before --train-iters
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -260,6 +261,7 @@ def train(run: Run) -> TrainState:
             stop, why = _should_exit(run, flags, start)
             if stop:
                 run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
+                st.exit_reason = why
                 break
     finally:
         flags.uninstall()
@@ -294,7 +296,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
 
 def _describe(run: Run) -> None:
     cfg, topo, b = run.cfg, run.topo, run.batching
-    n_params = sum(p.numel() for c in run.chunks for p in c.parameters())
+    # The last stage's copy of a tied word embedding is not another parameter of the model.
+    n_params = sum(p.numel() for c in run.chunks for p in c.parameters()
+                   if topo.is_first_stage or not getattr(p, "shared_embedding", False))
     counts = torch.tensor([n_params], dtype=torch.float64, device=run.env.device)
     if topo.world_size > 1:
         dist.all_reduce(counts)
@@ -316,7 +320,8 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
     run = setup(cfg, log_json)
     try:
         state = train(run)
-        if cfg.train.eval_iters > 0 and (
+        # An early exit (pre-emption, time limit) leaves right after its checkpoint.
+        if state.exit_reason is None and cfg.train.eval_iters > 0 and (
                 not cfg.train.eval_interval or state.iteration % cfg.train.eval_interval):
             val = evaluate(run)
             if val is not None:

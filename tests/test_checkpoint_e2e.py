@@ -30,3 +30,22 @@ def test_crash_during_save_then_resume(tmp_path):
     assert its == [4, 5, 6]
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert (ck / "iter_0000006" / "metadata.json").is_file()
+
+
+def test_other_layout_is_a_clear_error_and_finetune_restarts(tmp_path):
+    ck = tmp_path / "ck"
+    check(run_training([*TINY, "--train-iters", "2", "--save", str(ck)]))
+    proc = run_training([*TINY, "--train-iters", "4", "--load", str(ck),
+                         "--tensor-model-parallel-size", "2"], nproc=2)
+    assert proc.returncode != 0
+    assert "pretrain_gpt.py: error: checkpoint" in proc.stderr
+    assert "saved at layout tp=1 pp=1 dp=1 vpp=1 zero_stage=0, but this run is tp=2 pp=1" \
+        in proc.stderr
+    # --finetune: weights only, counting restarts at iteration 0 (and the optimizer is fresh).
+    log = tmp_path / "ft.jsonl"
+    out = check(run_training([*TINY, "--train-iters", "2", "--load", str(ck), "--finetune",
+                              "--log-json", str(log)]))
+    assert "at iteration 0" in out
+    its = [json.loads(line)["iteration"] for line in open(log)
+           if "learning-rate" in json.loads(line)]
+    assert its == [1, 2]
