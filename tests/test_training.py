@@ -93,3 +93,29 @@ def test_batching_and_batch_shift():
     assert split_entry_flags(["--lr", "1", "--log-json", "x.jsonl", "--seed", "3"]) == (
         ["--lr", "1", "--seed", "3"], "x.jsonl")
     assert split_entry_flags(["--log-json=y"]) == ([], "y")
+
+
+def test_backend_choice_slurm_env_and_seeds():
+    import random
+
+    import numpy as np
+
+    from megazero.initialize import _from_slurm, choose_backend, set_seed
+
+    assert choose_backend(None) == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert choose_backend("gloo") == "gloo"
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="nccl needs CUDA"):
+            choose_backend("nccl")
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+           "SLURM_NTASKS_PER_NODE": "8(x2)"}
+    _from_slurm(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+        "5", "16", "1", "8")
+    torchrun_env = {"RANK": "3", "SLURM_PROCID": "0"}
+    _from_slurm(torchrun_env)  # torchrun's variables win
+    assert torchrun_env["RANK"] == "3"
+    set_seed(11, pp_rank=1)
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_seed(111)  # Megatron's rule: seed + 100 * pp_rank
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
