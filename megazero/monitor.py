@@ -84,8 +84,10 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, ms_
                     lr: float, global_batch_size: int, loss: float | None,
                     loss_scale: float | None, grad_norm: float | None, skipped: int, nan: int,
                     tokens_per_second: float, tflops: float, memory: tuple[str, float],
-                    breakdown_ms: dict[str, float] | None = None) -> str:
-    """The Megatron-style line users grep for (``lm loss: ...`` etc.)."""
+                    breakdown_ms: dict[str, float] | None = None,
+                    mfu: float | None = None) -> str:
+    """The Megatron-style line users grep for (``lm loss: ...`` etc.). ``mfu`` (model FLOPs
+    utilisation) appears only when the device's peak FLOP/s is known."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
@@ -104,6 +106,10 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, ms_
         f"number of nan iterations: {nan:3d}",
         f"tokens per second: {tokens_per_second:.1f}",
         f"TFLOP/s per GPU: {tflops:.2f}",
+    ]
+    if mfu is not None:
+        parts.append(f"MFU: {100.0 * mfu:.1f}%")
+    parts += [
         f"{memory[0]}: {memory[1]:.1f}",
     ]
     for name, ms in (breakdown_ms or {}).items():
@@ -158,7 +164,8 @@ class Monitor:
 
     def report(self, iteration: int, train_iters: int, consumed_samples: int, lr: float,
                global_batch_size: int, seq_length: int, loss_scale: float | None,
-               grad_norm: float | None, flops_per_iteration: float, world_size: int) -> None:
+               grad_norm: float | None, flops_per_iteration: float, world_size: int,
+               peak_flops: float | None = None) -> None:
         """Print the interval's log line and write every scalar sink; reset the interval."""
         s, self.stats = self.stats, IntervalStats()
         if not self.enabled or s.iterations == 0:
@@ -167,11 +174,12 @@ class Monitor:
         loss = s.loss_sum / s.loss_count if s.loss_count else None
         tokens = global_batch_size * seq_length / sec if sec > 0 else 0.0
         tflops = flops_per_iteration / (sec * world_size * 1e12) if sec > 0 else 0.0
+        mfu = tflops * 1e12 / peak_flops if (peak_flops and sec > 0) else None
         mem = peak_memory()
         breakdown_ms = {k: 1000.0 * v / s.iterations for k, v in s.breakdown.items()}
         print(format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
                               global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
-                              tokens, tflops, mem, breakdown_ms), flush=True)
+                              tokens, tflops, mem, breakdown_ms, mfu), flush=True)
         scalars: dict[str, float] = {"learning-rate": lr, "batch-size": global_batch_size,
                                      "iteration-time": sec}
         if loss is not None:
@@ -182,7 +190,7 @@ class Monitor:
             scalars["grad-norm"] = grad_norm
         self.write_scalars(iteration, scalars, extra={
             "consumed_samples": consumed_samples, "tokens_per_second": tokens,
-            "tflops_per_device": tflops, "skipped": s.skipped, "nan": s.nan,
+            "tflops_per_device": tflops, "mfu": mfu, "skipped": s.skipped, "nan": s.nan,
             "memory_mb": mem[1], **{f"time/{k}_ms": v for k, v in breakdown_ms.items()}})
 
     def report_validation(self, iteration: int, loss: float, label: str = "validation") -> None:

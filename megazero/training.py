@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megazero.checkpointing import load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
-from megazero.flops import model_flops_per_iteration
+from megazero.flops import model_flops_per_iteration, peak_flops
 from megazero.initialize import DistEnv, initialize_distributed, set_seed
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
@@ -228,6 +228,10 @@ def train(run: Run) -> TrainState:
     flops = model_flops_per_iteration(b.global_batch_size, cfg.model.seq_length,
                                       cfg.model.num_layers, cfg.model.hidden_size,
                                       cfg.model.vocab_size)
+    peak = None
+    if run.env.device.type == "cuda":
+        peak = peak_flops(torch.cuda.get_device_name(run.env.device),
+                          cfg.precision.fp16 or cfg.precision.bf16)
     data_iter = batch_iterator(run.train_ds, b, run.topo, st.consumed_samples)
     flags = ExitFlags()
     flags.install()
@@ -249,7 +253,7 @@ def train(run: Run) -> TrainState:
                 run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
                                    run.scheduler.get_lr(), b.global_batch_size,
                                    cfg.model.seq_length, result.loss_scale, norm, flops,
-                                   run.topo.world_size)
+                                   run.topo.world_size, peak)
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
                 val = evaluate(run)
                 if val is not None:

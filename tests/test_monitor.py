@@ -29,6 +29,9 @@ def test_log_line_format():
         "iterations:   0 | number of nan iterations:   0 | tokens per second: 1234.5 | "
         "TFLOP/s per GPU: 0.01 | peak memory (MB): 123.4 | forward-backward (ms): 100.0 |")
     assert float(re.search(r"lm loss: (\S+) \|", line).group(1)) == pytest.approx(5.123456)
+    with_mfu = format_log_line(1, 1, 8, 1.0, 1e-3, 8, 1.0, None, None, 0, 0, 1.0, 494.5,
+                               ("peak memory (MB)", 1.0), None, 0.5)
+    assert "| TFLOP/s per GPU: 494.50 | MFU: 50.0% | peak memory (MB): 1.0 |" in with_mfu
 
 
 def test_peak_memory_on_cpu_is_labelled_rss():
@@ -48,7 +51,7 @@ def test_tensorboard_csv_json_sinks(tmp_path, capsys):
     for it, loss in enumerate(losses, start=1):
         mon.record(loss, skipped=False, seconds=0.1)
         if it % 2 == 0:
-            mon.report(it, 6, it * 8, 1e-3 * it, 8, 16, 1024.0, 0.5 * it, 1e9, 2)
+            mon.report(it, 6, it * 8, 1e-3 * it, 8, 16, 1024.0, 0.5 * it, 1e9, 2, 1e9)
             logged.append(it)
     mon.report_validation(6, 1.25)
     mon.close()
@@ -69,6 +72,8 @@ def test_tensorboard_csv_json_sinks(tmp_path, capsys):
     recs = [json.loads(r) for r in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in recs] == [2, 4, 6, 6]
     assert recs[1]["lm loss"] == 2.25 and recs[1]["consumed_samples"] == 32
+    # 1e9 FLOPs in 0.1 s on 2 devices of 1e9 peak: 5e9 FLOP/s per device = 5x the peak
+    assert recs[1]["mfu"] == pytest.approx(5.0)
 
 
 def test_wandb_missing_warns_once_and_continues(tmp_path):
