@@ -6,6 +6,7 @@ validated :class:`~megazero.config.MegazeroConfig` and the topology explicitly.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -69,7 +70,7 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
         from megazero.demo import prepare_demo_data
 
         # One builder per node (the cache may be node-local); the others wait at the barrier.
-        local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         data = None
         if local_rank == 0:
             data = prepare_demo_data(d.data_cache_path, log=log if topo.rank == 0 else _quiet)
