@@ -124,7 +124,8 @@ def layout_of(topo: Any, zero_stage: int) -> dict[str, Any]:
             "vpp": topo.vpp_size or 1, "zero_stage": zero_stage}
 
 
-def _to_jsonable(config: Any) -> Any:
+def config_dict(config: Any) -> Any:
+    """A dataclass config as plain JSON values (for config.json and experiment trackers)."""
     if is_dataclass(config):
         config = asdict(config)
     return json.loads(json.dumps(config, default=str))
@@ -156,7 +157,7 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
     barrier()  # every shard is on disk before the checkpoint is declared complete
     directory = iteration_dir(root, iteration)
     if topo.rank == 0:
-        w.text(json.dumps(_to_jsonable(config), indent=1), os.path.join(directory, "config.json"))
+        w.text(json.dumps(config_dict(config), indent=1), os.path.join(directory, "config.json"))
         meta = {"iteration": iteration, "consumed_samples": consumed_samples,
                 "layout": layout_of(topo, zero_stage), "world_size": topo.world_size}
         w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))

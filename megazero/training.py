@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.checkpointing import load_checkpoint, save_checkpoint
+from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.flops import model_flops_per_iteration, peak_flops
 from megazero.initialize import DistEnv, initialize_distributed, set_seed
@@ -287,7 +287,8 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
     scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
     logging = cfg.logging
-    monitor = Monitor(logging, enabled=is_reporter, log_json=log_json, run_config=None)
+    monitor = Monitor(logging, enabled=is_reporter, log_json=log_json,
+                      run_config=config_dict(cfg) if is_reporter else None)
     timers = Timers(enabled=logging.wall_clock_breakdown)
     if timers.enabled:
         _time_forwards(chunks, timers)
