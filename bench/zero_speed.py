@@ -6,14 +6,16 @@ AdamW, clipping 1.0, dropout 0. All configurations live in one world of 2 ranks 
 thread each) and run in alternating rounds, so machine-load drift hits every case alike. The
 plain loop runs on both ranks at once, each an independent single-process loop with no
 communication: the same per-process work and the same competition for cores as a data-parallel
-rank, i.e. the limit a rank can reach on this machine. Reported: median ms/step of rank 0.
+rank, i.e. the limit a rank can reach on this machine. Reported: median and minimum ms/step of
+rank 0 (the minimum is the least-disturbed step when other jobs share the machine).
 
 ZeRO settings: ``overlap_comm`` on, ``reduce_bucket_size`` 1e6 (four buckets for this 4.2M model),
 other keys at DeepSpeed defaults. DeepSpeed 0.19.8 runs the same model (megazero's GPTModel,
 tp = 1) and the same settings when ``MEGAZERO_DEEPSPEED_PYTHON`` names a Python with DeepSpeed
-installed; otherwise its column says so.
+installed (each case a 2-process torchrun launch, rounds alternating with megazero's);
+otherwise its column says so.
 
-    python bench/zero_speed.py [--rounds 4] [--steps 3]
+    python bench/zero_speed.py [--rounds 3] [--steps 3]
 
 Prints the table and writes bench/results/zero_speed.json.
 """
@@ -92,7 +94,8 @@ def make_step(case: dict[str, Any] | None, topo: ParallelTopology) -> Callable[[
     return zero
 
 
-def _speed_world(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
+def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: int = 0
+                 ) -> dict[str, list[float]]:
     topo = ParallelTopology.build()
     cfg = model_config()
     g = torch.Generator().manual_seed(rank)
@@ -103,7 +106,8 @@ def _speed_world(rank: int, world_size: int, rounds: int, steps: int) -> dict[st
         fn(batch)
     times: dict[str, list[float]] = {name: [] for name, _ in CASES}
     for r in range(rounds):
-        order = CASES[r % len(CASES):] + CASES[:r % len(CASES)]  # rotate: alternating runs
+        k = (r + rotate) % len(CASES)
+        order = CASES[k:] + CASES[:k]  # rotate: alternating runs
         for name, _case in order:
             dist.barrier()
             for _ in range(steps):
@@ -190,29 +194,49 @@ def run_deepspeed(python: str, steps: int) -> dict[str, list[float] | str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_speed.json"))
     args = ap.parse_args(argv)
-    times = run_distributed(_speed_world, DP, args.rounds, args.steps, timeout=1800)[0]
-    med = {k: statistics.median(v) for k, v in times.items()}
     ds_python = os.environ.get("MEGAZERO_DEEPSPEED_PYTHON")
-    ds: dict[str, Any] = {}
-    if ds_python:
-        raw = run_deepspeed(ds_python, args.rounds * args.steps)
-        ds = {k: statistics.median(v) if isinstance(v, list) else v for k, v in raw.items()}
+    times: dict[str, list[float]] = {name: [] for name, _ in CASES}
+    raw: dict[str, list[float] | str] = {}
+    # Rounds alternate between megazero (all cases, rotated) and DeepSpeed (all cases), so load
+    # drift on a shared machine hits both alike.
+    for r in range(args.rounds):
+        got = run_distributed(_speed_world, DP, 1, args.steps, r, timeout=1800)[0]
+        for k, v in got.items():
+            times[k] += v
+        if ds_python:
+            for k, v in run_deepspeed(ds_python, args.steps).items():
+                if isinstance(v, list):
+                    prev = raw.get(k, [])
+                    raw[k] = (prev if isinstance(prev, list) else []) + v
+                elif k not in raw:
+                    raw[k] = v
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ds: dict[str, Any] = {k: statistics.median(v) if isinstance(v, list) and v else v
+                          for k, v in raw.items()}
     plain = med["plain"]
     print(f"GPT 4.2M (V4096 h256 L4 a4 s128 mb{MBS}) fp32 AdamW clip 1.0, dp {DP} on gloo, "
           f"median of {args.rounds}x{args.steps} steps")
-    print(f"{'case':>10} {'ms/step':>9} {'vs plain':>9} {'DeepSpeed ms':>13}")
+    # min: the least-disturbed step, a steadier estimate than the median on a shared machine
+    low = {k: min(v) for k, v in times.items()}
+    ds_low = {k: min(v) for k, v in raw.items() if isinstance(v, list) and v}
+    print(f"{'case':>10} {'median':>8} {'vs plain':>8} {'min':>7} {'vs plain':>8} "
+          f"{'DeepSpeed median':>16} {'DS min':>7}")
     rows = []
     for name, _ in CASES:
         d = ds.get(name, "n/a" if name == "plain" else
                    "not run: set MEGAZERO_DEEPSPEED_PYTHON" if not ds_python else "missing")
-        d_txt = f"{d:13.1f}" if isinstance(d, float) else f" {str(d)[:60]}"
-        print(f"{name:>10} {med[name]:9.1f} {med[name] / plain:9.3f}{d_txt}")
+        d_txt = (f"{d:16.1f} {ds_low[name]:7.1f}" if isinstance(d, float)
+                 else f" {str(d)[:60]}")
+        print(f"{name:>10} {med[name]:8.1f} {med[name] / plain:8.3f} {low[name]:7.1f} "
+              f"{low[name] / low['plain']:8.3f}{d_txt}")
         rows.append(dict(case=name, ms_per_step=med[name], ratio_to_plain=med[name] / plain,
-                         deepspeed_ms_per_step=d, samples=times[name]))
+                         min_ms=low[name], min_ratio_to_plain=low[name] / low["plain"],
+                         deepspeed_ms_per_step=d, deepspeed_min_ms=ds_low.get(name),
+                         samples=times[name], deepspeed_samples=raw.get(name)))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "model": model_config().__dict__, "micro_batch": MBS,

@@ -123,20 +123,23 @@ def _resume_world(rank, world_size):
             runs.append((losses[3:], engine.loss_scale))
         out.append((name, max(abs(a - b) for a, b in zip(runs[0][0], runs[1][0])),
                     runs[0][1] == runs[1][1]))
-    return out
+    return out, _load_weights(topo)
 
 
-def test_state_dict_resume_is_exact():
-    for results in run_distributed(_resume_world, 4, timeout=400):
+def test_state_dict_resume_and_loaded_weights():
+    for results, loaded in run_distributed(_resume_world, 4, timeout=400):
         assert len(results) == 6
         for name, err, same_scale in results:
             assert err < 1e-6 and same_scale, (name, err)
+        assert len(loaded) == 3
+        for name, werr, merr, dtype in loaded:
+            assert werr <= (0 if dtype == torch.float32 else 1e-2), (name, werr)
+            assert merr == 0, (name, merr)
 
 
-def _load_weights_world(rank, world_size):
+def _load_weights(topo):
     """Weights loaded into the model from outside (no optimizer state) reach the shards and the
     fp32 masters: the next step starts from them."""
-    topo = ParallelTopology.build()
     source = TinyLM(vocab=VOCAB, seed=99)
     want = {n: p.detach().clone() for n, p in source.named_parameters()}
     out = []
@@ -155,10 +158,3 @@ def _load_weights_world(rank, world_size):
         merr = max((p.master - p.model.float()).abs().max().item() for p in engine.pieces())
         out.append((name, werr, merr, prec.params_dtype))
     return out
-
-
-def test_weights_loaded_into_the_model_reach_shards_and_masters():
-    for results in run_distributed(_load_weights_world, 4, timeout=400):
-        for name, werr, merr, dtype in results:
-            assert werr <= (0 if dtype == torch.float32 else 1e-2), (name, werr)
-            assert merr == 0, (name, merr)
