@@ -56,6 +56,7 @@ class Bucket:
     own_lo: int = 0  # this rank's owned range inside the bucket
     own_hi: int = 0
     pending: set[int] = field(default_factory=set)
+    filled: set[int] = field(default_factory=set)  # slots copied into ``grad`` this step
     launched: bool = False
     handle: Handle | None = None
     grad: torch.Tensor | None = None  # full-size gradients (a view, or stage-2 staging)
@@ -134,6 +135,7 @@ class GradBuffer:
             self.shard_grad_flat.zero_()
         for b in self.buckets:
             b.pending = {id(s.param) for s in b.slots}
+            b.filled = set()
             b.launched = False
             b.handle = None
             b.grad = (self.grad_flat[b.offset:b.offset + b.numel]
@@ -165,11 +167,14 @@ class GradBuffer:
                 view.copy_(g.reshape(-1))
                 s.param.grad = view.view_as(s.param)
             return
-        if b.grad is None:  # stage 2: staging buffer for this bucket
-            b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+        if b.grad is None:  # stage 2: staging buffer, every slot written before the reduction
+            b.grad = torch.empty(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
         g = s.param.grad
         if g is not None:
-            b.grad[s.start:s.start + s.numel].copy_(g.reshape(-1))
+            # The 1/dp of the average is applied in this copy rather than in a separate pass.
+            view = b.grad[s.start:s.start + s.numel]
+            torch.mul(g.reshape(-1), 1.0 / self.dp.size, out=view)
+            b.filled.add(s.start)
         s.param.grad = None
 
     def _launch(self, b: Bucket, async_op: bool) -> None:
@@ -177,8 +182,11 @@ class GradBuffer:
         b.launched = True
         if b.grad is None:
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
-        if self.dp.size > 1:
-            b.grad.div_(self.dp.size)
+        elif self.view_mode:
+            if self.dp.size > 1:
+                b.grad.div_(self.dp.size)
+        else:  # copy mode: absorbed slots are already divided
+            self._zero_unfilled(b)
         if self.stage == 0 or (self.stage == 1 and not self.reduce_scatter):
             b.handle = self.dp.all_reduce(b.grad, async_op=async_op)
         elif self.stage == 1:
@@ -196,6 +204,14 @@ class GradBuffer:
             b.handle = Handle(h, lambda: setattr(b, "grad", None))
         if not async_op:
             b.handle.wait()
+
+    def _zero_unfilled(self, b: Bucket) -> None:
+        """Zero what no gradient was copied into (unused parameters, padding)."""
+        for s in b.slots:
+            if s.start not in b.filled:
+                b.grad[s.start:s.start + s.numel].zero_()
+                b.filled.add(s.start)
+        b.grad[b.numel - b.padding:].zero_()
 
     def flush(self) -> None:
         """Launch every normal bucket still waiting (unused parameters, or a backward that ran
@@ -234,6 +250,8 @@ class GradBuffer:
                 if b.grad is None:
                     b.grad = torch.zeros(b.numel, dtype=self.grad_dtype,
                                          device=self.param_flat.device)
+                elif not self.view_mode:
+                    self._zero_unfilled(b)
 
     def reduce_deferred(self) -> None:
         for b in self.buckets:

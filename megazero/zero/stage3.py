@@ -240,17 +240,30 @@ class Stage3Params:
             u.grad_full = None
             u.reduce_handle = None
             u.reduced = False
+            u.filled = set()
             u.pending = {id(p) for p in u.params}
             for p in u.params:
                 p.grad = None
 
     def _absorb(self, u: Unit) -> None:
+        """Copy the unit's gradients into its flat buffer, applying the 1/dp of the average in
+        the same pass; slots never filled are zeroed before the reduction."""
         if u.grad_full is None:
-            u.grad_full = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
-        for p, s, shape in zip(u.params, u.starts, u.shapes):
+            u.grad_full = torch.empty(u.padded, dtype=self.grad_dtype, device=self.device)
+        for i, (p, s, shape) in enumerate(zip(u.params, u.starts, u.shapes)):
             if p.grad is not None:
-                u.grad_full[s:s + shape.numel()].copy_(p.grad.reshape(-1))
+                torch.mul(p.grad.reshape(-1), 1.0 / self.dp.size,
+                          out=u.grad_full[s:s + shape.numel()])
+                u.filled.add(i)
                 p.grad = None
+
+    @staticmethod
+    def _zero_unfilled(u: Unit) -> None:
+        for i, (s, shape) in enumerate(zip(u.starts, u.shapes)):
+            if i not in u.filled:
+                u.grad_full[s:s + shape.numel()].zero_()
+                u.filled.add(i)
+        u.grad_full[u.numel:].zero_()
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
         """Inside ``no_sync``: keep the gradient, release the parameters once all arrived."""
@@ -277,8 +290,8 @@ class Stage3Params:
         u.reduced = True
         if u.grad_full is None:
             u.grad_full = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
-        if self.dp.size > 1:
-            u.grad_full.div_(self.dp.size)
+        else:
+            self._zero_unfilled(u)
         h = self.dp.reduce_scatter(u.grad_shard, u.grad_full, async_op=async_op)
         u.reduce_handle = Handle(h, lambda: setattr(u, "grad_full", None))
         if not async_op:
@@ -301,6 +314,7 @@ class Stage3Params:
         for u in self.units:
             if u.kind is not None and not u.reduced:
                 self._absorb(u)
+                self._zero_unfilled(u)
                 self._release(u)
 
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:

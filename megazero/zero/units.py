@@ -39,6 +39,7 @@ class Unit:
         self.grad_shard: torch.Tensor | None = None
         self.reduce_handle: Handle | None = None
         self.pending: set[int] = set()
+        self.filled: set[int] = set()  # indices of params copied into grad_full this step
         self.reduced = False
 
     def attach(self) -> None:
