@@ -160,17 +160,3 @@ class ChunkTrackers:
             if t is not None and s is not None:
                 t.set_states(s)
 
-
-class GradSync:
-    """What the pipeline executor expects around backwards (``no_sync`` /
-    ``start_grad_sync``), backed by the ZeRO engine; the reduction itself completes in
-    ``engine.finish_grad_sync()`` after the schedule."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    def no_sync(self):
-        return self.engine.no_sync()
-
-    def start_grad_sync(self) -> None:
-        pass

@@ -38,7 +38,6 @@ from megazero.topology import ParallelTopology
 from megazero.train_setup import (
     Batching,
     ChunkTrackers,
-    GradSync,
     batch_iterator,
     build_datasets,
     build_model_and_optimizer,
@@ -111,7 +110,7 @@ def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
         run.chunks, data_iter, run.topo, run.batching.num_microbatches, m.seq_length,
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
-        get_batch=get_batch, grad_sync=None if forward_only else GradSync(run.engine))
+        get_batch=get_batch, grad_sync=None if forward_only else run.engine)
     return [x / scale for x in losses]
 
 
