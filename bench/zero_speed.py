@@ -1,21 +1,31 @@
 """Step time of ZeRO stages 0, 1, 2, 3, 2+offload, 3+offload at dp 2 on gloo, against a plain
 single-process PyTorch loop of the same model (the limit) and, when available, DeepSpeed.
 
-Model: GPT, vocab 4096, hidden 256, 4 layers, 4 heads, seq 128, micro-batch 4 per rank, fp32,
-AdamW, clipping 1.0, dropout 0. All configurations live in one world of 2 ranks (one intra-op
-thread each) and run in alternating rounds, so machine-load drift hits every case alike. The
-plain loop runs on both ranks at once, each an independent single-process loop with no
+Model: GPT, vocab 4096, hidden 256, 4 layers, 4 heads, seq 128, micro-batch 4 per rank (global
+batch 8), fp32, AdamW, clipping 1.0, dropout 0, one intra-op thread per rank.
+
+megazero runs through the training entry point (``--driver entry``, the default): per stage one
+``torchrun --nproc_per_node 2 pretrain_gpt.py --mock-data ...`` launch with a DeepSpeed JSON
+selecting the stage, ``--log-interval 1 --log-json``, evaluation off. The step time is the
+``iteration-time`` of every logged iteration after the first ``--warmup`` (stage 3 records its
+execution order on the first step); it covers the whole iteration (schedule, gradient sync,
+optimizer, scheduler, loss all-reduce) and not the logging after it, whose cost is measured
+separately. ``--driver engine`` instead drives the ZeRO engine and GPTModel directly, all
+cases in one world of 2 ranks.
+
+The plain loop runs on both ranks at once, each an independent single-process loop with no
 communication: the same per-process work and the same competition for cores as a data-parallel
-rank, i.e. the limit a rank can reach on this machine. Reported: median and minimum ms/step of
-rank 0 (the minimum is the least-disturbed step when other jobs share the machine).
+rank, i.e. the limit a rank can reach on this machine. DeepSpeed 0.19.8 runs the same model
+(megazero's GPTModel, tp = 1) and the same settings when ``MEGAZERO_DEEPSPEED_PYTHON`` names a
+Python with DeepSpeed installed (each case a 2-process torchrun launch); otherwise its column
+says so. Rounds alternate plain loop, megazero (cases rotated) and DeepSpeed, so machine-load
+drift hits every side alike. Reported: median and minimum ms/step of rank 0 (the minimum is the
+least-disturbed step when other jobs share the machine).
 
 ZeRO settings: ``overlap_comm`` on, ``reduce_bucket_size`` 1e6 (four buckets for this 4.2M model),
-other keys at DeepSpeed defaults. DeepSpeed 0.19.8 runs the same model (megazero's GPTModel,
-tp = 1) and the same settings when ``MEGAZERO_DEEPSPEED_PYTHON`` names a Python with DeepSpeed
-installed (each case a 2-process torchrun launch, rounds alternating with megazero's);
-otherwise its column says so.
+other keys at DeepSpeed defaults.
 
-    python bench/zero_speed.py [--rounds 3] [--steps 3]
+    python bench/zero_speed.py [--driver entry|engine] [--rounds 3] [--steps 5] [--warmup 2]
 
 Prints the table and writes bench/results/zero_speed.json.
 """
@@ -23,8 +33,11 @@ Prints the table and writes bench/results/zero_speed.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -37,8 +50,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.config import ModelConfig, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.config import (
+    LoggingConfig,
+    ModelConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
 from megazero.model import GPTModel
+from megazero.monitor import Monitor
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
@@ -65,8 +86,7 @@ def model_config() -> ModelConfig:
 
 
 def make_step(case: dict[str, Any] | None, topo: ParallelTopology) -> Callable[[Any], float]:
-    """One training step function for a case: returns the loss. This is the seam where the
-    training entry point (``pretrain_gpt.py --mock-data``) can be substituted later."""
+    """One training step function for a case (``--driver engine``): returns the loss."""
     cfg = model_config()
     if case is None:
         model = GPTModel(cfg, ParallelTopology.single())
@@ -94,20 +114,21 @@ def make_step(case: dict[str, Any] | None, topo: ParallelTopology) -> Callable[[
     return zero
 
 
-def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: int = 0
-                 ) -> dict[str, list[float]]:
+def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: int = 0,
+                 names: tuple[str, ...] | None = None) -> dict[str, list[float]]:
     topo = ParallelTopology.build()
     cfg = model_config()
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.vocab_size, (MBS, cfg.seq_length), generator=g)
     batch = (tokens, torch.roll(tokens, -1, 1))
-    fns = {name: make_step(case, topo) for name, case in CASES}
+    cases = [(n, c) for n, c in CASES if names is None or n in names]
+    fns = {name: make_step(case, topo) for name, case in cases}
     for fn in fns.values():  # warm-up (stage 3 records its execution order on the first step)
         fn(batch)
-    times: dict[str, list[float]] = {name: [] for name, _ in CASES}
+    times: dict[str, list[float]] = {name: [] for name, _ in cases}
     for r in range(rounds):
-        k = (r + rotate) % len(CASES)
-        order = CASES[k:] + CASES[:k]  # rotate: alternating runs
+        k = (r + rotate) % len(cases)
+        order = cases[k:] + cases[:k]  # rotate: alternating runs
         for name, _case in order:
             dist.barrier()
             for _ in range(steps):
@@ -192,56 +213,184 @@ def run_deepspeed(python: str, steps: int) -> dict[str, list[float] | str]:
     return out
 
 
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def entry_args(steps: int, ds_config: str, log_json: str) -> list[str]:
+    """``pretrain_gpt.py`` and its flags: this bench's model, mock data, evaluation off."""
+    m, o = model_config(), OPT
+    return ["pretrain_gpt.py", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(m.vocab_size), "--hidden-size", str(m.hidden_size),
+            "--num-layers", str(m.num_layers), "--num-attention-heads",
+            str(m.num_attention_heads), "--seq-length", str(m.seq_length),
+            "--max-position-embeddings", str(m.seq_length), "--micro-batch-size", str(MBS),
+            "--global-batch-size", str(MBS * DP), "--attention-dropout", "0",
+            "--hidden-dropout", "0", "--lr", str(o.lr), "--lr-decay-style", "constant",
+            "--weight-decay", str(o.weight_decay), "--clip-grad", str(o.clip_grad),
+            "--train-iters", str(steps), "--eval-iters", "0", "--log-interval", "1",
+            "--log-json", log_json, "--deepspeed_config", ds_config]
+
+
+def entry_ds_config(case: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed JSON of one megazero case; ``wall_clock_breakdown`` adds per-phase times
+    to the log (a few clock reads per iteration)."""
+    offload = "offload_optimizer" in case
+    return {"wall_clock_breakdown": True,
+            "zero_optimization": ds_zero_block(case["stage"], offload)}
+
+
+def run_entry(name: str, case: dict[str, Any], steps: int, warmup: int, port: int
+              ) -> dict[str, Any]:
+    """One torchrun launch of pretrain_gpt.py; per-iteration ms after ``warmup`` iterations."""
+    slug = name.replace("+", "_")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, log = os.path.join(tmp, f"ds_{slug}.json"), os.path.join(tmp, f"{slug}.jsonl")
+        with open(cfg, "w") as f:
+            json.dump(entry_ds_config(case), f)
+        cmd = [TORCHRUN, "--nproc_per_node", str(DP), "--master_port", str(port),
+               *entry_args(warmup + steps, cfg, log)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=900)
+        launch_s = time.perf_counter() - t0
+        if proc.returncode:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"{name}: pretrain_gpt.py failed: " + " | ".join(tail))
+        with open(log) as f:
+            lines = [json.loads(ln) for ln in f]
+    its = [x for x in lines if "iteration-time" in x and x["iteration"] > warmup]
+    phases = {k[5:-3]: [x[k] for x in its] for k in its[0] if k.startswith("time/")}
+    return {"ms": [1000 * x["iteration-time"] for x in its], "phases": phases,
+            "launch_s": launch_s}
+
+
+def log_cost_ms(n: int = 200) -> float:
+    """Wall time of one ``--log-interval 1`` report (log line + JSON line) on the reporting
+    rank; it comes after the timed part of an iteration, so it adds to the run, not the field."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        mon = Monitor(LoggingConfig(log_interval=1), enabled=True,
+                      log_json=os.path.join(tmp, "log.jsonl"))
+        t0 = time.perf_counter()
+        for i in range(n):
+            mon.record(8.0, False, 0.3, {"forward": 0.1, "optimizer": 0.1})
+            mon.report(i + 1, n, 8 * (i + 1), OPT.lr, 8, 128, None, 1.0, 1e9, DP)
+        dt = time.perf_counter() - t0
+        mon.close()
+    return 1000 * dt / n
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "device": "CPU only, gloo backend"}
+
+
+def ds_version(python: str) -> str:
+    code = "import importlib.metadata as m; print(m.version('deepspeed'))"
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def _add(acc: dict[str, Any], name: str, value: Any) -> None:
+    """Append a case's samples; a failure message is kept only if nothing was measured."""
+    if isinstance(value, list):
+        prev = acc.get(name)
+        acc[name] = (prev if isinstance(prev, list) else []) + value
+    elif name not in acc:
+        acc[name] = value
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--driver", choices=("entry", "engine"), default="entry")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per case and round")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="entry driver: iterations skipped per launch")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_speed.json"))
     args = ap.parse_args(argv)
     ds_python = os.environ.get("MEGAZERO_DEEPSPEED_PYTHON")
+    zero_cases = [(n, c) for n, c in CASES if c is not None]
     times: dict[str, list[float]] = {name: [] for name, _ in CASES}
+    phases: dict[str, dict[str, list[float]]] = {}
+    launch_s: dict[str, list[float]] = {}
+    commands: dict[str, Any] = {}
     raw: dict[str, list[float] | str] = {}
-    # Rounds alternate between megazero (all cases, rotated) and DeepSpeed (all cases), so load
-    # drift on a shared machine hits both alike.
+    t_start = time.perf_counter()
     for r in range(args.rounds):
-        got = run_distributed(_speed_world, DP, 1, args.steps, r, timeout=1800)[0]
+        names = ("plain",) if args.driver == "entry" else None
+        got = run_distributed(_speed_world, DP, 1, args.steps, r, names, timeout=1800)[0]
         for k, v in got.items():
             times[k] += v
+        if args.driver == "entry":
+            k = r % len(zero_cases)
+            for i, (name, case) in enumerate(zero_cases[k:] + zero_cases[:k]):
+                res = run_entry(name, case, args.steps, args.warmup, 29600 + i)
+                times[name] += res["ms"]
+                launch_s.setdefault(name, []).append(res["launch_s"])
+                for ph, v in res["phases"].items():
+                    phases.setdefault(name, {}).setdefault(ph, []).extend(v)
         if ds_python:
             for k, v in run_deepspeed(ds_python, args.steps).items():
-                if isinstance(v, list):
-                    prev = raw.get(k, [])
-                    raw[k] = (prev if isinstance(prev, list) else []) + v
-                elif k not in raw:
-                    raw[k] = v
+                _add(raw, k, v)
+        print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f}s)",
+              flush=True)
+    if args.driver == "entry":
+        iters = args.warmup + args.steps
+        commands["megazero"] = " ".join(["OMP_NUM_THREADS=1", "torchrun", "--nproc_per_node",
+                                         str(DP), *entry_args(iters, "ds_<case>.json",
+                                                              "<case>.jsonl")])
+        commands["ds_<case>.json"] = {n: entry_ds_config(c) for n, c in zero_cases}
+    if ds_python:
+        commands["deepspeed"] = (f"torchrun --nproc_per_node {DP} ds_step.py <stage> "
+                                 f"<offload 0|1> {args.steps}  (DS_SCRIPT in this file)")
     med = {k: statistics.median(v) for k, v in times.items()}
-    ds: dict[str, Any] = {k: statistics.median(v) if isinstance(v, list) and v else v
-                          for k, v in raw.items()}
+    low = {k: min(v) for k, v in times.items()}
+    ds = {k: statistics.median(v) if isinstance(v, list) and v else v for k, v in raw.items()}
+    ds_low = {k: min(v) for k, v in raw.items() if isinstance(v, list) and v}
     plain = med["plain"]
     print(f"GPT 4.2M (V4096 h256 L4 a4 s128 mb{MBS}) fp32 AdamW clip 1.0, dp {DP} on gloo, "
-          f"median of {args.rounds}x{args.steps} steps")
-    # min: the least-disturbed step, a steadier estimate than the median on a shared machine
-    low = {k: min(v) for k, v in times.items()}
-    ds_low = {k: min(v) for k, v in raw.items() if isinstance(v, list) and v}
+          f"megazero via {args.driver}, median of {args.rounds}x{args.steps} steps")
     print(f"{'case':>10} {'median':>8} {'vs plain':>8} {'min':>7} {'vs plain':>8} "
-          f"{'DeepSpeed median':>16} {'DS min':>7}")
+          f"{'DeepSpeed median':>16} {'DS min':>7} {'vs DS':>6}")
     rows = []
     for name, _ in CASES:
         d = ds.get(name, "n/a" if name == "plain" else
                    "not run: set MEGAZERO_DEEPSPEED_PYTHON" if not ds_python else "missing")
-        d_txt = (f"{d:16.1f} {ds_low[name]:7.1f}" if isinstance(d, float)
+        vs_ds = med[name] / d if isinstance(d, float) else None
+        d_txt = (f"{d:16.1f} {ds_low[name]:7.1f} {vs_ds:6.3f}" if isinstance(d, float)
                  else f" {str(d)[:60]}")
         print(f"{name:>10} {med[name]:8.1f} {med[name] / plain:8.3f} {low[name]:7.1f} "
               f"{low[name] / low['plain']:8.3f}{d_txt}")
-        rows.append(dict(case=name, ms_per_step=med[name], ratio_to_plain=med[name] / plain,
-                         min_ms=low[name], min_ratio_to_plain=low[name] / low["plain"],
-                         deepspeed_ms_per_step=d, deepspeed_min_ms=ds_low.get(name),
-                         samples=times[name], deepspeed_samples=raw.get(name)))
+        row = dict(case=name, ms_per_step=med[name], ratio_to_plain=med[name] / plain,
+                   min_ms=low[name], min_ratio_to_plain=low[name] / low["plain"],
+                   deepspeed_ms_per_step=d, deepspeed_min_ms=ds_low.get(name),
+                   ratio_to_deepspeed=vs_ds, samples=times[name],
+                   deepspeed_samples=raw.get(name))
+        if name in phases:
+            row["phase_median_ms"] = {k: statistics.median(v) for k, v in phases[name].items()}
+            row["launch_s"] = launch_s[name]
+        rows.append(row)
+    log_ms = log_cost_ms() if args.driver == "entry" else None
+    if log_ms is not None:
+        print(f"--log-interval 1 report: {log_ms:.3f} ms per iteration (outside the step time)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "model": model_config().__dict__, "micro_batch": MBS,
-                   "dp": DP, "zero": ZERO_COMMON, "threads_per_rank": 1}, f, indent=1,
-                  default=str)
+        json.dump({"rows": rows, "driver": args.driver, "rounds": args.rounds,
+                   "steps_per_round": args.steps,
+                   "warmup_iterations": args.warmup if args.driver == "entry" else 1,
+                   "machine": machine(),
+                   "deepspeed": ds_version(ds_python) if ds_python else None,
+                   "commands": commands, "log_report_ms": log_ms,
+                   "bench_seconds": time.perf_counter() - t_start,
+                   "model": model_config().__dict__, "micro_batch": MBS, "dp": DP,
+                   "zero": ZERO_COMMON, "threads_per_rank": 1}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
