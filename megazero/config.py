@@ -343,10 +343,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate(cfg: MegazeroConfig) -> None:
-    """Checks that involve more than one sub-config; each message names the numbers and the fix."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, pp = p.tp, p.pp
+def check_tensor_parallel_split(m: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """Can this model be split over ``tp`` ranks? One rule for the CLI config and for a model
+    built directly from a :class:`ModelConfig`; every message names the numbers and the fix."""
     _check(m.num_attention_heads % tp == 0,
            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
            f"--tensor-model-parallel-size {tp}; use a TP size that divides the heads "
@@ -355,11 +354,21 @@ def validate(cfg: MegazeroConfig) -> None:
            f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size "
            f"{tp}; each TP rank needs whole key/value groups: use a TP size in "
            f"{_divisors(m.query_groups)} or a multiple of {tp} groups")
-    if p.sequence_parallel:
+    _check(m.ffn_size % tp == 0,
+           f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
+           f"{tp}; use a multiple of {tp}")
+    if sequence_parallel and tp > 1:
         _check(m.seq_length % tp == 0,
                f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size "
                f"{tp}, which --sequence-parallel needs (the sequence is split across TP ranks); "
                f"use a multiple of {tp}")
+
+
+def validate(cfg: MegazeroConfig) -> None:
+    """Checks that involve more than one sub-config; each message names the numbers and the fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp = p.tp, p.pp
+    check_tensor_parallel_split(m, tp, p.sequence_parallel)
     _check(m.num_layers % pp == 0,
            f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
            f"{pp}; use a multiple of {pp} layers or a PP size in {_divisors(m.num_layers)}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.config import ConfigError, ModelConfig
+from megazero.config import ConfigError, ModelConfig, check_tensor_parallel_split
 from megazero.model.attention import BACKENDS
 from megazero.model.dropout import dropout
 from megazero.model.init import initialize_parameters
@@ -45,24 +45,9 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 def validate(config: ModelConfig, tp: int, sequence_parallel: bool,
              layer_range: tuple[int, int]) -> None:
-    """Reject layouts this model cannot be split into; every message names the numbers."""
-    heads, groups = config.num_attention_heads, config.query_groups
-    if config.hidden_size % heads:
-        raise ConfigError(f"--hidden-size {config.hidden_size} is not divisible by "
-                          f"--num-attention-heads {heads}")
-    if heads % tp:
-        raise ConfigError(f"--num-attention-heads {heads} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if groups % tp:
-        raise ConfigError(f"--num-query-groups {groups} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}; each TP rank must hold whole "
-                          f"query groups")
-    if config.ffn_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {config.ffn_size} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if sequence_parallel and tp > 1 and config.seq_length % tp:
-        raise ConfigError(f"--seq-length {config.seq_length} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}, required by --sequence-parallel")
+    """Reject layouts this model cannot be split into (hidden % heads is already a
+    :class:`ModelConfig` invariant); every message names the numbers."""
+    check_tensor_parallel_split(config, tp, sequence_parallel)
     start, end = layer_range
     if not 0 <= start < end <= config.num_layers:
         raise ConfigError(f"layer_range {layer_range} is not a non-empty range within "
