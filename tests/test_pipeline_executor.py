@@ -17,6 +17,7 @@ from megazero.pipeline.executor import backward_step, deallocate_output_tensor, 
 from megazero.pipeline.grads import finalize_model_grads, sync_tied_embeddings
 from megazero.pipeline.partition import chunk_layer_ranges, chunk_roles
 from megazero.testing import run_distributed
+from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
 
 VOCAB, HIDDEN, SEQ, MBS, LAYERS = 50, 16, 8, 2, 8
@@ -66,12 +67,7 @@ class ToyChunk(nn.Module):
 
 
 def make_batches(m, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(m):
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
-        out.append({"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1)})
-    return out
+    return random_lm_batches(m, VOCAB, MBS, SEQ, seed)
 
 
 def reference(batches, tied):

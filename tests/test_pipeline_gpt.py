@@ -12,13 +12,13 @@ differs (TP partial sums, micro-batch accumulation), so errors are ~1e-7.
 """
 
 import pytest
-import torch
 
 from megazero.config import ModelConfig
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.grads import finalize_model_grads
 from megazero.pipeline.partition import build_model_chunks
 from megazero.testing import run_distributed
+from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
 
 SEQ, MBS, VOCAB, LAYERS, HIDDEN = 16, 2, 100, 8, 32
@@ -32,12 +32,7 @@ def model_config(tied: bool) -> ModelConfig:
 
 
 def make_batches(m: int, seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(m):
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
-        out.append({"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1)})
-    return out
+    return random_lm_batches(m, VOCAB, MBS, SEQ, seed)
 
 
 def reference(cfg: ModelConfig, batches: list[dict]) -> tuple[list[float], dict]:
