@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megazero.config import ConfigError
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -49,10 +51,20 @@ def choose_backend(requested: str | None) -> str:
     """nccl when CUDA is available, gloo otherwise; ``--distributed-backend`` overrides."""
     if requested:
         if requested == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("--distributed-backend nccl needs CUDA GPUs, but torch sees none; "
+            raise ConfigError("--distributed-backend nccl needs CUDA GPUs, but torch sees none; "
                                "use gloo on CPU")
         return requested
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_gpus_per_node(backend: str, local_world_size: int, gpu_count: int) -> None:
+    """NCCL needs one GPU per process on a node; say so before NCCL does (its own error,
+    ``ncclInvalidUsage``, names neither count)."""
+    if backend == "nccl" and local_world_size > gpu_count:
+        raise ConfigError(
+            f"{local_world_size} processes on this node but only {gpu_count} visible GPU(s): "
+            f"NCCL needs one GPU per process. Launch with --nproc_per_node {gpu_count} (or "
+            "fewer), or pass --distributed-backend gloo to run the processes on the CPU")
 
 
 def initialize_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> DistEnv:
@@ -72,7 +84,8 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         # whose host name may not resolve in containers.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        check_gpus_per_node(backend, local_world, torch.cuda.device_count())
+        torch.cuda.set_device(local_rank)
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")

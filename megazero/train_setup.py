@@ -113,10 +113,17 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
                                batching.global_batch_size, consumed_samples, cyclic=cyclic)
 
 
-def get_batch(data_iterator: Iterator[dict]) -> dict[str, torch.Tensor]:
+def get_batch(data_iterator: Iterator[dict],
+              device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
-    ``labels [b, s]``."""
+    ``labels [b, s]``, on ``device``.
+
+    The batch is moved once, here, where it is drawn: on CUDA from pinned host memory with a
+    non-blocking copy, so the transfer overlaps the work already queued on the GPU.
+    """
     tokens = next(data_iterator)["tokens"]
+    if device is not None and device.type != "cpu":
+        tokens = tokens.pin_memory().to(device, non_blocking=True)
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
 

@@ -19,6 +19,7 @@ save the same checkpoint.
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import time
@@ -110,7 +111,8 @@ def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
         run.chunks, data_iter, run.topo, run.batching.num_microbatches, m.seq_length,
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
-        get_batch=get_batch, grad_sync=None if forward_only else run.engine)
+        get_batch=functools.partial(get_batch, device=run.env.device),
+        grad_sync=None if forward_only else run.engine)
     return [x / scale for x in losses]
 
 

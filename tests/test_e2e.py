@@ -26,7 +26,9 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "3e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
-        "--eval-interval", "1000", "--eval-iters", "1", "--seed", "7"]
+        "--eval-interval", "1000", "--eval-iters", "1", "--seed", "7",
+        # The CPU suite runs on gloo whatever the machine has (a GPU box picks NCCL by default).
+        "--distributed-backend", "gloo"]
 LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 # fp32, 20 iterations: losses at tp2 x pp2 x dp2 (+SP, vpp 2, ZeRO-1) equal the one-process run
 # to within fp32 rounding of differently ordered sums (observed <= 3e-8 relative).

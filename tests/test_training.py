@@ -105,7 +105,7 @@ def test_backend_choice_slurm_env_and_seeds():
     assert choose_backend(None) == ("nccl" if torch.cuda.is_available() else "gloo")
     assert choose_backend("gloo") == "gloo"
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="nccl needs CUDA"):
+        with pytest.raises(ConfigError, match="nccl needs CUDA"):
             choose_backend("nccl")
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
            "SLURM_NTASKS_PER_NODE": "8(x2)"}

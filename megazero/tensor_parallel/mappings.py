@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.compat import all_gather_into_tensor, reduce_scatter_tensor
+
 Group = Any  # torch.distributed.ProcessGroup or None
 
 # Backends whose reduce-scatter into one flat tensor is missing or unreliable across the torch
@@ -67,8 +69,7 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=group)
+    all_gather_into_tensor(out, x, group=group)
     return out
 
 
@@ -88,8 +89,7 @@ def reduce_scatter_dim0_native(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] // group_size(group), *x.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, x, group=group)
+    reduce_scatter_tensor(out, x, group=group)
     return out
 
 

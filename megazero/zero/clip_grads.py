@@ -37,9 +37,14 @@ def sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).pow(2).sum()
 
 
-def all_reduce_scalar(value: torch.Tensor, comms: list[GroupComm], op: Any = None) -> float:
-    """Sum (or ``op``) a scalar over each group in ``comms``, in order; return it as a float."""
-    t = value.detach().reshape(1).to(torch.float32).clone()
+def all_reduce_scalar(value: torch.Tensor, comms: list[GroupComm], op: Any = None,
+                      device: torch.device | None = None) -> float:
+    """Sum (or ``op``) a scalar over each group in ``comms``, in order; return it as a float.
+
+    ``device``: where the reduction happens (the model's device; NCCL needs a CUDA tensor even
+    when the value was computed on the host, as with offloaded gradients)."""
+    t = value.detach().reshape(1).to(device=device or value.device, dtype=torch.float32,
+                                      copy=True)
     for c in comms:
         c.all_reduce(t, op=op or dist.ReduceOp.SUM, what="scalar")
     return float(t.item())

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.compat import all_gather_into_tensor
+
 
 @dataclass
 class CommLog:
@@ -172,7 +174,7 @@ class GroupComm:
                     src = dist.get_global_rank(self.group, r)
                     works.append(dist.broadcast(piece, src, group=self.group, async_op=True))
             elif step == n:
-                works.append(dist.all_gather_single(out, shard, group=self.group,
+                works.append(all_gather_into_tensor(out, shard, group=self.group,
                                                     async_op=True))
             else:
                 outs = [views[r, lo:hi] for r in range(self.size)]

@@ -82,6 +82,9 @@ class ZeroOptimizer:
         self.clip_grad = clip_grad
         self.sequence_parallel = sequence_parallel
         self.scaler = LossScaler.from_config(precision)
+        # Scalars (overflow flag, squared norm) are reduced on the model's device: NCCL
+        # refuses CPU tensors, and offloaded gradients live on the host.
+        self.device = next((p.device for s in stores for p in s.params()), torch.device("cpu"))
         self._sync = True
         self._synced = False
         self._saw_sync_backward = False
@@ -175,7 +178,7 @@ class ZeroOptimizer:
         if self.precision.fp16:
             local = clip_grads.has_inf_or_nan(p.grad for p in pieces)
             flag = clip_grads.all_reduce_scalar(torch.tensor(float(local)), [self.comms.world],
-                                                op=dist.ReduceOp.MAX)
+                                                op=dist.ReduceOp.MAX, device=self.device)
             if flag > 0:
                 self._end_step()
                 self.scaler.update(overflow=True)
@@ -184,7 +187,8 @@ class ZeroOptimizer:
         sq = clip_grads.sum_of_squares(
             p.grad for p in pieces if clip_grads.counts_in_norm(p.param, tp_rank))
         groups = [self.comms.mp] if self.zero.stage == 0 else [self.comms.dp, self.comms.mp]
-        norm = math.sqrt(max(clip_grads.all_reduce_scalar(sq, groups), 0.0)) / scale
+        norm = math.sqrt(max(clip_grads.all_reduce_scalar(sq, groups, device=self.device),
+                             0.0)) / scale
         coef = clip_grads.clip_coefficient(norm, self.clip_grad)
         self.masters.step(coef / scale)
         chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
