@@ -98,6 +98,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--train-iters", "train.train_iters", **_I),
     _f("--train-samples", "train.train_samples", **_I),
     _f("--seed", "train.seed", **_I),
+    _f("--deterministic-mode", "train.deterministic_mode", **_ON),
     _f("--eval-interval", "train.eval_interval", **_I),
     _f("--eval-iters", "train.eval_iters", **_I),
     _f("--exit-interval", "train.exit_interval", **_I),

@@ -20,3 +20,7 @@ reduce_scatter_tensor: Any = (getattr(dist, "reduce_scatter_single", None)
                               or dist.reduce_scatter_tensor)
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+# ``scaled_dot_product_attention(enable_gqa=...)`` arrived in torch 2.5; before it, KV groups are
+# repeated to the query heads (same result, more memory).
+SDPA_HAS_GQA = TORCH_VERSION >= (2, 5)

@@ -282,6 +282,7 @@ class TrainConfig:
     eval_iters: int = 10
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    deterministic_mode: bool = False  # bitwise-reproducible GPU runs (see initialize.py)
 
 
 @dataclass(frozen=True)

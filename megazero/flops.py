@@ -1,12 +1,21 @@
-"""Model FLOPs per iteration (Megatron's formula) and model FLOPs utilisation.
+"""Model FLOPs per iteration and model FLOPs utilisation.
 
-The formula counts the dense matmuls of a GPT with a 4h MLP: per layer and token, 24h² for the
+:func:`gpt_flops_per_iteration` counts every GEMM of the model as configured (grouped-query
+attention's narrower K/V projections, the SwiGLU MLP's extra gate matrix, ``--ffn-hidden-size``,
+the padded logit layer), as Megatron's current ``num_floating_point_operations`` does; for a
+GPT-2-shaped model (one KV group per head, a 4h GELU MLP) it reduces to the closed form of the
+Megatron paper, :func:`model_flops_per_iteration`: per layer and token 24h² for the
 QKV/projection/MLP weights and 4sh for attention scores and values, times 3 for forward plus
-backward, plus the logit layer. It ignores recomputation (that is the *model* FLOPs; the
-*hardware* FLOPs of full recomputation add one more forward: 96 instead of 72).
+backward, plus the logit layer. Both ignore recomputation (the *model* FLOPs; the *hardware*
+FLOPs of full recomputation add one more forward: 96 instead of 72).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megazero.config import ModelConfig
 
 # Dense peak FLOP/s per device for 16-bit and 32-bit math, for the MFU column. Unknown
 # devices (CPUs, unlisted GPUs) report no MFU rather than a made-up one.
@@ -25,6 +34,28 @@ def model_flops_per_iteration(global_batch_size: int, seq_length: int, num_layer
     """``72 B s l h² (1 + s/(6h) + V/(12 l h))``: forward + backward, no recomputation."""
     b, s, n_layers, h, v = global_batch_size, seq_length, num_layers, hidden_size, vocab_size
     return 72.0 * b * s * n_layers * h * h * (1 + s / (6 * h) + v / (12 * n_layers * h))
+
+
+def gpt_flops_per_iteration(model: ModelConfig, global_batch_size: int,
+                            padded_vocab_size: int | None = None) -> float:
+    """Forward + backward FLOPs of one iteration, GEMM by GEMM (2 FLOPs per multiply-add; the
+    backward pass costs twice the forward: gradients of inputs and of weights).
+
+    Per token and layer, forward: QKV ``2h(h + 2h·g/a)``, attention scores and values
+    ``2·2·s·h`` (counted over the whole square, as Megatron does, not only the causal half),
+    output projection ``2h²``, MLP ``2h·f·(2 if SwiGLU else 1) + 2f·h``; per token, the logit
+    layer ``2hV``.
+    """
+    h, s, layers = model.hidden_size, model.seq_length, model.num_layers
+    kv = h * model.query_groups // model.num_attention_heads
+    f = model.ffn_size
+    vocab = padded_vocab_size or model.vocab_size
+    qkv = 2 * h * (h + 2 * kv)
+    attention = 2 * 2 * s * h
+    projection = 2 * h * h
+    mlp = 2 * h * f * (2 if model.swiglu else 1) + 2 * f * h
+    per_token = layers * (qkv + attention + projection + mlp) + 2 * h * vocab
+    return 3.0 * global_batch_size * s * per_token
 
 
 def hardware_flops_per_iteration(global_batch_size: int, seq_length: int, num_layers: int,

@@ -98,6 +98,23 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     return DistEnv(rank, world, local_rank, local_world, backend, device)
 
 
+def enable_deterministic_mode() -> None:
+    """Megatron's ``--deterministic-mode``: the same run twice (and a save/resume) gives bitwise
+    equal losses on one GPU.
+
+    cuBLAS needs a fixed workspace to pick the same reduction order every time (the variable is
+    read when its handle is created, so this runs before the model's first matmul); torch's
+    deterministic algorithms replace the atomics-based kernels (embedding and scatter
+    backwards, SDPA's memory-efficient backward) or raise where no deterministic one exists;
+    flash-attn's backward reads the same switch (:mod:`megazero.model.attention`). cuDNN's
+    autotuner is turned off, since it may choose different kernels run to run.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def set_seed(seed: int, pp_rank: int = 0) -> None:
     """Megatron's rule: one seed per pipeline stage for python, numpy and torch. Weight
     initialisation does not use these (the model seeds its own generators per layer), so the

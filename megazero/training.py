@@ -31,8 +31,13 @@ import torch.distributed as dist
 
 from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
-from megazero.flops import model_flops_per_iteration, peak_flops
-from megazero.initialize import DistEnv, initialize_distributed, set_seed
+from megazero.flops import gpt_flops_per_iteration, peak_flops
+from megazero.initialize import (
+    DistEnv,
+    enable_deterministic_mode,
+    initialize_distributed,
+    set_seed,
+)
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
 from megazero.topology import ParallelTopology
@@ -226,9 +231,8 @@ def _should_exit(run: Run, flags: ExitFlags, start: float) -> tuple[bool, str]:
 def train(run: Run) -> TrainState:
     cfg, st, b = run.cfg, run.state, run.batching
     log_interval = run.monitor.config.log_interval
-    flops = model_flops_per_iteration(b.global_batch_size, cfg.model.seq_length,
-                                      cfg.model.num_layers, cfg.model.hidden_size,
-                                      cfg.model.vocab_size)
+    flops = gpt_flops_per_iteration(cfg.model, b.global_batch_size,
+                                    run.chunks[0].padded_vocab_size)
     peak = None
     if run.env.device.type == "cuda":
         peak = peak_flops(torch.cuda.get_device_name(run.env.device),
@@ -280,6 +284,8 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     env = initialize_distributed(cfg.parallel.distributed_backend)
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp)
     set_seed(cfg.train.seed, topo.pp_rank)
+    if cfg.train.deterministic_mode:
+        enable_deterministic_mode()
     is_reporter = topo.rank == 0
     log = print if is_reporter else (lambda *a, **k: None)
     _, cfg = build_tokenizer_and_data_path(cfg, topo, log=log)

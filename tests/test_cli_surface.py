@@ -29,7 +29,8 @@ GOLDEN_FLAGS = """
 --position-embedding-type --rotary-base --normalization --norm-epsilon --swiglu
 --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout --hidden-dropout
 --init-method-std --make-vocab-size-divisible-by --vocab-size --use-flash-attn --no-flash-attn
---micro-batch-size --global-batch-size --train-iters --train-samples --seed --eval-interval
+--micro-batch-size --global-batch-size --train-iters --train-samples --seed --deterministic-mode
+--eval-interval
 --eval-iters --exit-interval --exit-duration-in-mins --lr --min-lr --lr-decay-style
 --lr-warmup-iters --lr-decay-iters --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis

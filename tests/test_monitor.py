@@ -7,8 +7,9 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megazero.config import LoggingConfig
+from megazero.config import LoggingConfig, ModelConfig
 from megazero.flops import (
+    gpt_flops_per_iteration,
     hardware_flops_per_iteration,
     mfu,
     model_flops_per_iteration,
@@ -118,8 +119,27 @@ def test_flops_formula_hand_computed():
     hw = hardware_flops_per_iteration(8, 1024, 24, 2048, 50304)
     assert hw == pytest.approx(96 * 8 * 1024 * 24 * 2048**2 * (1 + 1024 / 12288
                                                                  + 50304 / (16 * 24 * 2048)))
+    # Counted GEMM by GEMM, a GPT-2-shaped model gives the closed form exactly.
+    gpt = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=1024,
+                      vocab_size=50304)
+    assert gpt_flops_per_iteration(gpt, 8) == pytest.approx(f, rel=1e-12)
     assert tflops_per_device(1e15, 2.0, 4) == pytest.approx(125.0)
     assert peak_flops("NVIDIA H100 80GB HBM3", True) == 989e12
     assert peak_flops("cpu", False) is None
     assert mfu(989e12, 1.0, 2, 989e12) == pytest.approx(0.5)
     assert mfu(1.0, 1.0, 1, None) is None
+
+
+def test_flops_count_grouped_query_attention_swiglu_and_untied_head():
+    # Llama-style 1.5B: h 2048, 32 heads in 8 KV groups, SwiGLU ffn 8192, vocab 128256.
+    h, s, layers, ffn, vocab, b = 2048, 2048, 16, 8192, 128256, 8
+    cfg = ModelConfig.preset("llama", num_layers=layers, hidden_size=h, num_attention_heads=32,
+                             num_query_groups=8, ffn_hidden_size=ffn, seq_length=s,
+                             vocab_size=vocab)
+    # Megatron's num_floating_point_operations, written out for these settings.
+    expected = 12 * b * s * layers * h * h * (
+        (1 + 8 / 32 + s / h) + (ffn / h) * 1.5 + vocab / (2 * layers * h))
+    assert gpt_flops_per_iteration(cfg, b) == pytest.approx(expected, rel=1e-12)
+    # The GPT-2 closed form overcounts K/V (groups) and undercounts the gate matrix.
+    closed = model_flops_per_iteration(b, s, layers, h, vocab)
+    assert gpt_flops_per_iteration(cfg, b) / closed == pytest.approx(10.2070 / 8.9569, rel=1e-4)

@@ -119,3 +119,13 @@ def test_backend_choice_slurm_env_and_seeds():
     a = (random.random(), np.random.rand(), torch.rand(1).item())
     set_seed(111)  # Megatron's rule: seed + 100 * pp_rank
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+def test_more_processes_than_gpus_is_one_clear_error():
+    from megazero.initialize import check_gpus_per_node
+
+    with pytest.raises(ConfigError, match=r"8 processes on this node but only 1 visible GPU.*"
+                                          r"--nproc_per_node 1.*--distributed-backend gloo"):
+        check_gpus_per_node("nccl", 8, 1)
+    check_gpus_per_node("nccl", 2, 2)
+    check_gpus_per_node("gloo", 8, 0)

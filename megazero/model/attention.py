@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.compat import SDPA_HAS_GQA
 from megazero.config import ModelConfig
 from megazero.model.dropout import dropout
 from megazero.model.positional import apply_rotary
@@ -99,15 +100,21 @@ class CoreAttention(nn.Module):
     def _sdpa(q, k, v, p):
         s, b, n, d = q.shape
         qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True,
-                                             enable_gqa=k.shape[2] != n)
+        gqa = k.shape[2] != n
+        if gqa and not SDPA_HAS_GQA:  # torch < 2.5: repeat each KV group for its query heads
+            kb, vb = (t.repeat_interleave(n // k.shape[2], dim=1) for t in (kb, vb))
+        extra = {"enable_gqa": True} if gqa and SDPA_HAS_GQA else {}
+        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True, **extra)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
     @staticmethod
     def _flash(q, k, v, p):
         s, b, n, d = q.shape
         qb, kb, vb = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
-        out = flash_attn_func(qb, kb, vb, dropout_p=p, causal=True)
+        # --deterministic-mode turns on torch's deterministic algorithms; flash-attn's backward
+        # has its own deterministic (slower, no atomics) variant.
+        extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
+        out = flash_attn_func(qb, kb, vb, dropout_p=p, causal=True, **extra)
         return out.transpose(0, 1).reshape(s, b, n * d)
 
 
