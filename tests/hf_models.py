@@ -42,3 +42,24 @@ def build(kind: str, seed: int = 0, **kw):
 
 def hf_config_dict(model) -> dict:
     return model.config.to_dict()
+
+
+BPE_MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r"),
+              ("Ġw", "or"), ("l", "d"), ("Ġ", "h")]
+
+
+def write_bpe_files(directory) -> tuple[str, str, int]:
+    """A tiny GPT-2 byte-level BPE (every byte, a few merges, ``<|endoftext|>`` last):
+    ``(vocab.json path, merges.txt path, vocabulary size)``."""
+    import json
+    import os
+
+    from megazero.data.gpt2_bpe import EOD_TOKEN, bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values()) + ["".join(m) for m in BPE_MERGES] + [EOD_TOKEN]
+    vocab, merges = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
+    with open(vocab, "w", encoding="utf-8") as f:
+        json.dump({s: i for i, s in enumerate(symbols)}, f)
+    with open(merges, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in BPE_MERGES) + "\n")
+    return vocab, merges, len(symbols)

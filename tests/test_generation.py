@@ -109,3 +109,65 @@ def test_tp2_generates_the_tp1_ids():
     ref = generate(model, PROMPT, 8).tolist(), generate(model, PROMPT, 8, cfg).tolist()
     out = run_distributed(_tp_generate, 2, mc, state, PROMPT)
     assert out[0] == out[1] == ref
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A tiny GPT-2-style megazero checkpoint (tp=1) whose config names a GPT-2 BPE tokenizer."""
+    from megazero.checkpointing import save_checkpoint
+    from megazero.config import DataConfig, MegazeroConfig, ModelConfig
+    from tests.hf_models import write_bpe_files
+
+    d = tmp_path_factory.mktemp("gen")
+    vocab_file, merge_file, vocab = write_bpe_files(str(d))
+    mc = ModelConfig.preset("gpt2", num_layers=2, hidden_size=32, num_attention_heads=4,
+                            seq_length=32, vocab_size=vocab, openai_gelu=True,
+                            init_method_std=0.2)
+    cfg = MegazeroConfig(model=mc, data=DataConfig(tokenizer_type="GPT2BPETokenizer",
+                                                   vocab_file=vocab_file, merge_file=merge_file))
+    topo = ParallelTopology.single()
+    model = GPTModel(mc, topo, seed=3).eval()
+    save_checkpoint(str(d / "ckpt"), 0, topo, models=[model], optimizer=None, scheduler=None,
+                    consumed_samples=0, config=cfg, barrier=lambda: None)
+    return str(d / "ckpt"), model
+
+
+def _tool():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "generate_text.py")
+    spec = importlib.util.spec_from_file_location("generate_text", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_generate_text_tool(saved_run, capsys):
+    import json
+
+    from megazero.data.tokenizers import build_tokenizer
+
+    root, model = saved_run
+    tool = _tool()
+    cfg = json.load(open(f"{root}/iter_0000000/config.json"))["data"]
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=cfg["vocab_file"],
+                          merge_file=cfg["merge_file"])
+    prompt = tok.tokenize("hello world")
+    tool.main(["--load", root, "--prompt", "hello world", "--max-new-tokens", "6",
+               "--no-stop-at-eod", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    ref = generate(model, prompt, 6)[0].tolist()
+    assert out == {"prompt_ids": prompt, "output_ids": ref, "text": tok.detokenize(ref)}
+
+    args = tool.build_parser().parse_args(
+        ["--load", root, "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--top-k", "10",
+         "--temperature", "0.7", "--seed", "9", "--no-stop-at-eod"])
+    want = generate(model, [1, 2, 3], 5, SamplingConfig(greedy=False, temperature=0.7, top_k=10,
+                                                        seed=9))[0].tolist()
+    assert tool.run(args)["output_ids"] == want
+    help_text = tool.build_parser().format_help()
+    assert "(default: 32)" in help_text and "(default: 1234)" in help_text
+    with pytest.raises(SystemExit, match="exclude each other"):
+        tool.run(tool.build_parser().parse_args(
+            ["--load", root, "--prompt-ids", "1", "--greedy", "--top-p", "0.5"]))
