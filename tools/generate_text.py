@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SentencePiece model to use instead of the saved path")
     p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json instead of the saved one")
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt instead of the saved one")
+    p.add_argument("--device", default=None,
+                   help="torch device; None: cuda when available, else cpu")
     p.add_argument("--json", action="store_true",
                    help='print {"prompt_ids": [...], "output_ids": [...], "text": "..."}')
     return p
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     topo = ParallelTopology.single()
     model = GPTModel(mc, topo, attention_backend="sdpa").eval()
     load_global_state(model, state, topo)
+    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     eos = None if args.no_stop_at_eod or tokenizer is None else tokenizer.eod
     out = generate(model, torch.tensor([prompt]), args.max_new_tokens, sampling, eos_id=eos)
     ids = out[0].tolist()
