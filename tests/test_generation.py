@@ -171,3 +171,23 @@ def test_generate_text_tool(saved_run, capsys):
     with pytest.raises(SystemExit, match="exclude each other"):
         tool.run(tool.build_parser().parse_args(
             ["--load", root, "--prompt-ids", "1", "--greedy", "--top-p", "0.5"]))
+
+
+def test_generate_text_under_torchrun_tp2(saved_run):
+    """Two tensor-parallel ranks launched by torchrun print the ids of the single process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root, model = saved_run
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--standalone", os.path.join(repo, "tools", "generate_text.py"), "--load", root,
+           "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "6", "--no-stop-at-eod", "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # rank 0 only
+    assert json.loads(lines[0])["output_ids"] == generate(model, [3, 1, 4, 1, 5], 6)[0].tolist()

@@ -9,7 +9,9 @@ Example::
     python tools/generate_text.py --load ckpt/ --prompt "Once upon a time" --max-new-tokens 40 \\
         --temperature 0.8 --top-p 0.9 --seed 7 --json
 
-Without ``--temperature``, ``--top-k`` or ``--top-p`` decoding is greedy.
+Without ``--temperature``, ``--top-k`` or ``--top-p`` decoding is greedy. Launched with
+``torchrun --nproc_per_node T`` the model is split over T tensor-parallel ranks (every rank
+computes the same tokens; rank 0 prints).
 """
 
 from __future__ import annotations
@@ -68,6 +70,20 @@ def _tokenizer(config: dict, args: argparse.Namespace, vocab_size: int):
                            vocab_size=vocab_size)
 
 
+def _topology():
+    """Single process, or (under torchrun) every rank one tensor-parallel slice."""
+    import torch
+
+    from megazero.topology import ParallelTopology
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return ParallelTopology.single(), "cuda" if torch.cuda.is_available() else "cpu"
+    from megazero.initialize import initialize_distributed
+
+    env = initialize_distributed()
+    return ParallelTopology.build(tp=env.world_size), env.device
+
+
 def run(args: argparse.Namespace) -> dict:
     """Generate; the result dict is what ``--json`` prints (``text`` decodes ``output_ids``,
     prompt included, or is null without a tokenizer)."""
@@ -77,7 +93,6 @@ def run(args: argparse.Namespace) -> dict:
     from megazero.convert.checkpoint import read_checkpoint
     from megazero.generation import SamplingConfig, generate
     from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
 
     sampling_flags = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
     if args.greedy and sampling_flags:
@@ -102,10 +117,10 @@ def run(args: argparse.Namespace) -> dict:
     bad = [i for i in prompt if not 0 <= i < mc.vocab_size]
     if bad:
         raise SystemExit(f"prompt ids {bad} are outside the vocabulary of {mc.vocab_size}")
-    topo = ParallelTopology.single()
+    topo, device = _topology()
     model = GPTModel(mc, topo, attention_backend="sdpa").eval()
     load_global_state(model, state, topo)
-    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(args.device or device)
     eos = None if args.no_stop_at_eod or tokenizer is None else tokenizer.eod
     out = generate(model, torch.tensor([prompt]), args.max_new_tokens, sampling, eos_id=eos)
     ids = out[0].tolist()
@@ -114,8 +129,15 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import torch.distributed as dist
+
     args = build_parser().parse_args(argv)
     result = run(args)
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     if args.json:
         print(json.dumps(result))
     else:
