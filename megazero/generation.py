@@ -86,9 +86,10 @@ def _attention(attn, x, offset: int, cache: KVCache, layer: int, rotary) -> torc
     # query i (absolute position offset + i) sees keys 0..offset + i
     mask = (torch.arange(total, device=x.device)[None, :]
             <= torch.arange(offset, offset + s, device=x.device)[:, None])
+    if per_group > 1:  # each KV group serves its query heads (no enable_gqa: torch < 2.5)
+        k, v = (t.repeat_interleave(per_group, dim=2) for t in (k, v))
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    ctx = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask,
-                                         enable_gqa=attn.local_groups != attn.local_heads)
+    ctx = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
     return attn.linear_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, attn.local_heads * d))
 
 
