@@ -82,6 +82,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--normalization", "model.normalization", choices=("LayerNorm", "RMSNorm")),
     _f("--norm-epsilon", "model.norm_epsilon", **_FL),
     _f("--swiglu", "model.swiglu", **_ON),
+    _f("--openai-gelu", "model.openai_gelu", **_ON),
     _f("--disable-bias-linear", "model.add_bias_linear", lambda v: not v, **_ON),
     _f("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights",
        **_ON),

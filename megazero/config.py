@@ -36,6 +36,7 @@ class ModelConfig:
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
+    openai_gelu: bool = False  # tanh-approximated GELU (GPT-2's "gelu_new"), Megatron's flag
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1

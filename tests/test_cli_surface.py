@@ -27,6 +27,7 @@ GOLDEN_FLAGS = """
 --distributed-backend --model-preset --num-layers --hidden-size --num-attention-heads
 --group-query-attention --num-query-groups --ffn-hidden-size --seq-length --max-position-embeddings
 --position-embedding-type --rotary-base --normalization --norm-epsilon --swiglu
+--openai-gelu
 --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout --hidden-dropout
 --init-method-std --make-vocab-size-divisible-by --vocab-size --use-flash-attn --no-flash-attn
 --micro-batch-size --global-batch-size --train-iters --train-samples --seed --deterministic-mode

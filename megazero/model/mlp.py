@@ -21,6 +21,8 @@ class MLP(nn.Module):
                  params_dtype: torch.dtype):
         super().__init__()
         self.swiglu = config.swiglu
+        # GPT-2 was trained with the tanh approximation; checkpoints imported from it need it.
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         ffn = config.ffn_size
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if self.swiglu else ffn, group,
@@ -37,5 +39,5 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)
