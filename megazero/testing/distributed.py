@@ -45,14 +45,16 @@ def _rank_main(fn, rank, world_size, store_path, args, kwargs, results, backend,
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        try:
-            out = fn(rank, world_size, *args, **kwargs)
-        finally:
-            # No barrier here: a failed rank must not wait for ranks that will never arrive.
-            dist.destroy_process_group()
-        results.put((rank, True, out))
+        results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        # Reported first, torn down second: a teardown that waits on peers (a failed rank's,
+        # or torch < 2.6's gloo teardown in a CUDA build without GPUs) cannot hide the result;
+        # the parent ends every process once all results are in. No barrier: a failed rank
+        # must not wait for ranks that will never arrive.
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_distributed(
