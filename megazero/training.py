@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +65,25 @@ class ExitFlags:
             signal.signal(signal.SIGTERM, self.previous)
 
 
+class TrainingDivergedError(RuntimeError):
+    """The loss or gradients stayed NaN/inf for ``--max-nonfinite-steps`` iterations in a row.
+    Raised on every rank alike (the decision is all-reduced), after nothing was saved."""
+
+
+#: Iterations kept in :attr:`TrainState.history`: enough for tests and a post-mortem of the
+#: last steps, bounded so a million-iteration run does not grow a million dicts.
+HISTORY_LENGTH = 1000
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     exit_reason: str | None = None  # set when training stopped before --train-iters
-    history: list[dict[str, float]] = field(default_factory=list)
+    # The last HISTORY_LENGTH iterations' loss, grad norm, loss scale, skipped flag.
+    history: deque[dict[str, float]] = field(
+        default_factory=lambda: deque(maxlen=HISTORY_LENGTH))
+    nonfinite_streak: int = 0  # NaN/inf steps in a row, reset by a finite one
 
 
 @dataclass
@@ -131,7 +145,9 @@ def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
     run.engine.finish_grad_sync()
     t.stop("grad-sync")
     t.start("optimizer")
-    result = run.engine.step()
+    finite = all(math.isfinite(x) for x in losses)
+    result = run.engine.step(loss_is_finite=finite,
+                             skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
     t.stop("optimizer")
     if result.updated:
         run.scheduler.step()
@@ -221,6 +237,51 @@ def _should_exit(run: Run, flags: ExitFlags, start: float) -> tuple[bool, str]:
     return False, ""
 
 
+def _params_finite(run: Run) -> bool:
+    """Every rank's weights are finite (one MAX all-reduce): the last guard before a save."""
+    bad = any(not torch.isfinite(p).all() for c in run.chunks for p in c.parameters()
+              if p.numel())
+    flag = torch.tensor([float(bad)], device=run.env.device)
+    if run.topo.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+def _save_if_sound(run: Run, why: str) -> bool:
+    """Save unless the state is not worth keeping: the last step had a NaN/inf loss or
+    gradient (its weights produce garbage), or a weight is NaN/inf. ``latest`` then keeps
+    naming the last sound checkpoint."""
+    if not run.cfg.checkpoint.save:
+        return False
+    st = run.state
+    if st.nonfinite_streak or not _params_finite(run):
+        run.monitor.info(f"not saving the {why} checkpoint at iteration {st.iteration}: the "
+                         f"model's loss, gradients or weights are NaN/inf; the last checkpoint "
+                         f"in {run.cfg.checkpoint.save} stays the latest")
+        return False
+    _save(run)
+    return True
+
+
+def _note_nonfinite(run: Run, result: Any, loss: float, saved_at: int | None) -> None:
+    """Count NaN/inf steps in a row; raise :class:`TrainingDivergedError` at the limit."""
+    st, t = run.state, run.cfg.train
+    if not (result.nonfinite or not math.isfinite(loss)):
+        st.nonfinite_streak = 0
+        return
+    st.nonfinite_streak += 1
+    if not t.check_for_nan_in_loss_and_grad or st.nonfinite_streak < t.max_nonfinite_steps:
+        return
+    last = (f"the latest checkpoint (iteration {saved_at}) in {run.cfg.checkpoint.save} is "
+            f"untouched" if saved_at is not None and run.cfg.checkpoint.save
+            else "no checkpoint was written")
+    raise TrainingDivergedError(
+        f"training diverged at iteration {st.iteration}: the loss or gradients were NaN/inf "
+        f"for {st.nonfinite_streak} iterations in a row (--max-nonfinite-steps "
+        f"{t.max_nonfinite_steps}); their updates were skipped and {last}. Resume from it "
+        f"with a lower --lr, more --lr-warmup-iters or --clip-grad, or check the data")
+
+
 def train(run: Run) -> TrainState:
     cfg, st, b = run.cfg, run.state, run.batching
     log_interval = run.monitor.config.log_interval
@@ -242,7 +303,8 @@ def train(run: Run) -> TrainState:
             loss, result, phases = train_step(run, data_iter)
             st.iteration += 1
             st.consumed_samples += b.global_batch_size
-            run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases)
+            run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases,
+                               nonfinite=result.nonfinite)
             st.history.append({"iteration": st.iteration, "loss": loss,
                                "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                                "skipped": float(result.skipped)})
@@ -253,14 +315,15 @@ def train(run: Run) -> TrainState:
                                    run.scheduler.get_lr(), b.global_batch_size,
                                    cfg.model.seq_length, result.loss_scale, norm, flops,
                                    run.topo.world_size, peak)
+            _note_nonfinite(run, result, loss, saved_at)
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
                 val = evaluate(run)
                 if val is not None:
                     run.monitor.report_validation(st.iteration, val)
             if (cfg.checkpoint.save_interval
                     and st.iteration % cfg.checkpoint.save_interval == 0):
-                _save(run)
-                saved_at = st.iteration
+                if _save_if_sound(run, "interval"):
+                    saved_at = st.iteration
             stop, why = _should_exit(run, flags, start)
             if stop:
                 run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
@@ -269,7 +332,7 @@ def train(run: Run) -> TrainState:
     finally:
         flags.uninstall()
     if saved_at != st.iteration:
-        _save(run)
+        _save_if_sound(run, "final")
     return st
 
 

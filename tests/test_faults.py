@@ -1,0 +1,67 @@
+"""Faults and divergence: nothing lost, nothing silent.
+
+A NaN/inf step is skipped and never saved; a run that keeps diverging stops with one message
+and leaves ``latest`` on the last sound checkpoint, which resumes exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from contextlib import redirect_stdout
+
+from test_e2e import TINY, check, read_metrics, run_training
+
+from megazero.config import LoggingConfig
+from megazero.monitor import Monitor
+
+
+def test_divergence_skips_stops_and_keeps_latest(tmp_path):
+    ck, straight, resumed = tmp_path / "ck", tmp_path / "straight.jsonl", tmp_path / "res.jsonl"
+    args = [*TINY, "--train-iters", "8", "--save", str(ck)]
+    check(run_training([*args, "--save-interval", "4", "--log-json", str(straight)]))
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    # Resume with an absurd learning rate: the weights blow up, the losses turn NaN.
+    bad = run_training([*args, "--load", str(ck), "--lr", "1e6", "--save-interval", "2",
+                        "--train-iters", "14", "--log-json", str(tmp_path / "bad.jsonl")])
+    assert bad.returncode == 3, bad.stderr[-3000:]
+    assert bad.stderr.count("training diverged at iteration") == 1, bad.stderr[-3000:]
+    assert "NaN/inf for 3 iterations in a row (--max-nonfinite-steps 3)" in bad.stderr
+    assert "latest checkpoint (iteration 4)" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "4"
+    m = read_metrics(tmp_path / "bad.jsonl")
+    nan_its = [i for i, r in m.items() if r["nan"]]
+    assert len(nan_its) == 3 and all(m[i]["skipped"] for i in nan_its), m
+    # Skipped steps do not advance the schedule: the lr holds still across them.
+    assert len({m[i]["learning-rate"] for i in nan_its}) == 1
+    # The sound checkpoint resumes with the losses of the uninterrupted run.
+    out = check(run_training([*args, "--load", str(ck), "--log-json", str(resumed)]))
+    assert "at iteration 4" in out
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert sorted(b) == [5, 6, 7, 8]
+    for it in b:
+        assert b[it]["lm loss"] == a[it]["lm loss"], it
+
+
+def test_bf16_divergence_stops_without_saving(tmp_path):
+    ck = tmp_path / "ck"
+    proc = run_training([*TINY, "--bf16", "--train-iters", "12", "--lr", "1e6", "--save",
+                         str(ck), "--save-interval", "1", "--max-nonfinite-steps", "2"])
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "NaN/inf for 2 iterations in a row (--max-nonfinite-steps 2)" in proc.stderr
+    saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert f"not saving the interval checkpoint at iteration {saved + 1}" in proc.stdout
+    diverged = int(proc.stderr.split("training diverged at iteration ")[1].split(":")[0])
+    assert saved == diverged - 2  # the last iteration before the NaN streak
+
+
+def test_validation_perplexity_of_nan_is_nan():
+    mon = Monitor(LoggingConfig(), enabled=True)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        mon.report_validation(5, math.nan)
+        mon.report_validation(6, 2.0)
+    out = buf.getvalue()
+    assert "lm loss PPL: NAN |" in out
+    assert f"lm loss PPL: {math.exp(2.0):.6E} |" in out
