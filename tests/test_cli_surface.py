@@ -24,7 +24,8 @@ from megazero.ds_config import DS_CONFIG_KEYS, SCHEDULER_TYPES
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
---distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size --num-attention-heads
+--distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
+--num-attention-heads
 --group-query-attention --num-query-groups --ffn-hidden-size --seq-length --max-position-embeddings
 --position-embedding-type --rotary-base --normalization --norm-epsilon --swiglu
 --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout --hidden-dropout

@@ -14,6 +14,7 @@ from test_e2e import TINY, check, read_metrics, run_training
 
 from megazero.config import LoggingConfig
 from megazero.monitor import Monitor
+from megazero.training import HISTORY_LENGTH, TrainState
 
 
 def test_divergence_skips_stops_and_keeps_latest(tmp_path):
@@ -65,3 +66,11 @@ def test_validation_perplexity_of_nan_is_nan():
     out = buf.getvalue()
     assert "lm loss PPL: NAN |" in out
     assert f"lm loss PPL: {math.exp(2.0):.6E} |" in out
+
+
+def test_history_is_bounded():
+    st = TrainState()
+    for i in range(HISTORY_LENGTH + 50):
+        st.history.append({"iteration": i + 1})
+    assert len(st.history) == HISTORY_LENGTH
+    assert st.history[0]["iteration"] == 51 and st.history[-1]["iteration"] == HISTORY_LENGTH + 50
