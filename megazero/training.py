@@ -23,7 +23,9 @@ import math
 import signal
 import time
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ from megazero.flops import model_flops_per_iteration, peak_flops
 from megazero.initialize import DistEnv, initialize_distributed, set_seed
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
-from megazero.topology import ParallelTopology
+from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
     Batching,
     ChunkTrackers,
@@ -45,6 +47,7 @@ from megazero.train_setup import (
     build_tokenizer_and_data_path,
     get_batch,
 )
+from megazero.watchdog import Watchdog
 
 
 @dataclass
@@ -102,10 +105,20 @@ class Run:
     train_ds: Any
     valid_ds: Any
     state: TrainState
+    watchdog: Watchdog | None = None
 
     @property
     def sp(self) -> bool:
         return self.cfg.parallel.sequence_parallel and self.topo.tp_size > 1
+
+    def phase(self, what: str, group: str | None = None) -> AbstractContextManager[None]:
+        """Mark what this rank is doing for the watchdog (``group``: the process group the
+        phase waits on, named as in :mod:`megazero.topology`)."""
+        if self.watchdog is None:
+            return nullcontext()
+        ranks = (self.topo.ranks(group) if group in GROUP_KINDS
+                 else range(self.topo.world_size))
+        return self.watchdog.phase(what, group, ranks)
 
 
 def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
@@ -137,21 +150,26 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
 
 def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
     """One iteration; returns (global mean loss, StepResult, seconds per phase)."""
-    t = run.timers
+    t, it = run.timers, run.state.iteration + 1
     t.start("forward-backward")
-    losses = _schedule(run, data_iter, forward_only=False)
+    with run.phase(f"iteration {it}: forward-backward (pipeline schedule)", "mp"):
+        losses = _schedule(run, data_iter, forward_only=False)
     t.stop("forward-backward")
     t.start("grad-sync")
-    run.engine.finish_grad_sync()
+    with run.phase(f"iteration {it}: gradient sync", "dp"):
+        run.engine.finish_grad_sync()
     t.stop("grad-sync")
     t.start("optimizer")
     finite = all(math.isfinite(x) for x in losses)
-    result = run.engine.step(loss_is_finite=finite,
-                             skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
+    with run.phase(f"iteration {it}: optimizer step (non-finite check, grad norm)", "world"):
+        result = run.engine.step(loss_is_finite=finite,
+                                 skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
     t.stop("optimizer")
     if result.updated:
         run.scheduler.step()
-    return _dp_mean(losses, run.topo, run.env.device), result, _phases(t.pop_all())
+    with run.phase(f"iteration {it}: loss all-reduce", "dp"):
+        loss = _dp_mean(losses, run.topo, run.env.device)
+    return loss, result, _phases(t.pop_all())
 
 
 def _phases(times: dict[str, float]) -> dict[str, float]:
@@ -317,14 +335,17 @@ def train(run: Run) -> TrainState:
                                    run.topo.world_size, peak)
             _note_nonfinite(run, result, loss, saved_at)
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
-                val = evaluate(run)
+                with run.phase(f"evaluation at iteration {st.iteration}", "mp"):
+                    val = evaluate(run)
                 if val is not None:
                     run.monitor.report_validation(st.iteration, val)
             if (cfg.checkpoint.save_interval
                     and st.iteration % cfg.checkpoint.save_interval == 0):
-                if _save_if_sound(run, "interval"):
-                    saved_at = st.iteration
-            stop, why = _should_exit(run, flags, start)
+                with run.phase(f"checkpoint save at iteration {st.iteration}", "world"):
+                    if _save_if_sound(run, "interval"):
+                        saved_at = st.iteration
+            with run.phase(f"exit check after iteration {st.iteration}", "world"):
+                stop, why = _should_exit(run, flags, start)
             if stop:
                 run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
                 st.exit_reason = why
@@ -332,14 +353,19 @@ def train(run: Run) -> TrainState:
     finally:
         flags.uninstall()
     if saved_at != st.iteration:
-        _save_if_sound(run, "final")
+        with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
+            _save_if_sound(run, "final")
     return st
 
 
 def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     """Initialise the process group and build everything the loop needs."""
-    env = initialize_distributed(cfg.parallel.distributed_backend)
-    topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp)
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    env = initialize_distributed(cfg.parallel.distributed_backend,
+                                 cfg.parallel.distributed_timeout_minutes)
+    watchdog = Watchdog(timeout.total_seconds(), env.rank).start()
+    topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
+                                  timeout=timeout)
     set_seed(cfg.train.seed, topo.pp_rank)
     is_reporter = topo.rank == 0
     log = print if is_reporter else (lambda *a, **k: None)
@@ -355,7 +381,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     if timers.enabled:
         _time_forwards(chunks, timers)
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
-              valid_ds, TrainState())
+              valid_ds, TrainState(), watchdog)
     _describe(run)
     _load(run)
     return run
@@ -383,16 +409,39 @@ def _describe(run: Run) -> None:
 
 
 def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
-    """Set up, train, evaluate once more at the end, and close the sinks."""
+    """Set up, train, evaluate once more at the end, close the sinks, leave the process group.
+
+    The orderly exit (every rank finished, or every rank agreed the run diverged) ends with a
+    barrier and then ``destroy_process_group``: no rank tears down its connections while a peer
+    still talks to it (gloo aborts such a peer with "terminate called without an active
+    exception"). Any other error skips the barrier, since its peers may never reach it; the
+    entry point destroys the group and the watchdog ends a peer left waiting.
+    """
     run = setup(cfg, log_json)
     try:
         state = train(run)
         # An early exit (pre-emption, time limit) leaves right after its checkpoint.
         if state.exit_reason is None and cfg.train.eval_iters > 0 and (
                 not cfg.train.eval_interval or state.iteration % cfg.train.eval_interval):
-            val = evaluate(run)
+            with run.phase(f"final evaluation at iteration {state.iteration}", "mp"):
+                val = evaluate(run)
             if val is not None:
                 run.monitor.report_validation(state.iteration, val)
+    except TrainingDivergedError:
+        shutdown(run)
+        raise
     finally:
         run.monitor.close()
+    shutdown(run)
     return state
+
+
+def shutdown(run: Run) -> None:
+    """Barrier, then destroy the process group, then stop the watchdog (see :func:`pretrain`)."""
+    if dist.is_initialized():
+        with run.phase("shutdown barrier", "world"):
+            if run.topo.world_size > 1:
+                dist.barrier()
+            dist.destroy_process_group()
+    if run.watchdog is not None:
+        run.watchdog.stop()
