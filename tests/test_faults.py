@@ -10,9 +10,13 @@ import io
 import math
 from contextlib import redirect_stdout
 
+import numpy as np
+import pytest
 from test_e2e import TINY, check, read_metrics, run_training
 
-from megazero.config import LoggingConfig
+from megazero.config import ConfigError, LoggingConfig
+from megazero.data import token_range
+from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megazero.monitor import Monitor
 from megazero.training import HISTORY_LENGTH, TrainState
 
@@ -74,3 +78,49 @@ def test_history_is_bounded():
         st.history.append({"iteration": i + 1})
     assert len(st.history) == HISTORY_LENGTH
     assert st.history[0]["iteration"] == 51 and st.history[-1]["iteration"] == HISTORY_LENGTH + 50
+
+
+def _corpus(prefix, top_id: int) -> None:
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(str(prefix), np.uint16) as b:
+        for i in range(40):
+            doc = rng.integers(0, 100, size=30)
+            if i == 17:
+                doc[5] = top_id
+            b.add_document(doc)
+        b.finalize()
+
+
+def test_token_ids_outside_the_vocabulary_stop_before_training(tmp_path):
+    _corpus(tmp_path / "corpus", 200)
+    args = [a for a in TINY if a != "--mock-data"]
+    args = [*args, "--data-path", str(tmp_path / "corpus"), "--train-iters", "2",
+            "--data-cache-path", str(tmp_path / "cache")]
+    for nproc, layout in ((1, []), (2, ["--tensor-model-parallel-size", "2"])):
+        proc = run_training([*args, *layout], nproc=nproc)
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        err = proc.stderr
+        assert (f"--data-path {tmp_path / 'corpus'}: {tmp_path / 'corpus.bin'} holds token id "
+                f"200, but the model's vocabulary has 128 tokens") in err, err[-3000:]
+        assert "iteration" not in proc.stdout
+        assert "megazero/" not in err  # a message, no worker traceback (torchrun adds its own)
+
+
+def test_max_token_id_is_cached_with_the_index(tmp_path, monkeypatch):
+    _corpus(tmp_path / "c", 99)
+    ds = IndexedDataset(str(tmp_path / "c"))
+    assert token_range.max_token_id(ds, str(tmp_path / "cache")) == 99
+    assert token_range.check_token_ids(ds, 100, str(tmp_path / "cache")) == 99
+
+    def no_scan(_):
+        raise AssertionError("scanned the .bin again")
+
+    monkeypatch.setattr(token_range, "_scan_max", no_scan)
+    assert token_range.max_token_id(IndexedDataset(str(tmp_path / "c")),
+                                    str(tmp_path / "cache")) == 99
+    with pytest.raises(ConfigError, match="holds token id 99, but the model's vocabulary has 99"):
+        token_range.check_token_ids(ds, 99, str(tmp_path / "cache"))
+    _corpus(tmp_path / "c", 150)  # preprocessed again under the same name: a new cache entry
+    monkeypatch.undo()
+    assert token_range.max_token_id(IndexedDataset(str(tmp_path / "c")),
+                                    str(tmp_path / "cache")) == 150
