@@ -31,12 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
-from megazero.config import MegazeroConfig
+from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
+from megazero.config import ConfigError, MegazeroConfig
 from megazero.flops import model_flops_per_iteration, peak_flops
 from megazero.initialize import DistEnv, initialize_distributed, set_seed
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
+from megazero.save_check import checkpoint_bytes, explain_write_error, save_dir_problem
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
     Batching,
@@ -213,10 +214,15 @@ def _save(run: Run) -> None:
     if not ck.save:
         return
     t0 = time.perf_counter()
-    save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
-                    optimizer=run.engine, scheduler=run.scheduler,
-                    consumed_samples=run.state.consumed_samples, config=run.cfg,
-                    zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks))
+    try:
+        save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
+                        optimizer=run.engine, scheduler=run.scheduler,
+                        consumed_samples=run.state.consumed_samples, config=run.cfg,
+                        zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks))
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError) as e:  # a full disk, a directory gone or made read-only
+        raise CheckpointError(explain_write_error(ck.save, run.state.iteration, e)) from e
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 
@@ -383,8 +389,27 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
     _describe(run)
+    _check_save_dir(run)
     _load(run)
     return run
+
+
+def _check_save_dir(run: Run) -> None:
+    """``--save`` usable by every rank, with room for one checkpoint (see save_check)."""
+    path = run.cfg.checkpoint.save
+    if not path:
+        return
+    sizes = torch.tensor([float(checkpoint_bytes(run.engine))], dtype=torch.float64,
+                         device=run.env.device)
+    if run.topo.world_size > 1:
+        dist.all_reduce(sizes)
+    problem = save_dir_problem(path, int(sizes.item()))
+    failed = torch.tensor([float(problem is not None)], device=run.env.device)
+    if run.topo.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() > 0:  # every rank raises, so none waits in a collective for the others
+        raise ConfigError(problem or f"--save {path}: another rank cannot write there (see "
+                          f"its message)")
 
 
 def _describe(run: Run) -> None:

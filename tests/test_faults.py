@@ -6,9 +6,12 @@ and leaves ``latest`` on the last sound checkpoint, which resumes exactly.
 
 from __future__ import annotations
 
+import errno
 import io
 import math
+import os
 from contextlib import redirect_stdout
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from megazero.config import ConfigError, LoggingConfig
 from megazero.data import token_range
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megazero.monitor import Monitor
+from megazero.save_check import checkpoint_bytes, explain_write_error, save_dir_problem
 from megazero.training import HISTORY_LENGTH, TrainState
 
 
@@ -102,7 +106,7 @@ def test_token_ids_outside_the_vocabulary_stop_before_training(tmp_path):
         err = proc.stderr
         assert (f"--data-path {tmp_path / 'corpus'}: {tmp_path / 'corpus.bin'} holds token id "
                 f"200, but the model's vocabulary has 128 tokens") in err, err[-3000:]
-        assert "iteration" not in proc.stdout
+        assert "lm loss" not in proc.stdout
         assert "megazero/" not in err  # a message, no worker traceback (torchrun adds its own)
 
 
@@ -124,3 +128,36 @@ def test_max_token_id_is_cached_with_the_index(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert token_range.max_token_id(IndexedDataset(str(tmp_path / "c")),
                                     str(tmp_path / "cache")) == 150
+
+
+def test_save_directory_is_checked_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_training([*TINY, "--train-iters", "2", "--save", str(blocker / "ck")])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"--save {blocker / 'ck'}: cannot create the checkpoint directory: Not a directory"
+            in proc.stderr)
+    assert "lm loss" not in proc.stdout
+    # Free space: one checkpoint needs the parameter and optimizer bytes of every rank.
+    full = SimpleNamespace(free=1000)
+    msg = save_dir_problem(str(tmp_path / "ck"), 3 * 2**20, disk_usage=lambda _: full)
+    assert msg == (f"--save {tmp_path / 'ck'}: 1000.0 B free on its file system, but one "
+                   f"checkpoint of this model needs about 3.0 MB (parameters and optimizer "
+                   f"state of all ranks); free some space or point --save elsewhere")
+    assert save_dir_problem(str(tmp_path / "ck"), 3 * 2**20) is None
+    assert save_dir_problem(str(blocker), 1).startswith(f"--save {blocker} is not a directory")
+
+
+def test_checkpoint_bytes_and_write_errors_name_path_and_cause(tmp_path):
+    engine = SimpleNamespace(memory_report=lambda: {"bytes": {
+        "params": {"device": 400, "offload": 0}, "grads": {"device": 400, "offload": 0},
+        "optimizer": {"device": 1200, "offload": 8}}})
+    assert checkpoint_bytes(engine) == 1608  # grads are not saved
+    err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ck/iter_0000004/model.pt")
+    assert explain_write_error("/ck", 4, err).startswith(
+        "writing the checkpoint of iteration 4 to /ck/iter_0000004/model.pt failed: No space "
+        "left on device.")
+    # torch.save reports a full disk as a RuntimeError without errno: the free space tells.
+    err = RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+    msg = explain_write_error(str(tmp_path), 4, err, disk_usage=lambda _: SimpleNamespace(free=0))
+    assert f"to {tmp_path} failed: No space left on device ([enforce fail" in msg
