@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import math
 import os
 from contextlib import redirect_stdout
@@ -161,3 +162,35 @@ def test_checkpoint_bytes_and_write_errors_name_path_and_cause(tmp_path):
     err = RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
     msg = explain_write_error(str(tmp_path), 4, err, disk_usage=lambda _: SimpleNamespace(free=0))
     assert f"to {tmp_path} failed: No space left on device ([enforce fail" in msg
+
+
+DROPOUT = [*TINY, "--hidden-dropout", "0.2", "--attention-dropout", "0.2"]
+
+
+def test_resume_restores_the_dropout_rng_streams(tmp_path):
+    """With dropout on, a resumed run draws the same masks as the uninterrupted one only if the
+    checkpoint restored every RNG stream (the default generator and the TP tracker's)."""
+    ck, straight, resumed = tmp_path / "ck", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    args = [*DROPOUT, "--train-iters", "6", "--save", str(ck)]
+    check(run_training([*args, "--save-interval", "3", "--log-json", str(straight)]))
+    (ck / "latest_checkpointed_iteration.txt").write_text("3")
+    check(run_training([*args, "--load", str(ck), "--log-json", str(resumed)]))
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert sorted(b) == [4, 5, 6]
+    for it in b:
+        assert b[it]["lm loss"] == a[it]["lm loss"], it
+
+
+def test_validation_runs_in_eval_mode(tmp_path):
+    """--lr 0 keeps the weights, so the validation loss cannot depend on the dropout rate
+    unless dropout is (wrongly) active during evaluation."""
+    vals = []
+    for rate in ("0.5", "0"):
+        log = tmp_path / f"v{rate}.jsonl"
+        check(run_training([*TINY, "--lr", "0", "--lr-warmup-iters", "0", "--train-iters", "1",
+                            "--eval-iters", "2",
+                            "--hidden-dropout", rate, "--attention-dropout", rate,
+                            "--log-json", str(log)]))
+        recs = [json.loads(line) for line in open(log)]
+        vals.append([r["lm loss validation"] for r in recs if "lm loss validation" in r])
+    assert len(vals[0]) == 1 and vals[0] == vals[1], vals
