@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 from test_e2e import TINY, check, read_metrics, run_training
 
+from megazero.arguments import load_config
 from megazero.config import ConfigError, LoggingConfig
 from megazero.data import token_range
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megazero.lr_scheduler import build_lr_function
 from megazero.monitor import Monitor
 from megazero.save_check import checkpoint_bytes, explain_write_error, save_dir_problem
 from megazero.training import HISTORY_LENGTH, TrainState
@@ -194,3 +196,20 @@ def test_validation_runs_in_eval_mode(tmp_path):
         recs = [json.loads(line) for line in open(log)]
         vals.append([r["lm loss validation"] for r in recs if "lm loss validation" in r])
     assert len(vals[0]) == 1 and vals[0] == vals[1], vals
+
+
+def test_lr_schedule_holds_still_on_overflow_skipped_steps(tmp_path):
+    """fp16 with a loss scale that overflows at first: the skipped steps do not advance the
+    schedule, so iteration i reports lr(number of updates so far)."""
+    log = tmp_path / "m.jsonl"
+    args = [*TINY, "--fp16", "--initial-loss-scale", str(2 ** 24), "--hysteresis", "1",
+            "--train-iters", "8"]
+    check(run_training([*args, "--log-json", str(log)]))
+    m = read_metrics(log)
+    skipped = [m[i]["skipped"] for i in range(1, 9)]
+    assert 2 <= sum(skipped) <= 6, skipped  # some overflow, then it trains
+    lr_of = build_lr_function(load_config(args).optimizer, 8)
+    updates = 0
+    for i in range(1, 9):
+        updates += 1 - m[i]["skipped"]
+        assert m[i]["learning-rate"] == pytest.approx(lr_of(updates), rel=1e-12, abs=0), i
