@@ -20,7 +20,9 @@ save the same checkpoint.
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
 import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
@@ -48,7 +50,7 @@ from megazero.train_setup import (
     build_tokenizer_and_data_path,
     get_batch,
 )
-from megazero.watchdog import Watchdog
+from megazero.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
 
 @dataclass
@@ -444,7 +446,7 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
     """
     run = setup(cfg, log_json)
     try:
-        state = train(run)
+        state = _train_or_explain(run)
         # An early exit (pre-emption, time limit) leaves right after its checkpoint.
         if state.exit_reason is None and cfg.train.eval_iters > 0 and (
                 not cfg.train.eval_interval or state.iteration % cfg.train.eval_interval):
@@ -459,6 +461,22 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
         run.monitor.close()
     shutdown(run)
     return state
+
+
+def _train_or_explain(run: Run) -> TrainState:
+    """:func:`train`; a collective that fails inside a watched phase (the backend's timeout,
+    a peer that closed its connection) ends this rank with one line naming the phase and the
+    group instead of a traceback. The group is broken then: nothing is torn down in order."""
+    try:
+        return train(run)
+    except RuntimeError as e:
+        reason = run.watchdog.failure_message(e) if run.watchdog is not None else None
+        if reason is None:
+            raise
+        run.watchdog.stop()  # one message: not the watchdog's as well
+        print(reason, file=sys.stderr, flush=True)
+        run.monitor.close()
+        os._exit(WATCHDOG_EXIT_CODE)
 
 
 def shutdown(run: Run) -> None:

@@ -32,6 +32,18 @@ from typing import TextIO
 WATCHDOG_EXIT_CODE = 75
 
 
+def _is_collective_failure(exc: BaseException) -> bool:
+    """A torch.distributed backend error (gloo/NCCL timeouts and closed connections)."""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        k in text for k in ("gloo", "Gloo", "NCCL", "Timed out", "Connection closed by peer"))
+
+
 class Watchdog:
     """Ends this process when a :meth:`phase` runs longer than ``limit_s`` seconds, or when
     the parent process (the launcher) is gone.
@@ -60,6 +72,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired: str | None = None
+        self.failed: tuple[str, str | None, tuple[int, ...], float] | None = None
+        self.failed_after = 0.0
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -93,9 +107,25 @@ class Watchdog:
             self._current = (what, group, tuple(ranks), self._clock())
         try:
             yield
+        except BaseException:
+            if self.failed is None:  # the innermost phase names the failure
+                self.failed = self._current
+                self.failed_after = self._clock() - self._current[3]
+            raise
         finally:
             with self._lock:
                 self._current = previous
+
+    def failure_message(self, exc: BaseException) -> str | None:
+        """One line for a collective that failed inside a phase (the backend's own timeout
+        fired, or a peer closed its connection), or None when ``exc`` is no such failure."""
+        if self.failed is None or not _is_collective_failure(exc):
+            return None
+        what, group, ranks, _ = self.failed
+        where = f" over the {group} group (ranks {list(ranks)})" if group else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (f"[rank {self.rank}] {what}{where} failed after {self.failed_after:.1f}s: "
+                f"{first}. A peer rank is stuck or dead (see its own output); ending the job")
 
     # --- the thread ----------------------------------------------------------------------------
 

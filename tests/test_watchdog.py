@@ -72,18 +72,25 @@ def _group_timeout(rank, world_size):
     if rank == 1:
         time.sleep(5)
         return None
+    wd = Watchdog(60.0, rank, watch_parent=False)
     t0 = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(1), group=topo.dp_group)
+        with wd.phase("iteration 7: gradient sync", "dp", topo.ranks("dp")):
+            dist.all_reduce(torch.ones(1), group=topo.dp_group)
     except RuntimeError as e:
-        return time.monotonic() - t0, str(e)[:200]
+        return time.monotonic() - t0, str(e)[:200], wd.failure_message(e)
     return None
 
 
 def test_topology_groups_use_the_distributed_timeout():
-    """Without the timeout, new_group takes gloo's 30 minutes and this world hangs."""
-    waited, err = run_distributed(_group_timeout, 2, timeout=30)[0]
+    """Without the timeout, new_group takes gloo's 30 minutes and this world hangs. The
+    backend's timeout error becomes one line naming the phase and the group."""
+    waited, err, message = run_distributed(_group_timeout, 2, timeout=30)[0]
     assert 1.5 < waited < 4, (waited, err)  # rank 1 would answer after 5 s
+    assert message.startswith("[rank 0] iteration 7: gradient sync over the dp group (ranks "
+                              "[0, 1]) failed after "), message
+    assert "Timed out" in message and message.endswith("ending the job")
+    assert Watchdog(1.0, 0).failure_message(ValueError("x")) is None
 
 
 PARENT = textwrap.dedent("""
