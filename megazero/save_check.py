@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from megazero.config import ConfigError
+
 
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -73,3 +75,23 @@ def explain_write_error(path: str, iteration: int, exc: BaseException,
     return (f"writing the checkpoint of iteration {iteration} to {where} failed: {reason}. "
             f"The previous checkpoint in {path} is still the latest; free space or fix the "
             f"directory and resume with --load {path}")
+
+
+def check_save_dir(path: str | None, rank_bytes: int, topo: Any, device: Any) -> None:
+    """Collective: ``--save`` usable by every rank, with room for one checkpoint of
+    ``rank_bytes`` summed over ranks. Every rank raises alike, so none waits for the others."""
+    import torch
+    import torch.distributed as dist
+
+    if not path:
+        return
+    sizes = torch.tensor([float(rank_bytes)], dtype=torch.float64, device=device)
+    if topo.world_size > 1:
+        dist.all_reduce(sizes)
+    problem = save_dir_problem(path, int(sizes.item()))
+    failed = torch.tensor([float(problem is not None)], device=device)
+    if topo.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() > 0:
+        raise ConfigError(problem or f"--save {path}: another rank cannot write there (see "
+                          f"its message)")

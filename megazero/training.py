@@ -13,15 +13,15 @@ and data-parallel ranks, the same number a one-process run on the whole global b
 Rank 0 reports (the pipeline executor returns the losses on every pipeline rank).
 
 Exit conditions (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM) are agreed by every
-rank through one small all-reduce per iteration, so all ranks stop after the same iteration and
-save the same checkpoint.
+rank (:mod:`megazero.exit_conditions`). A NaN/inf step is skipped and a diverged run stops without
+saving (:mod:`megazero.divergence`); a stuck or orphaned rank is ended by the watchdog
+(:mod:`megazero.watchdog`), which the loop tells what it is doing through :meth:`Run.phase`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -34,12 +34,14 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
-from megazero.config import ConfigError, MegazeroConfig
+from megazero.config import MegazeroConfig
+from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
+from megazero.exit_conditions import ExitFlags, should_exit
 from megazero.flops import model_flops_per_iteration, peak_flops
 from megazero.initialize import DistEnv, initialize_distributed, set_seed
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
-from megazero.save_check import checkpoint_bytes, explain_write_error, save_dir_problem
+from megazero.save_check import check_save_dir, checkpoint_bytes, explain_write_error
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
     Batching,
@@ -51,30 +53,6 @@ from megazero.train_setup import (
     get_batch,
 )
 from megazero.watchdog import WATCHDOG_EXIT_CODE, Watchdog
-
-
-@dataclass
-class ExitFlags:
-    """Set from the SIGTERM handler; read once per iteration (no module-level state)."""
-
-    sigterm: bool = False
-    previous: Any = None
-
-    def install(self) -> None:
-        def handler(signum, frame):  # noqa: ARG001
-            self.sigterm = True
-
-        self.previous = signal.signal(signal.SIGTERM, handler)
-
-    def uninstall(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-
-class TrainingDivergedError(RuntimeError):
-    """The loss or gradients stayed NaN/inf for ``--max-nonfinite-steps`` iterations in a row.
-    Raised on every rank alike (the decision is all-reduced), after nothing was saved."""
-
 
 #: Iterations kept in :attr:`TrainState.history`: enough for tests and a post-mortem of the
 #: last steps, bounded so a million-iteration run does not grow a million dicts.
@@ -246,33 +224,6 @@ def _load(run: Run) -> None:
     run.monitor.info(f"loaded checkpoint {res.path} at iteration {res.iteration}")
 
 
-def _should_exit(run: Run, flags: ExitFlags, start: float) -> tuple[bool, str]:
-    """All ranks agree (MAX all-reduce) on SIGTERM, the duration limit and the exit interval."""
-    t = run.cfg.train
-    over_time = (t.exit_duration_in_mins is not None
-                 and (time.time() - start) / 60.0 > t.exit_duration_in_mins)
-    v = torch.tensor([float(flags.sigterm), float(over_time)], device=run.env.device)
-    if run.topo.world_size > 1:
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
-    if v[0] > 0:
-        return True, "received SIGTERM"
-    if v[1] > 0:
-        return True, f"exceeded --exit-duration-in-mins {t.exit_duration_in_mins}"
-    if t.exit_interval and run.state.iteration % t.exit_interval == 0:
-        return True, f"reached --exit-interval {t.exit_interval}"
-    return False, ""
-
-
-def _params_finite(run: Run) -> bool:
-    """Every rank's weights are finite (one MAX all-reduce): the last guard before a save."""
-    bad = any(not torch.isfinite(p).all() for c in run.chunks for p in c.parameters()
-              if p.numel())
-    flag = torch.tensor([float(bad)], device=run.env.device)
-    if run.topo.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
-
-
 def _save_if_sound(run: Run, why: str) -> bool:
     """Save unless the state is not worth keeping: the last step had a NaN/inf loss or
     gradient (its weights produce garbage), or a weight is NaN/inf. ``latest`` then keeps
@@ -280,32 +231,13 @@ def _save_if_sound(run: Run, why: str) -> bool:
     if not run.cfg.checkpoint.save:
         return False
     st = run.state
-    if st.nonfinite_streak or not _params_finite(run):
+    if st.nonfinite_streak or not params_finite(run.chunks, run.topo, run.env.device):
         run.monitor.info(f"not saving the {why} checkpoint at iteration {st.iteration}: the "
                          f"model's loss, gradients or weights are NaN/inf; the last checkpoint "
                          f"in {run.cfg.checkpoint.save} stays the latest")
         return False
     _save(run)
     return True
-
-
-def _note_nonfinite(run: Run, result: Any, loss: float, saved_at: int | None) -> None:
-    """Count NaN/inf steps in a row; raise :class:`TrainingDivergedError` at the limit."""
-    st, t = run.state, run.cfg.train
-    if not (result.nonfinite or not math.isfinite(loss)):
-        st.nonfinite_streak = 0
-        return
-    st.nonfinite_streak += 1
-    if not t.check_for_nan_in_loss_and_grad or st.nonfinite_streak < t.max_nonfinite_steps:
-        return
-    last = (f"the latest checkpoint (iteration {saved_at}) in {run.cfg.checkpoint.save} is "
-            f"untouched" if saved_at is not None and run.cfg.checkpoint.save
-            else "no checkpoint was written")
-    raise TrainingDivergedError(
-        f"training diverged at iteration {st.iteration}: the loss or gradients were NaN/inf "
-        f"for {st.nonfinite_streak} iterations in a row (--max-nonfinite-steps "
-        f"{t.max_nonfinite_steps}); their updates were skipped and {last}. Resume from it "
-        f"with a lower --lr, more --lr-warmup-iters or --clip-grad, or check the data")
 
 
 def train(run: Run) -> TrainState:
@@ -341,7 +273,7 @@ def train(run: Run) -> TrainState:
                                    run.scheduler.get_lr(), b.global_batch_size,
                                    cfg.model.seq_length, result.loss_scale, norm, flops,
                                    run.topo.world_size, peak)
-            _note_nonfinite(run, result, loss, saved_at)
+            note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save)
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
                 with run.phase(f"evaluation at iteration {st.iteration}", "mp"):
                     val = evaluate(run)
@@ -353,7 +285,8 @@ def train(run: Run) -> TrainState:
                     if _save_if_sound(run, "interval"):
                         saved_at = st.iteration
             with run.phase(f"exit check after iteration {st.iteration}", "world"):
-                stop, why = _should_exit(run, flags, start)
+                stop, why = should_exit(cfg.train, st.iteration, flags, start, run.topo,
+                                        run.env.device)
             if stop:
                 run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
                 st.exit_reason = why
@@ -391,27 +324,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
     _describe(run)
-    _check_save_dir(run)
+    check_save_dir(cfg.checkpoint.save, checkpoint_bytes(engine), topo, env.device)
     _load(run)
     return run
-
-
-def _check_save_dir(run: Run) -> None:
-    """``--save`` usable by every rank, with room for one checkpoint (see save_check)."""
-    path = run.cfg.checkpoint.save
-    if not path:
-        return
-    sizes = torch.tensor([float(checkpoint_bytes(run.engine))], dtype=torch.float64,
-                         device=run.env.device)
-    if run.topo.world_size > 1:
-        dist.all_reduce(sizes)
-    problem = save_dir_problem(path, int(sizes.item()))
-    failed = torch.tensor([float(problem is not None)], device=run.env.device)
-    if run.topo.world_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item() > 0:  # every rank raises, so none waits in a collective for the others
-        raise ConfigError(problem or f"--save {path}: another rank cannot write there (see "
-                          f"its message)")
 
 
 def _describe(run: Run) -> None:
