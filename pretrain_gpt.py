@@ -51,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
                                            log_interval=cfg.logging.steps_per_print))
     from megazero.checkpointing import CheckpointError
     from megazero.initialize import destroy
+    from megazero.training import TrainingDivergedError
 
     try:
         pretrain(cfg, log_json=log_json)
+    except TrainingDivergedError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 3
     except (CheckpointError, ConfigError) as e:
         # Raised on every rank alike (a checkpoint saved at another layout, a config the
         # data or model rejects): a message, not a traceback per rank.

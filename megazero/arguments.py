@@ -65,6 +65,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--recompute-method", "parallel.recompute_method", choices=("uniform", "block")),
     _f("--recompute-num-layers", "parallel.recompute_num_layers", **_I),
     _f("--distributed-backend", "parallel.distributed_backend", choices=("nccl", "gloo")),
+    _f("--distributed-timeout-minutes", "parallel.distributed_timeout_minutes", **_FL,
+       help="timeout of every process group's collectives, and the watchdog's limit for one "
+            "iteration (default: %(default)s)"),
     # model
     _f("--model-preset", "model.model_preset", choices=("gpt2", "llama"),
        help="start the model from a preset; flags given explicitly override it"),
@@ -104,6 +107,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("--eval-iters", "train.eval_iters", **_I),
     _f("--exit-interval", "train.exit_interval", **_I),
     _f("--exit-duration-in-mins", "train.exit_duration_in_mins", **_FL),
+    _f("--check-for-nan-in-loss-and-grad", "train.check_for_nan_in_loss_and_grad",
+       dest="check_for_nan_in_loss_and_grad", **_ON,
+       help="skip a step with a NaN/inf loss or gradient (default: on)"),
+    _f("--no-check-for-nan-in-loss-and-grad", "train.check_for_nan_in_loss_and_grad",
+       dest="check_for_nan_in_loss_and_grad", action="store_false",
+       help="apply updates whatever their values (fp16 still skips overflow steps)"),
+    _f("--max-nonfinite-steps", "train.max_nonfinite_steps", **_I,
+       help="stop after this many NaN/inf steps in a row (default: %(default)s)"),
     # optimizer and learning rate
     _f("--lr", "optimizer.lr", **_FL),
     _f("--min-lr", "optimizer.min_lr", **_FL),

@@ -116,6 +116,8 @@ class ParallelConfig:
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
     distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+    # Every process group's collective timeout; also the watchdog's limit for one iteration.
+    distributed_timeout_minutes: float = 10.0
     world_size: int | None = None  # all ranks; None when the config is built without a launcher
 
     def __post_init__(self) -> None:
@@ -284,6 +286,10 @@ class TrainConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     deterministic_mode: bool = False  # bitwise-reproducible GPU runs (see initialize.py)
+    # Skip a step whose loss or gradients are NaN/inf (fp32/bf16 too, as fp16's overflow skip);
+    # stop the run after this many such steps in a row (the weights themselves are then bad).
+    check_for_nan_in_loss_and_grad: bool = True
+    max_nonfinite_steps: int = 3
 
 
 @dataclass(frozen=True)
@@ -383,6 +389,10 @@ def validate(cfg: MegazeroConfig) -> None:
                f"{_divisors(m.num_layers // pp) if m.num_layers % pp == 0 else []}")
     _check(p.recompute_num_layers is None or p.recompute_num_layers >= 1,
            f"--recompute-num-layers must be >= 1, got {p.recompute_num_layers}")
+    _check(t.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1 (non-finite "
+           f"steps in a row before the run stops), got {t.max_nonfinite_steps}")
+    _check(p.distributed_timeout_minutes > 0, f"--distributed-timeout-minutes must be > 0, got "
+           f"{p.distributed_timeout_minutes}")
     _check(t.micro_batch_size >= 1, f"--micro-batch-size (train_micro_batch_size_per_gpu) must "
            f"be >= 1, got {t.micro_batch_size}")
     _check(t.train_iters is None or t.train_samples is None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import resource
 import sys
@@ -146,19 +147,20 @@ class Monitor:
     # --- per iteration -------------------------------------------------------------------------
 
     def record(self, loss: float | None, skipped: bool, seconds: float,
-               breakdown: dict[str, float] | None = None) -> None:
-        """Accumulate one iteration into the current log interval."""
+               breakdown: dict[str, float] | None = None, nonfinite: bool = False) -> None:
+        """Accumulate one iteration into the current log interval. ``nonfinite``: the step
+        saw a NaN/inf loss or gradient (counted as a nan iteration even if the loss is finite)."""
         s = self.stats
         s.iterations += 1
         s.seconds += seconds
+        finite = loss is not None and math.isfinite(loss)
+        if nonfinite or (loss is not None and not finite):
+            s.nan += 1  # whether or not its update was skipped
         if skipped:
             s.skipped += 1
-        elif loss is not None:
-            if loss != loss or loss in (float("inf"), float("-inf")):
-                s.nan += 1
-            else:
-                s.loss_sum += loss
-                s.loss_count += 1
+        elif finite:
+            s.loss_sum += loss
+            s.loss_count += 1
         for k, v in (breakdown or {}).items():
             s.breakdown[k] = s.breakdown.get(k, 0.0) + v
 
@@ -238,9 +240,11 @@ class Monitor:
 
 
 def _perplexity(loss: float) -> float:
-    import math
-
-    return math.exp(min(20.0, loss))  # Megatron caps the exponent so PPL stays finite
+    """exp(loss), with Megatron's cap on the exponent so a large loss gives a finite PPL; a
+    NaN loss gives NaN (``min(20, nan)`` would be 20: a NaN run reporting PPL 4.85E+08)."""
+    if math.isnan(loss):
+        return math.nan
+    return math.exp(min(20.0, loss))
 
 
 def _open_tensorboard(directory: str, job_name: str | None) -> Any:

@@ -14,6 +14,7 @@ explicitly to everything that communicates; there is no module-level state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -146,12 +147,15 @@ class ParallelTopology:
     @classmethod
     def build(
         cls, tp: int = 1, pp: int = 1, vpp: int | None = None, world_size: int | None = None,
-        rank: int | None = None,
+        rank: int | None = None, timeout: timedelta | None = None,
     ) -> ParallelTopology:
         """Create every group of the layout. Must be called by all ranks, in the same order.
 
         ``torch.distributed.new_group`` is collective over the whole world even for ranks that
         are not members, so every rank creates every group and keeps the ones it belongs to.
+        ``timeout`` (``--distributed-timeout-minutes``) applies to every group's collectives;
+        without it ``new_group`` would not inherit the main group's timeout but take the
+        backend default (30 minutes for gloo).
         """
         if not dist.is_initialized():
             if (world_size or 1) != 1:
@@ -163,7 +167,7 @@ class ParallelTopology:
         mine: dict[str, Any] = {}
         for kind in GROUP_KINDS:
             for ranks in layout.all_groups(kind):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine[kind] = group
         return cls(layout, rank, mine)

@@ -13,24 +13,31 @@ and data-parallel ranks, the same number a one-process run on the whole global b
 Rank 0 reports (the pipeline executor returns the losses on every pipeline rank).
 
 Exit conditions (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM) are agreed by every
-rank through one small all-reduce per iteration, so all ranks stop after the same iteration and
-save the same checkpoint.
+rank (:mod:`megazero.exit_conditions`). A NaN/inf step is skipped and a diverged run stops without
+saving (:mod:`megazero.divergence`); a stuck or orphaned rank is ended by the watchdog
+(:mod:`megazero.watchdog`), which the loop tells what it is doing through :meth:`Run.phase`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import signal
+import os
+import sys
 import time
+from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
+from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
+from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
+from megazero.exit_conditions import ExitFlags, should_exit
 from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.initialize import (
     DistEnv,
@@ -40,7 +47,8 @@ from megazero.initialize import (
 )
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
-from megazero.topology import ParallelTopology
+from megazero.save_check import check_save_dir, checkpoint_bytes, explain_write_error
+from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
     Batching,
     ChunkTrackers,
@@ -50,24 +58,11 @@ from megazero.train_setup import (
     build_tokenizer_and_data_path,
     get_batch,
 )
+from megazero.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
-
-@dataclass
-class ExitFlags:
-    """Set from the SIGTERM handler; read once per iteration (no module-level state)."""
-
-    sigterm: bool = False
-    previous: Any = None
-
-    def install(self) -> None:
-        def handler(signum, frame):  # noqa: ARG001
-            self.sigterm = True
-
-        self.previous = signal.signal(signal.SIGTERM, handler)
-
-    def uninstall(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+#: Iterations kept in :attr:`TrainState.history`: enough for tests and a post-mortem of the
+#: last steps, bounded so a million-iteration run does not grow a million dicts.
+HISTORY_LENGTH = 1000
 
 
 @dataclass
@@ -75,7 +70,10 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     exit_reason: str | None = None  # set when training stopped before --train-iters
-    history: list[dict[str, float]] = field(default_factory=list)
+    # The last HISTORY_LENGTH iterations' loss, grad norm, loss scale, skipped flag.
+    history: deque[dict[str, float]] = field(
+        default_factory=lambda: deque(maxlen=HISTORY_LENGTH))
+    nonfinite_streak: int = 0  # NaN/inf steps in a row, reset by a finite one
 
 
 @dataclass
@@ -94,10 +92,20 @@ class Run:
     train_ds: Any
     valid_ds: Any
     state: TrainState
+    watchdog: Watchdog | None = None
 
     @property
     def sp(self) -> bool:
         return self.cfg.parallel.sequence_parallel and self.topo.tp_size > 1
+
+    def phase(self, what: str, group: str | None = None) -> AbstractContextManager[None]:
+        """Mark what this rank is doing for the watchdog (``group``: the process group the
+        phase waits on, named as in :mod:`megazero.topology`)."""
+        if self.watchdog is None:
+            return nullcontext()
+        ranks = (self.topo.ranks(group) if group in GROUP_KINDS
+                 else range(self.topo.world_size))
+        return self.watchdog.phase(what, group, ranks)
 
 
 def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
@@ -130,19 +138,26 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
 
 def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
     """One iteration; returns (global mean loss, StepResult, seconds per phase)."""
-    t = run.timers
+    t, it = run.timers, run.state.iteration + 1
     t.start("forward-backward")
-    losses = _schedule(run, data_iter, forward_only=False)
+    with run.phase(f"iteration {it}: forward-backward (pipeline schedule)", "mp"):
+        losses = _schedule(run, data_iter, forward_only=False)
     t.stop("forward-backward")
     t.start("grad-sync")
-    run.engine.finish_grad_sync()
+    with run.phase(f"iteration {it}: gradient sync", "dp"):
+        run.engine.finish_grad_sync()
     t.stop("grad-sync")
     t.start("optimizer")
-    result = run.engine.step()
+    finite = all(math.isfinite(x) for x in losses)
+    with run.phase(f"iteration {it}: optimizer step (non-finite check, grad norm)", "world"):
+        result = run.engine.step(loss_is_finite=finite,
+                                 skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
     t.stop("optimizer")
     if result.updated:
         run.scheduler.step()
-    return _dp_mean(losses, run.topo, run.env.device), result, _phases(t.pop_all())
+    with run.phase(f"iteration {it}: loss all-reduce", "dp"):
+        loss = _dp_mean(losses, run.topo, run.env.device)
+    return loss, result, _phases(t.pop_all())
 
 
 def _phases(times: dict[str, float]) -> dict[str, float]:
@@ -186,10 +201,15 @@ def _save(run: Run) -> None:
     if not ck.save:
         return
     t0 = time.perf_counter()
-    save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
-                    optimizer=run.engine, scheduler=run.scheduler,
-                    consumed_samples=run.state.consumed_samples, config=run.cfg,
-                    zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks))
+    try:
+        save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
+                        optimizer=run.engine, scheduler=run.scheduler,
+                        consumed_samples=run.state.consumed_samples, config=run.cfg,
+                        zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks))
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError) as e:  # a full disk, a directory gone or made read-only
+        raise CheckpointError(explain_write_error(ck.save, run.state.iteration, e)) from e
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 
@@ -211,21 +231,20 @@ def _load(run: Run) -> None:
     run.monitor.info(f"loaded checkpoint {res.path} at iteration {res.iteration}")
 
 
-def _should_exit(run: Run, flags: ExitFlags, start: float) -> tuple[bool, str]:
-    """All ranks agree (MAX all-reduce) on SIGTERM, the duration limit and the exit interval."""
-    t = run.cfg.train
-    over_time = (t.exit_duration_in_mins is not None
-                 and (time.time() - start) / 60.0 > t.exit_duration_in_mins)
-    v = torch.tensor([float(flags.sigterm), float(over_time)], device=run.env.device)
-    if run.topo.world_size > 1:
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
-    if v[0] > 0:
-        return True, "received SIGTERM"
-    if v[1] > 0:
-        return True, f"exceeded --exit-duration-in-mins {t.exit_duration_in_mins}"
-    if t.exit_interval and run.state.iteration % t.exit_interval == 0:
-        return True, f"reached --exit-interval {t.exit_interval}"
-    return False, ""
+def _save_if_sound(run: Run, why: str) -> bool:
+    """Save unless the state is not worth keeping: the last step had a NaN/inf loss or
+    gradient (its weights produce garbage), or a weight is NaN/inf. ``latest`` then keeps
+    naming the last sound checkpoint."""
+    if not run.cfg.checkpoint.save:
+        return False
+    st = run.state
+    if st.nonfinite_streak or not params_finite(run.chunks, run.topo, run.env.device):
+        run.monitor.info(f"not saving the {why} checkpoint at iteration {st.iteration}: the "
+                         f"model's loss, gradients or weights are NaN/inf; the last checkpoint "
+                         f"in {run.cfg.checkpoint.save} stays the latest")
+        return False
+    _save(run)
+    return True
 
 
 def train(run: Run) -> TrainState:
@@ -248,7 +267,8 @@ def train(run: Run) -> TrainState:
             loss, result, phases = train_step(run, data_iter)
             st.iteration += 1
             st.consumed_samples += b.global_batch_size
-            run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases)
+            run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases,
+                               nonfinite=result.nonfinite)
             st.history.append({"iteration": st.iteration, "loss": loss,
                                "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                                "skipped": float(result.skipped)})
@@ -259,15 +279,20 @@ def train(run: Run) -> TrainState:
                                    run.scheduler.get_lr(), b.global_batch_size,
                                    cfg.model.seq_length, result.loss_scale, norm, flops,
                                    run.topo.world_size, peak)
+            note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save)
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
-                val = evaluate(run)
+                with run.phase(f"evaluation at iteration {st.iteration}", "mp"):
+                    val = evaluate(run)
                 if val is not None:
                     run.monitor.report_validation(st.iteration, val)
             if (cfg.checkpoint.save_interval
                     and st.iteration % cfg.checkpoint.save_interval == 0):
-                _save(run)
-                saved_at = st.iteration
-            stop, why = _should_exit(run, flags, start)
+                with run.phase(f"checkpoint save at iteration {st.iteration}", "world"):
+                    if _save_if_sound(run, "interval"):
+                        saved_at = st.iteration
+            with run.phase(f"exit check after iteration {st.iteration}", "world"):
+                stop, why = should_exit(cfg.train, st.iteration, flags, start, run.topo,
+                                        run.env.device)
             if stop:
                 run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
                 st.exit_reason = why
@@ -275,14 +300,19 @@ def train(run: Run) -> TrainState:
     finally:
         flags.uninstall()
     if saved_at != st.iteration:
-        _save(run)
+        with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
+            _save_if_sound(run, "final")
     return st
 
 
 def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     """Initialise the process group and build everything the loop needs."""
-    env = initialize_distributed(cfg.parallel.distributed_backend)
-    topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp)
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    env = initialize_distributed(cfg.parallel.distributed_backend,
+                                 cfg.parallel.distributed_timeout_minutes)
+    watchdog = Watchdog(timeout.total_seconds(), env.rank).start()
+    topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
+                                  timeout=timeout)
     set_seed(cfg.train.seed, topo.pp_rank)
     if cfg.train.deterministic_mode:
         enable_deterministic_mode()
@@ -300,8 +330,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     if timers.enabled:
         _time_forwards(chunks, timers)
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
-              valid_ds, TrainState())
+              valid_ds, TrainState(), watchdog)
     _describe(run)
+    check_save_dir(cfg.checkpoint.save, checkpoint_bytes(engine), topo, env.device)
     _load(run)
     return run
 
@@ -328,16 +359,55 @@ def _describe(run: Run) -> None:
 
 
 def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
-    """Set up, train, evaluate once more at the end, and close the sinks."""
+    """Set up, train, evaluate once more at the end, close the sinks, leave the process group.
+
+    The orderly exit (every rank finished, or every rank agreed the run diverged) ends with a
+    barrier and then ``destroy_process_group``: no rank tears down its connections while a peer
+    still talks to it (gloo aborts such a peer with "terminate called without an active
+    exception"). Any other error skips the barrier, since its peers may never reach it; the
+    entry point destroys the group and the watchdog ends a peer left waiting.
+    """
     run = setup(cfg, log_json)
     try:
-        state = train(run)
+        state = _train_or_explain(run)
         # An early exit (pre-emption, time limit) leaves right after its checkpoint.
         if state.exit_reason is None and cfg.train.eval_iters > 0 and (
                 not cfg.train.eval_interval or state.iteration % cfg.train.eval_interval):
-            val = evaluate(run)
+            with run.phase(f"final evaluation at iteration {state.iteration}", "mp"):
+                val = evaluate(run)
             if val is not None:
                 run.monitor.report_validation(state.iteration, val)
+    except TrainingDivergedError:
+        shutdown(run)
+        raise
     finally:
         run.monitor.close()
+    shutdown(run)
     return state
+
+
+def _train_or_explain(run: Run) -> TrainState:
+    """:func:`train`; a collective that fails inside a watched phase (the backend's timeout,
+    a peer that closed its connection) ends this rank with one line naming the phase and the
+    group instead of a traceback. The group is broken then: nothing is torn down in order."""
+    try:
+        return train(run)
+    except RuntimeError as e:
+        reason = run.watchdog.failure_message(e) if run.watchdog is not None else None
+        if reason is None:
+            raise
+        run.watchdog.stop()  # one message: not the watchdog's as well
+        print(reason, file=sys.stderr, flush=True)
+        run.monitor.close()
+        os._exit(WATCHDOG_EXIT_CODE)
+
+
+def shutdown(run: Run) -> None:
+    """Barrier, then destroy the process group, then stop the watchdog (see :func:`pretrain`)."""
+    if dist.is_initialized():
+        with run.phase("shutdown barrier", "world"):
+            if run.topo.world_size > 1:
+                dist.barrier()
+            dist.destroy_process_group()
+    if run.watchdog is not None:
+        run.watchdog.stop()

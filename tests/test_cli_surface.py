@@ -24,7 +24,8 @@ from megazero.ds_config import DS_CONFIG_KEYS, SCHEDULER_TYPES
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
---distributed-backend --model-preset --num-layers --hidden-size --num-attention-heads
+--distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
+--num-attention-heads
 --group-query-attention --num-query-groups --ffn-hidden-size --seq-length --max-position-embeddings
 --position-embedding-type --rotary-base --normalization --norm-epsilon --swiglu
 --openai-gelu
@@ -32,7 +33,8 @@ GOLDEN_FLAGS = """
 --init-method-std --make-vocab-size-divisible-by --vocab-size --use-flash-attn --no-flash-attn
 --micro-batch-size --global-batch-size --train-iters --train-samples --seed --deterministic-mode
 --eval-interval
---eval-iters --exit-interval --exit-duration-in-mins --lr --min-lr --lr-decay-style
+--eval-iters --exit-interval --exit-duration-in-mins --check-for-nan-in-loss-and-grad
+--no-check-for-nan-in-loss-and-grad --max-nonfinite-steps --lr --min-lr --lr-decay-style
 --lr-warmup-iters --lr-decay-iters --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
@@ -88,7 +90,7 @@ def test_every_flag_maps_to_an_existing_field():
     # two spellings may share a field only when they are one switch's on/off or an alias
     fields = [f.field for f in FLAGS]
     shared = {f for f in fields if fields.count(f) > 1}
-    assert shared == {"model.use_flash_attn"}
+    assert shared == {"model.use_flash_attn", "train.check_for_nan_in_loss_and_grad"}
 
 
 def test_every_json_key_maps_to_an_existing_field():

@@ -49,7 +49,38 @@ def test_peak_inflight_1f1b_is_pp_not_m(pp):
     m = 4 * pp
     gpipe = [[(Action("F", 0, mb),) for mb in range(m)] + [(Action("B", 0, mb),)
              for mb in range(m)]]
-    assert check_schedules(gpipe, 1, m).peak_inflight == [m]
+    assert check_schedules(gpipe, 1, m, memory_bound=False).peak_inflight == [m]
+    with pytest.raises(ScheduleError, match=f"rank 0 holds {m} chunk-micro-batches in flight"):
+        check_schedules(gpipe, 1, m)
+
+
+def _one_f_one_b_pp2(warmup0: int, m: int = 4):
+    """1F1B on two stages, with ``warmup0`` warm-up forwards on the first (1F1B: one)."""
+    r0 = []
+    for mb in range(warmup0):
+        r0 += [(Action("F", 0, mb),), (Action("SEND_F", 0, mb, 1),)]
+    for i in range(m - warmup0):
+        r0 += [(Action("F", 0, warmup0 + i),),
+               (Action("SEND_F", 0, warmup0 + i, 1), Action("RECV_B", 0, i, 1)),
+               (Action("B", 0, i),)]
+    for mb in range(m - warmup0, m):
+        r0 += [(Action("RECV_B", 0, mb, 1),), (Action("B", 0, mb),)]
+    r1 = [(Action("RECV_F", 0, 0, 0),)]
+    for mb in range(m):
+        r1 += [(Action("F", 0, mb),), (Action("B", 0, mb),)]
+        r1.append((Action("SEND_B", 0, mb, 0),) + ((Action("RECV_F", 0, mb + 1, 0),)
+                                                    if mb + 1 < m else ()))
+    return [r0, r1]
+
+
+def test_checker_rejects_an_extra_warmup_forward():
+    assert _one_f_one_b_pp2(1) == build_all(2, 1, 4)  # the helper builds real 1F1B
+    extra = _one_f_one_b_pp2(2)
+    res = check_schedules(extra, 1, 4, memory_bound=False)  # correct and deadlock-free...
+    assert res.peak_inflight == [3, 1]
+    with pytest.raises(ScheduleError, match="rank 0 holds 3 chunk-micro-batches in flight, more "
+                                            "than 1F1B's bound of 2"):
+        check_schedules(extra, 1, 4)  # ...but holds one micro-batch more than 1F1B may
 
 
 @pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 2), (4, 4), (8, 2)])

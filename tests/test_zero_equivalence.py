@@ -1,5 +1,10 @@
 """ZeRO stages 0-3 (with overlap, offload, fallbacks and bucket options) reproduce a
-single-process ``torch.optim.AdamW`` run on the full batch: every loss and the final weights."""
+single-process ``torch.optim.AdamW`` run on the full batch: every loss, every gradient norm and
+the final weights.
+
+The gradient norm matters on its own: Adam is nearly invariant to a constant factor on the
+gradients and clipping hides one too, so a reduction that sums instead of averaging over dp
+(a missing 1/dp) leaves losses and weights almost unchanged, but multiplies the norm by dp."""
 
 import torch
 import torch.distributed as dist
@@ -8,7 +13,13 @@ from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, Zer
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import TinyLM, engine_train_step, make_batches, reference_run
+from megazero.zero.reference import (
+    TinyLM,
+    engine_train_step,
+    make_batches,
+    reference_run,
+    torch_adamw,
+)
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 STEPS, BATCH, SEQ, VOCAB = 10, 8, 8, 64
@@ -48,10 +59,24 @@ def _cases():
     return cases
 
 
+def _reference_norms(batches) -> list[float]:
+    """The single-process run's gradient norm (before clipping) at every step."""
+    model = _tiny()
+    opt = torch_adamw(model, OPT)
+    norms = []
+    for tokens, labels in batches:
+        opt.zero_grad()
+        model(tokens, labels).mean().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad)))
+        opt.step()
+    return norms
+
+
 def _equivalence_world(rank, world_size):
     topo = ParallelTopology.build()
     batches = make_batches(STEPS, BATCH, SEQ, VOCAB)
     ref_losses, ref_w = reference_run(_tiny, batches, OPT)
+    ref_norms = _reference_norms(batches)
     rows = BATCH // topo.dp_size
     mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
     results = []
@@ -60,17 +85,19 @@ def _equivalence_world(rank, world_size):
         names = {id(p): n for n, p in model.named_parameters()}
         engine = build_zero_optimizer([model], OPT, ZeroConfig(**zkw), PrecisionConfig(), topo,
                                       **extra)
-        losses = []
+        losses, norms = [], []
         for tokens, labels in batches:
             loss, res = engine_train_step(model, engine, tokens[mine], labels[mine], micro)
             t = torch.tensor([loss])
             dist.all_reduce(t)
             losses.append(t.item() / topo.dp_size)
+            norms.append(res.grad_norm)
             assert res.updated and not res.skipped
         full = engine.full_parameters()
         dw = max((w - ref_w[names[i]]).abs().max().item() for i, w in full.items())
         dl = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        results.append((name, dl, dw, len(full)))
+        dn = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+        results.append((name, dl, dw, dn, len(full)))
     return results
 
 
@@ -78,10 +105,11 @@ def test_stages_match_single_process_adamw():
     per_rank = run_distributed(_equivalence_world, 4, timeout=400)
     for results in per_rank:
         assert len(results) == len(_cases())
-        for name, dl, dw, n in results:
+        for name, dl, dw, dn, n in results:
             assert n == len(list(_tiny().parameters())), name
             assert dl < TOL, f"{name}: loss differs by {dl:.3g}"
             assert dw < TOL, f"{name}: weights differ by {dw:.3g}"
+            assert dn < TOL, f"{name}: gradient norm differs by {dn:.3g} (relative)"
 
 
 def _resume_world(rank, world_size):
@@ -98,6 +126,11 @@ def _resume_world(rank, world_size):
                             ("1", dict(stage=1), PrecisionConfig()),
                             ("2 fp16", dict(stage=2), PrecisionConfig(fp16=True,
                                                                        initial_scale_power=8)),
+                            # the scale doubles every 2 clean steps (after steps 1, 3, 5): the
+                            # resumed run must restore the scaler's window position, not only
+                            # the scale
+                            ("1 fp16 moving scale", dict(stage=1), PrecisionConfig(
+                                fp16=True, initial_scale_power=8, loss_scale_window=2)),
                             ("2+offload", dict(stage=2, offload_optimizer=CPU), PrecisionConfig()),
                             ("3", dict(stage=3, stage3_param_persistence_threshold=50),
                              PrecisionConfig()),
@@ -106,7 +139,7 @@ def _resume_world(rank, world_size):
         for resume in (False, True):
             model = _tiny()
             engine = build_zero_optimizer([model], OPT, ZeroConfig(**zkw), prec, topo)
-            losses = []
+            losses, scales = [], []
             for i, (tokens, labels) in enumerate(batches):
                 if i == 3:
                     buf = io.BytesIO()
@@ -120,17 +153,20 @@ def _resume_world(rank, world_size):
                         engine.load_state_dict(torch.load(buf, weights_only=False))
                 loss, res = engine_train_step(model, engine, tokens[mine], labels[mine])
                 losses.append(loss)
-            runs.append((losses[3:], engine.loss_scale))
+                scales.append(res.loss_scale)
+            runs.append((losses[3:], scales + [engine.loss_scale]))
         out.append((name, max(abs(a - b) for a, b in zip(runs[0][0], runs[1][0])),
-                    runs[0][1] == runs[1][1]))
+                    runs[0][1] == runs[1][1], runs[0][1]))
     return out, _load_weights(topo)
 
 
 def test_state_dict_resume_and_loaded_weights():
     for results, loaded in run_distributed(_resume_world, 4, timeout=400):
-        assert len(results) == 6
-        for name, err, same_scale in results:
+        assert len(results) == 7
+        for name, err, same_scale, _ in results:
             assert err < 1e-6 and same_scale, (name, err)
+        moving = dict((r[0], r[3]) for r in results)["1 fp16 moving scale"]
+        assert moving == [256.0, 256.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0], moving
         assert len(loaded) == 3
         for name, werr, merr, dtype in loaded:
             assert werr <= (0 if dtype == torch.float32 else 1e-2), (name, werr)

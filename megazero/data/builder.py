@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from megazero.data.blended_dataset import BlendedDataset, parse_data_path, sizes_needed
-from megazero.data.gpt_dataset import GPTDataset
+from megazero.data.gpt_dataset import GPTDataset, default_cache_dir
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.mock_dataset import MockGPTDataset
 from megazero.data.sampler import MegatronPretrainingSampler
 from megazero.data.split import SPLIT_NAMES, split_document_ranges
+from megazero.data.token_range import check_token_ids
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class DataConfig:
     """What determines the datasets. ``data_path`` uses ``--data-path`` syntax.
 
     ``num_samples`` is ``(train, valid, test)``; see :func:`train_valid_test_num_samples`.
-    ``mock=True`` ignores ``data_path`` and serves :class:`MockGPTDataset` of ``vocab_size``.
+    ``mock=True`` ignores ``data_path`` and serves :class:`MockGPTDataset` of ``vocab_size``;
+    otherwise a ``vocab_size`` is checked against every dataset's largest token id.
     """
 
     seq_length: int
@@ -67,6 +69,11 @@ def build_train_valid_test_datasets(config: DataConfig, is_builder: bool | None 
                 if n > 0 else None for n, name in zip(config.num_samples, SPLIT_NAMES)]
     weighted = parse_data_path(list(config.data_path))
     indexed = [IndexedDataset(prefix) for _, prefix in weighted]
+    if config.vocab_size:
+        for ds in indexed:
+            check_token_ids(ds, config.vocab_size,
+                            config.cache_dir or default_cache_dir(ds.path_prefix), is_builder,
+                            barrier, group)
     ranges = [split_document_ranges(config.split, ds.num_documents) for ds in indexed]
     weights = [w for w, _ in weighted]
     out: list = []

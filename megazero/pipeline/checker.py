@@ -18,6 +18,12 @@ and verifies, raising :class:`ScheduleError` with a readable reason otherwise:
    NCCL-like assumption). If no rank can advance before all are done, the schedule deadlocks;
    the error lists what each stuck rank waits for.
 
+5. **Memory bound** (training schedules, unless ``memory_bound=False``): no rank holds more
+   micro-batches in flight than 1F1B's warm-up allows (:func:`inflight_bound`: ``pp - rank``
+   without interleaving, Megatron's ``2(pp - rank - 1) + (vpp - 1)pp`` warm-up plus one with
+   it). A schedule with one extra warm-up forward is still correct and deadlock-free, but
+   holds one more micro-batch's activations than the memory estimates promise.
+
 The same simulation gives a timeline (forward cost ``f_time``, backward ``b_time``,
 communication free), hence each rank's idle time (the bubble) and its peak number of
 micro-batches in flight (forwards whose backward has not finished: the activations it holds).
@@ -178,11 +184,26 @@ def _match(schedules: list[list[Step]]) -> dict[tuple[int, int, int], tuple[int,
     return partner
 
 
+def inflight_bound(pp: int, vpp: int | None, num_microbatches: int, rank: int) -> int:
+    """Most chunk-micro-batches rank ``rank`` may hold in a 1F1B training schedule: its
+    warm-up forwards plus the one forward of the steady state."""
+    vpp = vpp or 1
+    total = num_microbatches * vpp
+    if vpp == 1:
+        return min(pp - rank, total)
+    if num_microbatches == pp:  # one group of micro-batches: all warm-up
+        return total
+    return min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, total)
+
+
 def check_schedules(
     schedules: list[list[Step]], vpp: int | None, num_microbatches: int,
     forward_only: bool = False, f_time: float = 1.0, b_time: float = 2.0,
+    memory_bound: bool = True,
 ) -> SimResult:
-    """Verify the schedules of all ``len(schedules)`` pipeline ranks; return the simulation."""
+    """Verify the schedules of all ``len(schedules)`` pipeline ranks; return the simulation.
+    ``memory_bound=False`` accepts schedules that hold more than 1F1B's in-flight bound
+    (such as all-forward-all-backward)."""
     pp, vpp = len(schedules), vpp or 1
     _check_work(schedules, vpp, num_microbatches, forward_only)
     partner = _match(schedules)
@@ -224,6 +245,14 @@ def check_schedules(
         raise ScheduleError("deadlock: no rank can make progress\n" + _stuck(schedules, ptr,
                                                                               partner, posted))
     res.makespan = max(clock) if clock else 0.0
+    if memory_bound and not forward_only:
+        for r in range(pp):
+            bound = inflight_bound(pp, vpp, num_microbatches, r)
+            if res.peak_inflight[r] > bound:
+                raise ScheduleError(
+                    f"rank {r} holds {res.peak_inflight[r]} chunk-micro-batches in flight, more "
+                    f"than 1F1B's bound of {bound} (its warm-up forwards plus one): an extra "
+                    f"warm-up forward keeps one more micro-batch's activations alive")
     return res
 
 

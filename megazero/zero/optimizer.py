@@ -40,6 +40,7 @@ class StepResult:
     grad_norm: float
     loss_scale: float
     skipped: bool
+    nonfinite: bool = False  # NaN/inf loss or (fp32/bf16) gradients; see ZeroOptimizer.step
 
 
 @dataclass
@@ -171,18 +172,31 @@ class ZeroOptimizer:
             store.reduce_deferred()
         self._synced = True
 
-    def step(self) -> StepResult:
+    def step(self, loss_is_finite: bool = True, skip_nonfinite: bool = False) -> StepResult:
+        """Clip and apply this step's gradients, unless a rank sees a non-finite value.
+
+        fp16 always checks (a gradient overflow under the loss scale skips the step and lowers
+        the scale). ``skip_nonfinite`` extends the check to fp32/bf16 (Megatron's
+        ``--check-for-nan-in-loss-and-grad``): a NaN/inf gradient, or ``loss_is_finite=False``
+        on any rank, skips the update on every rank, so a single bad batch cannot write NaN
+        into the masters. The result's ``nonfinite`` says the loss or gradients were NaN/inf
+        in a way the loss scale does not explain (any non-finite loss; fp32/bf16 gradients).
+        """
         self.finish_grad_sync()
         pieces = self.masters.pieces
         scale = self.scaler.scale if self.precision.fp16 else 1.0
-        if self.precision.fp16:
-            local = clip_grads.has_inf_or_nan(p.grad for p in pieces)
-            flag = clip_grads.all_reduce_scalar(torch.tensor(float(local)), [self.comms.world],
-                                                op=dist.ReduceOp.MAX, device=self.device)
-            if flag > 0:
+        if self.precision.fp16 or skip_nonfinite:
+            local = torch.tensor([float(clip_grads.has_inf_or_nan(p.grad for p in pieces)),
+                                  float(not loss_is_finite)], dtype=torch.float32,
+                                 device=self.device)
+            self.comms.world.all_reduce(local, op=dist.ReduceOp.MAX, what="scalar")
+            bad_grad, bad_loss = bool(local[0] > 0), bool(local[1] > 0)
+            if bad_grad or bad_loss:
                 self._end_step()
-                self.scaler.update(overflow=True)
-                return StepResult(False, float("nan"), scale, True)
+                if self.precision.fp16:
+                    self.scaler.update(overflow=True)
+                nonfinite = bad_loss or not self.precision.fp16
+                return StepResult(False, float("nan"), scale, True, nonfinite)
         tp_rank = self.topo.tp_rank
         sq = clip_grads.sum_of_squares(
             p.grad for p in pieces if clip_grads.counts_in_norm(p.param, tp_rank))

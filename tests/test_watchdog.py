@@ -1,0 +1,140 @@
+"""Hangs end: group timeouts from --distributed-timeout-minutes, the watchdog's stuck-phase and
+dead-launcher exits, each with one message naming the cause."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+
+from megazero.testing.distributed import DistributedTestError, run_distributed
+from megazero.watchdog import WATCHDOG_EXIT_CODE, Watchdog
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _stuck_peer(rank, world_size, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(60)  # a frozen rank: never joins the collective, never reports
+        return None
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as out:
+        wd = Watchdog(1.0, rank, poll_s=0.05, out=out).start()
+        with wd.phase("iteration 3: gradient sync", "dp", [0, 1]):
+            dist.all_reduce(torch.ones(1))
+    return "not reached"
+
+
+def test_watchdog_ends_the_rank_waiting_on_a_stuck_peer(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as e:
+        run_distributed(_stuck_peer, 2, str(tmp_path), timeout=60)
+    assert f"rank 0 of 2 died with exit code {WATCHDOG_EXIT_CODE}" in str(e.value)
+    assert time.monotonic() - t0 < 15
+    msg = (tmp_path / "rank0.txt").read_text().splitlines()
+    assert len(msg) == 1, msg
+    assert msg[0].startswith("[rank 0] watchdog: iteration 3: gradient sync over the dp group "
+                             "(ranks [0, 1]) has not finished after ")
+    waited = float(msg[0].split("after ")[1].split("s ")[0])
+    assert 1.0 <= waited < 3.0
+
+
+def test_watchdog_phases_nest_and_stay_quiet_within_the_limit():
+    now = [0.0]
+    fired = []
+    wd = Watchdog(10.0, 3, watch_parent=False, exit=fired.append, clock=lambda: now[0])
+    assert wd.check() is None  # nothing watched
+    with wd.phase("outer", "world", [0, 1]):
+        now[0] = 5.0
+        with wd.phase("inner", "tp", [2, 3]):
+            now[0] = 14.0
+            assert wd.check() is None  # inner began at 5
+            now[0] = 15.5
+            assert "inner over the tp group (ranks [2, 3])" in wd.check()
+        assert "[rank 3] watchdog: outer over the world group" in wd.check()
+    assert wd.check() is None and not fired
+
+
+def _group_timeout(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from megazero.topology import ParallelTopology
+
+    topo = ParallelTopology.build(timeout=timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(5)
+        return None
+    wd = Watchdog(60.0, rank, watch_parent=False)
+    t0 = time.monotonic()
+    try:
+        with wd.phase("iteration 7: gradient sync", "dp", topo.ranks("dp")):
+            dist.all_reduce(torch.ones(1), group=topo.dp_group)
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)[:200], wd.failure_message(e)
+    return None
+
+
+def test_topology_groups_use_the_distributed_timeout():
+    """Without the timeout, new_group takes gloo's 30 minutes and this world hangs. The
+    backend's timeout error becomes one line naming the phase and the group."""
+    waited, err, message = run_distributed(_group_timeout, 2, timeout=30)[0]
+    assert 1.5 < waited < 4, (waited, err)  # rank 1 would answer after 5 s
+    assert message.startswith("[rank 0] iteration 7: gradient sync over the dp group (ranks "
+                              "[0, 1]) failed after "), message
+    assert "Timed out" in message and message.endswith("ending the job")
+    assert Watchdog(1.0, 0).failure_message(ValueError("x")) is None
+
+
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=open(sys.argv[2], "w"),
+                             stderr=subprocess.STDOUT)
+    for _ in range(200):
+        if open(sys.argv[2]).read().startswith("ready"):
+            break
+        time.sleep(0.05)
+    print(child.pid, flush=True)
+""")
+CHILD = textwrap.dedent("""
+    import sys, time
+    from megazero.watchdog import Watchdog
+    Watchdog(1000.0, 5, poll_s=0.05).start()
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split()[1] == "Z" for line in f if line.startswith("State:"))
+    except FileNotFoundError:
+        return True
+
+
+def test_orphaned_rank_exits_when_its_launcher_dies(tmp_path):
+    out = tmp_path / "child.txt"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", PARENT, CHILD, str(out)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert _gone(pid), "the orphaned child is still running"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, 9)
+    lines = out.read_text().splitlines()
+    assert lines[0] == "ready"
+    assert lines[1].startswith("[rank 5] watchdog: the launcher (parent pid ")
+    assert len(lines) == 2 and lines[1].endswith("is gone; ending this orphaned rank")
