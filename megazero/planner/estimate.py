@@ -136,7 +136,9 @@ class Estimate:
 
 
 def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None = None,
-             flash: bool | None = None) -> Estimate:
+             flash: bool | None = None, stages: list[int] | None = None) -> Estimate:
+    """``stages``: the pipeline ranks to evaluate (default all; the layout search passes the
+    first and last, which hold the most activations and the embedding / logits)."""
     from megazero.planner.step_time import step_time
 
     dp = cfg.layout().dp
@@ -147,5 +149,5 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
     if flash is None:
         flash = not cpu and cfg.model.use_flash_attn
     ranks = [rank_memory(cfg, r, m, flash=flash, device_is_cpu=cpu)
-             for r in range(cfg.parallel.pp)]
+             for r in (stages if stages is not None else range(cfg.parallel.pp))]
     return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, m, ranks[0].numel))

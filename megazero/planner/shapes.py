@@ -54,16 +54,30 @@ def _shape_only():
         yield
 
 
+_CACHE: dict = {}
+
+
 def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]:
-    """This rank's model chunks on the meta device, in the training dtype."""
+    """This rank's model chunks on the meta device, in the training dtype (cached: the layout
+    search asks for the same shapes many times; nothing here mutates them)."""
+    key = (cfg.model, topo.tp_size, topo.pp_size, topo.pp_rank, topo.tp_rank,
+           cfg.parallel.num_layers_per_virtual_pipeline_stage,
+           cfg.parallel.sequence_parallel and topo.tp_size > 1, cfg.precision.params_dtype)
+    if key not in _CACHE:
+        if len(_CACHE) > 64:
+            _CACHE.clear()
+        _CACHE[key] = _build(cfg, topo)
+    return _CACHE[key]
+
+
+def _build(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]:
     from megazero.pipeline.partition import build_model_chunks
-    from megazero.train_setup import recompute_spec
 
     sp = cfg.parallel.sequence_parallel and topo.tp_size > 1
     with torch.device("meta"), _shape_only():
         chunks = build_model_chunks(cfg.model, topo,
                                     cfg.parallel.num_layers_per_virtual_pipeline_stage,
-                                    sequence_parallel=sp, recompute=recompute_spec(cfg),
+                                    sequence_parallel=sp, recompute=None,
                                     seed=cfg.train.seed)
     dtype = cfg.precision.params_dtype
     for c in chunks:
