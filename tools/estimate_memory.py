@@ -3,7 +3,8 @@
 Takes pretrain_gpt.py's flags (same parser, same validation and messages) plus::
 
     --world-size N | --num-nodes M --gpus-per-node G
-    --model gpt2-125m|gpt2-350m|gpt2-760m|gpt2-1.3b|gpt3-175b|llama2-7b|llama2-13b|llama2-70b|llama3-8b
+    --model gpt2-125m|gpt2-350m|gpt2-760m|gpt2-1.3b|gpt3-175b|llama2-7b|llama2-13b|
+            llama2-70b|llama3-8b
     --hf-config config.json          (a Hugging Face Llama/GPT-2 config instead of --model)
     --cluster h100-80gb-nvlink|a100-80gb|a100-40gb|v100-32gb|cpu|my_cluster.json
     --deepspeed-compat               (also print DeepSpeed's estimate_zero{2,3} numbers)
