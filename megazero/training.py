@@ -94,7 +94,8 @@ class Run:
         return self.cfg.parallel.sequence_parallel and self.topo.tp_size > 1
 
 
-def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
+def _schedule(run: Run, data_iter, forward_only: bool, stats: dict | None = None
+              ) -> list[float]:
     """One pass of the pipeline schedule over ``m`` micro-batches; returns their mean losses."""
     from megazero.pipeline.executor import default_loss_fn, forward_backward
 
@@ -110,7 +111,7 @@ def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
         run.chunks, data_iter, run.topo, run.batching.num_microbatches, m.seq_length,
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
-        get_batch=get_batch, grad_sync=None if forward_only else run.engine)
+        get_batch=get_batch, grad_sync=None if forward_only else run.engine, stats=stats)
     return [x / scale for x in losses]
 
 
@@ -124,15 +125,25 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
 def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
     """One iteration; returns (global mean loss, StepResult, seconds per phase)."""
     t = run.timers
+    mem = None
+    if run.cfg.logging.log_memory_phases:
+        from megazero.planner.memory_phases import MemoryPhases
+
+        mem = MemoryPhases(run.engine, run.env.device)
     t.start("forward-backward")
-    losses = _schedule(run, data_iter, forward_only=False)
+    losses = _schedule(run, data_iter, forward_only=False,
+                       stats=mem.stats if mem is not None else None)
     t.stop("forward-backward")
     t.start("grad-sync")
     run.engine.finish_grad_sync()
     t.stop("grad-sync")
+    if mem is not None:
+        mem.after_backward()
     t.start("optimizer")
     result = run.engine.step()
     t.stop("optimizer")
+    if mem is not None:
+        run.monitor.record_memory(mem.after_step())
     if result.updated:
         run.scheduler.step()
     return _dp_mean(losses, run.topo, run.env.device), result, _phases(t.pop_all())
