@@ -42,12 +42,8 @@ LAYOUTS = [  # (name, flags)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
-        return r
+    def ranks(x):  # ties share their average rank
+        return [sum(1 for y in x if y < v) + (sum(1 for y in x if y == v) - 1) / 2 for v in x]
 
     ra, rb = ranks(a), ranks(b)
     n = len(a)

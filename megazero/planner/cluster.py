@@ -5,8 +5,10 @@ passes the path of their own file with the same keys. Bandwidths are per device 
 unidirectional, in GB/s (10^9 bytes): ``intra_node_gbps`` (NVLink: TP and in-node traffic),
 ``inter_node_gbps`` (network: DP/PP traffic that leaves the node), ``pcie_gbps`` (offload).
 ``achievable_fraction`` is the fraction of the dense peak that large GEMMs reach (stated, not
-measured here; ``cpu.json`` is calibrated on this repository's CI machine, see
-bench/estimator_vs_measured.py).
+measured here). ``cpu.json`` describes a gloo run on a 2-core CI machine: its effective
+FLOP/s (23 GFLOP/s per rank), per-collective latency (7 ms) and per-micro-batch overhead
+(17 ms) were fitted to the dp2, tp2 and pp2 rows of bench/estimator_vs_measured.py, so its
+correlation there is in-sample.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Cluster:
     achievable_fraction: float
     per_collective_latency_us: float = 10.0
     per_layer_overhead_us: float = 0.0
+    per_microbatch_overhead_us: float = 0.0  # launch / Python cost of one chunk's fwd + bwd
 
     @property
     def memory_bytes(self) -> float:

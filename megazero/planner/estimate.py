@@ -150,4 +150,11 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
         flash = not cpu and cfg.model.use_flash_attn
     ranks = [rank_memory(cfg, r, m, flash=flash, device_is_cpu=cpu)
              for r in (stages if stages is not None else range(cfg.parallel.pp))]
-    return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, m, ranks[0].numel))
+    units = 0
+    if cfg.zero.stage == 3:
+        from megazero.planner.model_states import _units
+
+        chunks = meta_chunks(cfg, shape_topology(cfg.layout()))
+        units = sum(len(_units(c, 1, 0, cfg.zero.stage3_param_persistence_threshold))
+                    for c in chunks)
+    return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, m, ranks[0].numel, units))

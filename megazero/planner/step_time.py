@@ -67,7 +67,9 @@ def _ring_seconds(nbytes: float, n: int, gbps: float, latency_s: float, factor: 
 
 
 def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
-              params_per_rank: int) -> StepTime:
+              params_per_rank: int, zero3_units: int = 0) -> StepTime:
+    """``zero3_units``: stage-3 gather units on the rank (each is gathered in forward and in
+    backward and reduce-scattered once per micro-batch: latency-bound when units are small)."""
     p, z, m = cfg.parallel, cfg.zero, cfg.model
     layout = cfg.layout()
     tp, pp, dp, vpp = p.tp, p.pp, layout.dp, cfg.vpp or 1
@@ -91,6 +93,7 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     flops_rank = per_token * gbs * s / (tp * pp * dp)
     compute = flops_rank / (peak * cluster.achievable_fraction)
     compute += cluster.per_layer_overhead_us * 1e-6 * 3 * m.num_layers / pp * mb
+    compute += cluster.per_microbatch_overhead_us * 1e-6 * mb * vpp
     out.terms["compute"] = compute
     if pp > 1:
         out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb)
@@ -110,6 +113,8 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         if z.overlap_comm:
             comm = max(0.0, comm - compute * 2 / 3)
         out.terms["data parallel"] = comm
+        if z.stage == 3:
+            out.terms["ZeRO-3 gather latency"] = 3 * zero3_units * mb * lat
     if z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled):
         shard = params_per_rank / (dp if z.stage else 1)
         out.terms["offload PCIe"] = shard * (e + e) / (cluster.pcie_gbps * 1e9)
