@@ -39,13 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--measure", type=int, default=0, metavar="K")
     ap.add_argument("--measure-iters", type=int, default=4)
+    ap.add_argument("--zero-stages", default="0,1,2,3",
+                    help="ZeRO stages to consider, comma-separated (e.g. 0,1 for Megatron-style)")
     args, rest = ap.parse_known_args(argv)
     try:
         cluster = load_cluster(args.cluster)
         world = world_size(args, cluster)
         base = run_argv(args, rest)
         gbs = args.global_batch_size or world
-        fits, evaluated = search(base, world, cluster, gbs)
+        stages = tuple(int(x) for x in args.zero_stages.split(","))
+        fits, evaluated = search(base, world, cluster, gbs, stages)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -41,7 +41,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
-                    max_pp: int = 64) -> list[list[str]]:
+                    max_pp: int = 64, stages: tuple[int, ...] = (0, 1, 2, 3)
+                    ) -> list[list[str]]:
     out = []
     for tp in [d for d in _divisors(gpus_per_node) if world % d == 0]:
         for pp in [d for d in _divisors(num_layers) if world % (tp * d) == 0 and d <= max_pp]:
@@ -54,7 +55,7 @@ def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
                     continue
                 m = gbs // (mbs * dp)
                 for vl, stage, off, rc, sp in itertools.product(
-                        vpps, (0, 1, 2, 3), (False, True), ("none", "selective", "full"),
+                        vpps, stages, (False, True), ("none", "selective", "full"),
                         (False, True)):
                     if (sp and tp == 1) or (stage == 3 and pp > 1) or (off and stage == 0):
                         continue
@@ -92,12 +93,12 @@ def _config(base: list[str], flags: list[str], world: int):
     return replace(cfg, zero=zero)
 
 
-def search(base: list[str], world: int, cluster: Cluster, gbs: int
-           ) -> tuple[list[Candidate], list[Candidate]]:
+def search(base: list[str], world: int, cluster: Cluster, gbs: int,
+           stages: tuple[int, ...] = (0, 1, 2, 3)) -> tuple[list[Candidate], list[Candidate]]:
     """(fitting candidates by predicted time, all evaluated candidates)."""
     num_layers = load_config(base, None).model.num_layers
     evaluated = []
-    for flags in candidate_flags(num_layers, world, cluster.gpus_per_node, gbs):
+    for flags in candidate_flags(num_layers, world, cluster.gpus_per_node, gbs, stages=stages):
         try:
             cfg = _config(base, flags, world)
             pp = cfg.parallel.pp
