@@ -8,9 +8,11 @@
   per chunk boundary each way;
 * tensor parallel: 4 ring all-reduces (or all-gather + reduce-scatter with SP: the same bytes)
   of ``s b h`` per layer per micro-batch, over NVLink when the TP group fits in a node;
-* data parallel: ``2Ψ(N-1)/N`` (stages 0-2) or ``3Ψ(N-1)/N`` (stage 3) gradient elements per rank
-  (:func:`megazero.zero.accounting.formula_comm_bytes`), hidden behind the backward with
-  ``overlap_comm`` up to the backward's length;
+* data parallel: ``2Ψ(N-1)/N`` (stages 0-2) gradient elements per rank
+  (:func:`megazero.zero.accounting.formula_comm_bytes`); stage 3 ``(2m+1)Ψ(N-1)/N`` for m
+  micro-batches (the paper's ``3Ψ`` is m = 1: parameters are gathered for the forward and the
+  backward of every micro-batch); hidden behind the backward (2/3 of compute) with
+  ``overlap_comm``;
 * offload: gradients down and weights up over PCIe, and CPU Adam on the shard.
 """
 
@@ -109,6 +111,8 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         bw = cluster.intra_node_gbps if tp * dp <= node else cluster.inter_node_gbps
         gs = e
         moved = formula_comm_bytes(z.stage, params_per_rank, dp, gs)
+        if z.stage == 3:  # parameters are gathered again in every micro-batch's fwd and bwd
+            moved *= (2 * mb + 1) / 3
         comm = moved / (bw * 1e9) + lat * max(1, params_per_rank // max(1, z.reduce_bucket_size))
         if z.overlap_comm:
             comm = max(0.0, comm - compute * 2 / 3)
