@@ -44,7 +44,7 @@ def test_plan_layout_measures_top2_and_writes_winner(tmp_path):
     model = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
              "--vocab-size 128 --tokenizer-type NullTokenizer").split()
     proc = _plan([*model, "--world-size", "1", "--cluster", "cpu", "--global-batch-size", "4",
-                  "--top", "3", "--measure", "2", "--measure-iters", "3",
+                  "--top", "3", "--measure", "2", "--measure-iters", "2",
                   "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.strip()[:2] in ("1 ", "2 ", "3 ")]
