@@ -163,6 +163,7 @@ FLAGS: tuple[Flag, ...] = (
     # logging
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),
+    _f("--log-memory-phases", "logging.log_memory_phases", **_ON),
 )
 
 

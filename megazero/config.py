@@ -298,6 +298,7 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     tensorboard_job_name: str | None = None
     wall_clock_breakdown: bool = False
+    log_memory_phases: bool = False  # memory after forward / backward / step, per logged iteration
     steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
     wandb: dict = field(default_factory=dict)
     csv_monitor: dict = field(default_factory=dict)

@@ -126,6 +126,7 @@ class Monitor:
         self.config = config
         self.enabled = enabled
         self.stats = IntervalStats()
+        self.memory_phases: dict[str, float] = {}
         self._tb: Any = None
         self._wandb: Any = None
         self._csv_dir: str | None = None
@@ -164,6 +165,11 @@ class Monitor:
         for k, v in (breakdown or {}).items():
             s.breakdown[k] = s.breakdown.get(k, 0.0) + v
 
+    def record_memory(self, phases: dict[str, float]) -> None:
+        """``--log-memory-phases``: bytes after forward/backward/step of the last iteration;
+        written with the next log line as ``mem-after-forward`` ... scalars."""
+        self.memory_phases = dict(phases)
+
     def report(self, iteration: int, train_iters: int, consumed_samples: int, lr: float,
                global_batch_size: int, seq_length: int, loss_scale: float | None,
                grad_norm: float | None, flops_per_iteration: float, world_size: int,
@@ -190,6 +196,8 @@ class Monitor:
             scalars["loss-scale"] = loss_scale
         if grad_norm is not None:
             scalars["grad-norm"] = grad_norm
+        scalars.update(self.memory_phases)
+        self.memory_phases = {}
         self.write_scalars(iteration, scalars, extra={
             "consumed_samples": consumed_samples, "tokens_per_second": tokens,
             "tflops_per_device": tflops, "mfu": mfu, "skipped": s.skipped, "nan": s.nan,

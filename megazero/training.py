@@ -108,7 +108,8 @@ class Run:
         return self.watchdog.phase(what, group, ranks)
 
 
-def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
+def _schedule(run: Run, data_iter, forward_only: bool, stats: dict | None = None
+              ) -> list[float]:
     """One pass of the pipeline schedule over ``m`` micro-batches; returns their mean losses."""
     from megazero.pipeline.executor import default_loss_fn, forward_backward
 
@@ -125,7 +126,7 @@ def _schedule(run: Run, data_iter, forward_only: bool) -> list[float]:
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=functools.partial(get_batch, device=run.env.device),
-        grad_sync=None if forward_only else run.engine)
+        grad_sync=None if forward_only else run.engine, stats=stats)
     return [x / scale for x in losses]
 
 
@@ -139,20 +140,30 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
 def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
     """One iteration; returns (global mean loss, StepResult, seconds per phase)."""
     t, it = run.timers, run.state.iteration + 1
+    mem = None
+    if run.cfg.logging.log_memory_phases:
+        from megazero.planner.memory_phases import MemoryPhases
+
+        mem = MemoryPhases(run.engine, run.env.device)
     t.start("forward-backward")
     with run.phase(f"iteration {it}: forward-backward (pipeline schedule)", "mp"):
-        losses = _schedule(run, data_iter, forward_only=False)
+        losses = _schedule(run, data_iter, forward_only=False,
+                           stats=mem.stats if mem is not None else None)
     t.stop("forward-backward")
     t.start("grad-sync")
     with run.phase(f"iteration {it}: gradient sync", "dp"):
         run.engine.finish_grad_sync()
     t.stop("grad-sync")
+    if mem is not None:
+        mem.after_backward()
     t.start("optimizer")
     finite = all(math.isfinite(x) for x in losses)
     with run.phase(f"iteration {it}: optimizer step (non-finite check, grad norm)", "world"):
         result = run.engine.step(loss_is_finite=finite,
                                  skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
     t.stop("optimizer")
+    if mem is not None:
+        run.monitor.record_memory(mem.after_step())
     if result.updated:
         run.scheduler.step()
     with run.phase(f"iteration {it}: loss all-reduce", "dp"):

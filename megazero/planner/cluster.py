@@ -1,0 +1,76 @@
+"""Cluster descriptions as data: per-device memory and peak FLOP/s, links, host.
+
+Built-in descriptions are JSON files next to this module (``clusters/<name>.json``); a user
+passes the path of their own file with the same keys. Bandwidths are per device and
+unidirectional, in GB/s (10^9 bytes): ``intra_node_gbps`` (NVLink: TP and in-node traffic),
+``inter_node_gbps`` (network: DP/PP traffic that leaves the node), ``pcie_gbps`` (offload).
+``achievable_fraction`` is the fraction of the dense peak that large GEMMs reach (stated, not
+measured here). ``cpu.json`` describes a gloo run on a 2-core CI machine: its effective
+FLOP/s (23 GFLOP/s per rank), per-collective latency (7 ms) and per-micro-batch overhead
+(17 ms) were fitted to the dp2, tp2 and pp2 rows of bench/estimator_vs_measured.py, so its
+correlation there is in-sample.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from megazero.config import ConfigError
+
+CLUSTER_DIR = Path(__file__).parent / "clusters"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device: str
+    memory_gb: float
+    peak_tflops_16: float
+    peak_tflops_32: float
+    gpus_per_node: int
+    intra_node_gbps: float
+    inter_node_gbps: float
+    pcie_gbps: float
+    host_memory_gb: float
+    cpu_adam_gparams_per_s: float
+    achievable_fraction: float
+    per_collective_latency_us: float = 10.0
+    per_layer_overhead_us: float = 0.0
+    per_microbatch_overhead_us: float = 0.0  # launch / Python cost of one chunk's fwd + bwd
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    def peak_flops(self, sixteen_bit: bool) -> float:
+        return (self.peak_tflops_16 if sixteen_bit else self.peak_tflops_32) * 1e12
+
+
+def builtin_clusters() -> list[str]:
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.json"))
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A built-in name (``h100-80gb-nvlink``, ``a100-80gb``...) or a JSON file path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CLUSTER_DIR / f"{name_or_path}.json"
+        if not path.exists():
+            raise ConfigError(f"--cluster {name_or_path!r}: unknown cluster; use one of "
+                              f"{builtin_clusters()} or the path of a JSON file with the keys "
+                              f"{[f.name for f in fields(Cluster)]}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--cluster {name_or_path}: cannot read it as JSON ({exc})") from exc
+    known = {f.name for f in fields(Cluster)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"--cluster {path}: unknown keys {unknown}; expected {sorted(known)}")
+    data.setdefault("name", path.stem)
+    try:
+        return Cluster(**data)
+    except TypeError as exc:
+        raise ConfigError(f"--cluster {path}: {exc}; expected keys {sorted(known)}") from exc

@@ -1,0 +1,72 @@
+"""Well-known model sizes as pretrain_gpt.py flags, and Hugging Face config.json -> flags.
+
+Presets are flags rather than config objects so that they go through the same parser and
+validation as a real launch (``megazero.arguments.load_config``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megazero.config import ConfigError
+
+_GPT = "--seq-length 2048 --max-position-embeddings 2048 --vocab-size 50257"
+LLAMA_FLAGS = ("--swiglu --normalization RMSNorm --position-embedding-type rope "
+          "--untie-embeddings-and-output-weights --disable-bias-linear "
+          "--attention-dropout 0 --hidden-dropout 0")
+
+MODEL_PRESETS: dict[str, str] = {
+    "gpt2-125m": f"--num-layers 12 --hidden-size 768 --num-attention-heads 12 {_GPT}",
+    "gpt2-350m": f"--num-layers 24 --hidden-size 1024 --num-attention-heads 16 {_GPT}",
+    "gpt2-760m": f"--num-layers 24 --hidden-size 1536 --num-attention-heads 16 {_GPT}",
+    "gpt2-1.3b": f"--num-layers 24 --hidden-size 2048 --num-attention-heads 16 {_GPT}",
+    "gpt3-175b": f"--num-layers 96 --hidden-size 12288 --num-attention-heads 96 {_GPT}",
+    "llama2-7b": f"--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+                 f"--ffn-hidden-size 11008 --seq-length 4096 --vocab-size 32000 {LLAMA_FLAGS}",
+    "llama2-13b": f"--num-layers 40 --hidden-size 5120 --num-attention-heads 40 "
+                  f"--ffn-hidden-size 13824 --seq-length 4096 --vocab-size 32000 {LLAMA_FLAGS}",
+    "llama2-70b": f"--num-layers 80 --hidden-size 8192 --num-attention-heads 64 "
+                  f"--group-query-attention --num-query-groups 8 --ffn-hidden-size 28672 "
+                  f"--seq-length 4096 --vocab-size 32000 {LLAMA_FLAGS}",
+    "llama3-8b": f"--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+                 f"--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
+                 f"--seq-length 8192 --vocab-size 128256 --rotary-base 500000 {LLAMA_FLAGS}",
+}
+
+
+def preset_argv(name: str) -> list[str]:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"--model {name!r}: unknown preset; use one of {list(MODEL_PRESETS)} "
+                          f"or --hf-config config.json")
+    return MODEL_PRESETS[name].split()
+
+
+def hf_config_argv(path: str) -> list[str]:
+    """Flags for a Llama-family or GPT-2 ``config.json`` from the Hugging Face hub."""
+    try:
+        c = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--hf-config {path}: cannot read it as JSON ({exc})") from exc
+    if "n_embd" in c:  # GPT-2
+        n = c.get("n_positions", 1024)
+        return (f"--num-layers {c['n_layer']} --hidden-size {c['n_embd']} --num-attention-heads "
+                f"{c['n_head']} --seq-length {n} --max-position-embeddings {n} --vocab-size "
+                f"{c['vocab_size']}").split()
+    try:
+        heads = c["num_attention_heads"]
+        argv = (f"--num-layers {c['num_hidden_layers']} --hidden-size {c['hidden_size']} "
+                f"--num-attention-heads {heads} --ffn-hidden-size {c['intermediate_size']} "
+                f"--vocab-size {c['vocab_size']} --seq-length "
+                f"{min(c.get('max_position_embeddings', 4096), 8192)} "
+                f"--rotary-base {c.get('rope_theta', 10000.0)} {LLAMA_FLAGS}").split()
+    except KeyError as exc:
+        raise ConfigError(f"--hf-config {path}: missing key {exc}; expected a Llama-style "
+                          f"(num_hidden_layers, hidden_size, intermediate_size...) or GPT-2 "
+                          f"(n_layer, n_embd, n_head) config") from exc
+    kv = c.get("num_key_value_heads", heads)
+    if kv != heads:
+        argv += ["--group-query-attention", "--num-query-groups", str(kv)]
+    if c.get("tie_word_embeddings", False):
+        argv.remove("--untie-embeddings-and-output-weights")
+    return argv

@@ -1,0 +1,86 @@
+"""This rank's model chunks with real shapes and no storage: the planner's view of the model.
+
+The chunks are built by the same :func:`~megazero.pipeline.partition.build_model_chunks` the
+training run calls, on the ``meta`` device, with a topology that has the layout's sizes and this
+rank's coordinates but no process groups. Parameter shapes, the flags the ZeRO engine reads
+(``sequence_parallel``, ``shared_embedding``) and the module tree are therefore the run's own,
+even for a 175B model on a laptop. The tensor-parallel group is a stand-in that answers only
+its size and this rank's place in it (all that layer construction asks); weight initialisation
+is skipped, since values do not change byte counts.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from megazero.config import MegazeroConfig
+from megazero.topology import GROUP_KINDS, ParallelLayout, ParallelTopology
+
+
+class ShapeGroup:
+    """Stands in for a process group during shape-only construction: a size and a rank."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+
+
+def shape_topology(layout: ParallelLayout, pp_rank: int = 0, dp_rank: int = 0,
+                   tp_rank: int = 0) -> ParallelTopology:
+    """A topology with ``layout``'s sizes and the rank at the given coordinates; its TP group
+    is a :class:`ShapeGroup` (the others are absent)."""
+    groups: dict = {k: None for k in GROUP_KINDS}
+    if layout.tp > 1:
+        groups["tp"] = ShapeGroup(layout.tp, tp_rank)
+    return ParallelTopology(layout, layout.rank(pp_rank, dp_rank, tp_rank), groups)
+
+
+@contextmanager
+def _shape_only():
+    real_size, real_rank = dist.get_world_size, dist.get_rank
+
+    def size(group=None):
+        return group.size if isinstance(group, ShapeGroup) else real_size(group)
+
+    def rank(group=None):
+        return group.rank if isinstance(group, ShapeGroup) else real_rank(group)
+
+    with mock.patch("megazero.model.gpt.initialize_parameters", lambda *a, **k: None), \
+            mock.patch.object(dist, "get_world_size", size), \
+            mock.patch.object(dist, "get_rank", rank):
+        yield
+
+
+_CACHE: dict = {}
+
+
+def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]:
+    """This rank's model chunks on the meta device, in the training dtype (cached: the layout
+    search asks for the same shapes many times; nothing here mutates them)."""
+    key = (cfg.model, topo.tp_size, topo.pp_size, topo.pp_rank, topo.tp_rank,
+           cfg.parallel.num_layers_per_virtual_pipeline_stage,
+           cfg.parallel.sequence_parallel and topo.tp_size > 1, cfg.precision.params_dtype)
+    if key not in _CACHE:
+        if len(_CACHE) > 64:
+            _CACHE.clear()
+        _CACHE[key] = _build(cfg, topo)
+    return _CACHE[key]
+
+
+def _build(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]:
+    from megazero.pipeline.partition import build_model_chunks
+
+    sp = cfg.parallel.sequence_parallel and topo.tp_size > 1
+    with torch.device("meta"), _shape_only():
+        chunks = build_model_chunks(cfg.model, topo,
+                                    cfg.parallel.num_layers_per_virtual_pipeline_stage,
+                                    sequence_parallel=sp, recompute=None,
+                                    seed=cfg.train.seed)
+    dtype = cfg.precision.params_dtype
+    for c in chunks:
+        for p in c.parameters():
+            p.data = p.data.to(dtype)
+    return chunks

@@ -1,0 +1,101 @@
+"""Pick a parallel layout before launching: enumerate, drop what does not fit, rank by time.
+
+    python tools/plan_layout.py --model llama2-7b --world-size 8 --cluster h100-80gb-nvlink \
+        --global-batch-size 256 --bf16 [--top 10] [--out-dir plan/] [--measure K]
+
+Prints the top layouts as a table with why each loses to the winner, and writes the winner as
+pretrain_gpt.py flags (``winner_flags.txt``) and a DeepSpeed JSON (``ds_config.json``) into
+``--out-dir``. Model and cluster options are those of tools/estimate_memory.py; every other flag
+is pretrain_gpt.py's and applies to all candidates. ``--measure K`` launches the top K with
+torchrun on this machine for ``--measure-iters`` iterations each (mock data), reports failed
+trials and re-ranks by measured time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from estimate_memory import gb, run_argv, tool_parser, world_size  # noqa: E402
+
+from megazero.config import ConfigError  # noqa: E402
+from megazero.planner.cluster import load_cluster  # noqa: E402
+from megazero.planner.search import (  # noqa: E402
+    deepspeed_json,
+    search,
+    why_slower,
+    winner_flags,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = tool_parser(__doc__.split("\n")[0])
+    ap.add_argument("--global-batch-size", type=int, default=None)
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--measure", type=int, default=0, metavar="K")
+    ap.add_argument("--measure-iters", type=int, default=4)
+    ap.add_argument("--zero-stages", default="0,1,2,3",
+                    help="ZeRO stages to consider, comma-separated (e.g. 0,1 for Megatron-style)")
+    args, rest = ap.parse_known_args(argv)
+    try:
+        cluster = load_cluster(args.cluster)
+        world = world_size(args, cluster)
+        base = run_argv(args, rest)
+        gbs = args.global_batch_size or world
+        stages = tuple(int(x) for x in args.zero_stages.split(","))
+        fits, evaluated = search(base, world, cluster, gbs, stages)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not evaluated:
+        print(f"error: no valid layout of this model on {world} ranks with global batch "
+              f"{gbs}", file=sys.stderr)
+        return 2
+    if not fits:
+        best = min(evaluated, key=lambda c: c.est.worst.device_total)
+        need = best.est.worst.device_total
+        print(f"error: the model does not fit on {world} x {cluster.memory_gb:g} GB in any of "
+              f"{len(evaluated)} layouts. The closest is {best.label}, needing "
+              f"{gb(need).strip()} per device (about {gb(need * world).strip()} in total across "
+              f"{world} devices); use devices with >= {gb(need).strip()}, more devices, or a "
+              f"smaller model/batch.", file=sys.stderr)
+        return 3
+    if args.measure:
+        from megazero.planner.measure import measure_candidates
+
+        fits = measure_candidates(fits[:args.measure], base, world, args.measure_iters) \
+            + fits[args.measure:]
+    win = fits[0]
+    print(f"{len(evaluated)} valid layouts, {len(fits)} fit in {cluster.memory_gb:g} GB "
+          f"({cluster.name}); top {min(args.top, len(fits))} by "
+          f"{'measured' if args.measure else 'predicted'} step time:")
+    head = f"{'#':>3} {'layout':<58}{'mem/dev':>10}{'step s':>9}{'MFU':>7}  why slower"
+    print(head)
+    for i, c in enumerate(fits[:args.top]):
+        t = c.est.time
+        meas = getattr(c, "measured_s", None)
+        step = f"{meas:.3f}*" if meas is not None else f"{t.seconds:.3f}"
+        why = "winner" if c is win else why_slower(c, win)
+        if getattr(c, "failed", None):
+            why = f"trial failed: {c.failed}"
+        print(f"{i + 1:>3} {c.label:<58}{gb(c.est.worst.device_total):>10}{step:>9}"
+              f"{t.mfu:>7.1%}  {why}")
+    flags = winner_flags(win, base)
+    ds = deepspeed_json(win)
+    print(f"\nwinner: {win.label}\n  flags: {flags}\n  ds_config.json: {json.dumps(ds)}")
+    if args.out_dir:
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "winner_flags.txt").write_text(flags + "\n")
+        (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
+        print(f"  written to {out}/winner_flags.txt and {out}/ds_config.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
