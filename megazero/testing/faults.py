@@ -15,7 +15,8 @@ class CrashingWriter(Writer):
     """Commits ``after`` files, then crashes: raises :class:`SimulatedCrash` or, with
     ``hard=True``, ends the process at once (``os._exit(17)``, as kill -9 or a node failure
     would: no cleanup, temporaries and half a checkpoint left on disk). With
-    ``leave_tmp=True`` the crash happens after the temporary file is written, before rename."""
+    ``leave_tmp=True`` file number ``after`` is written under its temporary name and the crash
+comes before its rename."""
 
     def __init__(self, after: int, hard: bool = False, leave_tmp: bool = False) -> None:
         super().__init__()
@@ -27,7 +28,7 @@ class CrashingWriter(Writer):
         raise SimulatedCrash(f"simulated crash after {len(self.written)} files")
 
     def commit(self, tmp: str, path: str) -> None:
-        if self.leave_tmp and len(self.written) >= self.after:
+        if self.leave_tmp and len(self.written) + 1 >= self.after:
             self._crash()
         super().commit(tmp, path)
         if len(self.written) >= self.after:
