@@ -68,7 +68,8 @@ from megazero.checkpoint.tensors import (
 )
 
 __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",
-           "load_checkpoint", "read_model_state", "read_tracker", "save_checkpoint",
+           "load_checkpoint", "read_global_tensors", "read_model_state", "read_tracker",
+           "save_checkpoint",
            "write_model_state", "TRACKER", "MARKER"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -349,6 +350,24 @@ class _Reader:
         return assemble(e, pieces)
 
 
+def read_global_tensors(root: str, iteration: int | None = None,
+                        kinds: Sequence[str] = ("weight",)) -> dict[str, dict[str, torch.Tensor]]:
+    """``{kind: {global name: tensor}}`` for kinds among weight, master, exp_avg, exp_avg_sq
+    (unpadded, tp=1), from a checkpoint of any layout; one process, no torch.distributed."""
+    found = _read_meta(root, iteration)
+    if found is None:
+        raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
+    _, directory, meta = found
+    reader = _Reader(directory, meta)
+    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in kinds}
+    for name, e in meta["tensors"].items():
+        for k in kinds:
+            if k != "weight" and not e.get("optim"):
+                raise CheckpointError(f"{directory} holds no optimizer state ({k}) for {name}")
+            out[k][name] = reader.full(name, k).clone()
+    return out
+
+
 def read_model_state(root: str, iteration: int | None = None
                      ) -> tuple[dict, dict[str, torch.Tensor]]:
     """The saved run config (config.json) and the full global fp32 state dict (tp=1 names,
@@ -357,14 +376,12 @@ def read_model_state(root: str, iteration: int | None = None
     found = _read_meta(root, iteration)
     if found is None:
         raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
-    _, directory, meta = found
+    iteration, directory, meta = found
     config = _read_json(os.path.join(directory, "config.json"))
-    reader = _Reader(directory, meta)
-    state = {}
-    for name, e in meta["tensors"].items():
-        t = reader.full(name, "master" if e.get("optim") else "weight")
-        state[name] = t.to(torch.float32).clone()
-    return config, state
+    has_masters = all(e.get("optim") for e in meta["tensors"].values())
+    kind = "master" if has_masters and meta["tensors"] else "weight"
+    state = read_global_tensors(root, iteration, (kind,))[kind]
+    return config, {k: v.to(torch.float32) for k, v in state.items()}
 
 
 def _config_difference(saved: Any, current: Any) -> str | None:

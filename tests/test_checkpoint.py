@@ -17,8 +17,8 @@ from megazero.checkpointing import (
 )
 from megazero.lr_scheduler import LRScheduler
 from megazero.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megazero.testing.faults import CrashingWriter
 from megazero.testing.distributed import DistributedTestError, run_distributed
+from megazero.testing.faults import CrashingWriter
 from megazero.topology import ParallelTopology
 
 
