@@ -64,7 +64,7 @@ from megazero.checkpoint.tensors import (
     assemble,
     optimizer_state_per_param,
     param_infos,
-    slice_for,
+    read_slice,
 )
 
 __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",
@@ -337,17 +337,23 @@ class _Reader:
             self.cache[rel] = verified_load(os.path.join(self.directory, rel), expected)
         return self.cache[rel]
 
+    def piece(self, name: str, kind: str, r: int) -> torch.Tensor:
+        d = self.meta["tensors"][name]["dirs"][r]
+        if kind == "weight":
+            return self.file(f"{d}/model.pt")[name]
+        return self.file(f"{d}/optim.pt")[name][kind]
+
     def full(self, name: str, kind: str = "weight") -> torch.Tensor:
         e = self.meta["tensors"][name]
-        pieces = []
-        for d in e["dirs"]:
-            if kind == "weight":
-                pieces.append(self.file(f"{d}/model.pt")[name])
-            else:
-                pieces.append(self.file(f"{d}/optim.pt")[name][kind])
         if kind == "step":
-            return pieces[0]
-        return assemble(e, pieces)
+            return self.piece(name, kind, 0)
+        return assemble(e, [self.piece(name, kind, r) for r in range(e["tp"])])
+
+    def local(self, name: str, kind: str, info: ParamInfo, local_shape: tuple[int, ...],
+              tp_rank: int, tp_size: int) -> torch.Tensor:
+        e = self.meta["tensors"][name]
+        return read_slice(e, lambda r: self.piece(name, kind, r), info, local_shape, tp_rank,
+                          tp_size)
 
 
 def read_global_tensors(root: str, iteration: int | None = None,
@@ -427,8 +433,7 @@ def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], 
     errors = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
     found = gather(plan is not None and plan.get("found", False))
     if errors:
-        rank, msg = errors[0]
-        raise CheckpointError(msg if rank == topo.rank or error == msg else f"(rank {rank}) {msg}")
+        raise CheckpointError(errors[0][1])  # the same message on every rank
     if not any(found):
         return None
     return _apply(plan, list(models), optimizer, scheduler, rng_tracker)
@@ -477,13 +482,13 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
         if list(want) != list(have):
             raise CheckpointError(f"checkpoint {directory}: tensor {i.name} has shape {have}, "
                                   f"this model's is {want}")
-        weights[id(i.param)] = slice_for(reader.full(i.name), i, local, c.tp, topo.tp_size)
+        weights[id(i.param)] = reader.local(i.name, "weight", i, local, c.tp, topo.tp_size)
         if load_optim and engine is not None:
             if not meta["tensors"][i.name].get("optim"):
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for "
                                       f"{i.name}; load with --no-load-optim")
             states[id(i.param)] = {
-                k: slice_for(reader.full(i.name, k), i, local, c.tp, topo.tp_size)
+                k: reader.local(i.name, k, i, local, c.tp, topo.tp_size)
                 for k in ("master", "exp_avg", "exp_avg_sq")}
             states[id(i.param)]["step"] = reader.full(i.name, "step").clone()
     rank_file = None

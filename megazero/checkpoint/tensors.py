@@ -89,6 +89,49 @@ def slice_for(full: torch.Tensor, info: ParamInfo, local_shape: tuple[int, ...],
     return full.contiguous()
 
 
+def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
+               local_shape: tuple[int, ...], tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's TP shard, reading only the saved pieces that overlap it.
+
+    ``piece(r)`` returns saved TP piece ``r`` (an mmap-backed tensor: only the rows taken are
+    read from disk). Along the split dim, with stride k, the global tensor is k blocks; saved
+    piece r holds rows ``[r*n', (r+1)*n')`` of each block and this rank needs
+    ``[t*n, (t+1)*n)``. Vocabulary padding sits after the real rows (at the end of the single
+    block), so rows at or beyond the real vocabulary are zeros, whatever either side padded to.
+    Replicated tensors and a split dim that differs from the saved one fall back to
+    :func:`assemble` + :func:`slice_for`.
+    """
+    dim, k = info.dim, info.stride
+    if dim is None or entry["dim"] != dim or entry["stride"] != k:
+        if entry["dim"] is None and dim is None:
+            return piece(0).clone()
+        full = assemble(entry, [piece(r) for r in range(entry["tp"])])
+        return slice_for(full, info, local_shape, tp_rank, tp_size)
+    saved_tp = entry["tp"]
+    first = piece(0)
+    n_saved = first.shape[dim] // k  # rows per block in a saved piece
+    n_mine = local_shape[dim] // k
+    real = entry["shape"][0] if info.vocab is not None else None
+    out = torch.zeros(local_shape, dtype=first.dtype)
+    for b in range(k):
+        lo, hi = tp_rank * n_mine, (tp_rank + 1) * n_mine  # rows of block b this rank holds
+        if real is not None:
+            hi_real = min(hi, real)
+        else:
+            hi_real = hi
+        r = lo // n_saved if n_saved else 0
+        pos = lo
+        while pos < hi_real and r < saved_tp:
+            p_lo, p_hi = r * n_saved, (r + 1) * n_saved
+            a, z = max(pos, p_lo), min(hi_real, p_hi)
+            if a < z:
+                src = piece(r).narrow(dim, b * n_saved + a - p_lo, z - a)
+                out.narrow(dim, b * n_mine + a - lo, z - a).copy_(src)
+                pos = z
+            r += 1
+    return out
+
+
 def optimizer_state_per_param(engine: Any, infos: list[ParamInfo],
                               shapes: dict[int, torch.Size]) -> dict[int, dict[str, Any]]:
     """fp32 master, Adam moments and step of every parameter this rank holds, each as a full TP
