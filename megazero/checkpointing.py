@@ -387,6 +387,9 @@ def read_model_state(root: str, iteration: int | None = None
     has_masters = all(e.get("optim") for e in meta["tensors"].values())
     kind = "master" if has_masters and meta["tensors"] else "weight"
     state = read_global_tensors(root, iteration, (kind,))[kind]
+    reader = _Reader(directory, meta)  # the weight files are checked too, even when unused
+    for d in sorted({d for e in meta["tensors"].values() for d in e["dirs"]}):
+        reader.file(f"{d}/model.pt")
     return config, {k: v.to(torch.float32) for k, v in state.items()}
 
 
