@@ -29,6 +29,8 @@ comes before its rename."""
 
     def commit(self, tmp: str, path: str) -> None:
         if self.leave_tmp and len(self.written) + 1 >= self.after:
+            # as a process with another pid would leave it (a retry here reuses our pid)
+            os.replace(tmp, tmp.rsplit(".", 1)[0] + ".4194305")
             self._crash()
         super().commit(tmp, path)
         if len(self.written) >= self.after:
