@@ -174,6 +174,14 @@ def _local_shapes(infos: list[ParamInfo], engine: Any) -> dict[int, torch.Size]:
     return shapes
 
 
+def _remove_debris(root: str, directory: str) -> None:
+    """Temporaries of earlier crashed saves: in this iteration's directory and the tracker's."""
+    remove_stale_tmp(directory)
+    for name in os.listdir(root):
+        if name.startswith(TRACKER + ".tmp."):
+            os.remove(os.path.join(root, name))
+
+
 # --- save -----------------------------------------------------------------------------------
 
 def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[torch.nn.Module],
@@ -244,7 +252,7 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
                 "tensors": tensors, "files": all_files}
         w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
         w.text(str(iteration), os.path.join(root, TRACKER))
-        remove_stale_tmp(directory)
+        _remove_debris(root, directory)
     barrier()
     return directory
 
@@ -276,7 +284,7 @@ def write_model_state(root: str, config: dict, state: dict[str, torch.Tensor],
             "opaque_optimizer": False, "tensors": tensors, "files": files}
     w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
     w.text(str(iteration), os.path.join(root, TRACKER))
-    remove_stale_tmp(directory)
+    _remove_debris(root, directory)
     return directory
 
 
