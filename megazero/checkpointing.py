@@ -486,6 +486,11 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
                               + "; it was saved from another model")
     shapes = _local_shapes(infos, engine)
     weights, states = {}, {}
+    owned: dict[int, tuple[int, int]] = {}
+    if engine is not None:
+        for pc in engine.masters.pieces:
+            a, b = owned.get(id(pc.param), (1 << 62, -1))
+            owned[id(pc.param)] = (min(a, pc.offset), max(b, pc.offset + pc.model.numel()))
     for i in infos:
         local = tuple(shapes[id(i.param)])
         want = i.global_shape(local, topo.tp_size)
@@ -498,9 +503,13 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
             if not meta["tensors"][i.name].get("optim"):
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for "
                                       f"{i.name}; load with --no-load-optim")
-            states[id(i.param)] = {
-                k: reader.local(i.name, k, i, local, c.tp, topo.tp_size)
-                for k in ("master", "exp_avg", "exp_avg_sq")}
+            if id(i.param) not in owned:
+                continue  # ZeRO: no range of this parameter lives on this rank
+            lo, hi = owned[id(i.param)]
+            states[id(i.param)] = {  # only the range this rank's pieces cover
+                k: reader.local(i.name, k, i, local, c.tp, topo.tp_size).reshape(-1)[lo:hi]
+                .clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+            states[id(i.param)]["lo"] = lo
             states[id(i.param)]["step"] = reader.full(i.name, "step").clone()
     rank_file = None
     same = _same_ranks(saved, current)

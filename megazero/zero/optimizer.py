@@ -219,13 +219,14 @@ class ZeroOptimizer:
             store.after_step(chunk, not self.zero.allgather_partitions)
 
     def load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Set masters and Adam state from per-parameter tensors keyed by ``id(param)``, each
-        the parameter's full (TP-shard) value: every piece takes its own range. This is how a
-        layout-independent checkpoint loads, whatever the buckets, dp size or ZeRO stage."""
+        """Set masters and Adam state from per-parameter tensors keyed by ``id(param)``: flat
+        ranges of the parameter's (TP-shard) values starting at element ``st["lo"]``, covering
+        this rank's pieces; every piece takes its own range. This is how a layout-independent
+        checkpoint loads, whatever the buckets, dp size or ZeRO stage."""
         opt = self.masters.optimizer
         for pc in self.masters.pieces:
             st = states[id(pc.param)]
-            lo, n = pc.offset, pc.model.numel()
+            lo, n = pc.offset - st["lo"], pc.model.numel()
             dev = pc.master.device
             pc.master.copy_(st["master"].reshape(-1)[lo:lo + n])
             opt.state[pc.master] = {
