@@ -3,7 +3,7 @@
 Model: vocab 101 (not a multiple of 128 * tp: padding rows are stripped and re-added), GQA
 (4 heads, 2 query groups), tied embeddings split over pp 2 (the last stage's copy is loaded
 from the embedding's name), hidden 40 (norm and bias sizes not divisible by dp 3).
-Layouts: A = tp2 x pp2, ZeRO-1 (4 ranks); B = dp3, ZeRO-3 with
+Layouts: A = tp2 x pp2 x vpp2, ZeRO-1 (4 ranks); B = dp3, ZeRO-3 with
 stage3_param_persistence_threshold 0 (every parameter partitioned; 3 ranks); C = one process.
 """
 
@@ -22,7 +22,7 @@ from megazero.testing.distributed import run_distributed
 MODEL = [*TINY, "--vocab-size", "101", "--hidden-size", "40", "--num-query-groups", "2",
          "--group-query-attention", "--global-batch-size", "12"]
 A = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-     "--zero-stage", "1"]
+     "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "1"]
 KINDS = ("weight", "master", "exp_avg", "exp_avg_sq")
 # fp32: the layouts sum in different orders; two Adam steps after the load keep the losses
 # within this relative distance (observed ~1e-7).

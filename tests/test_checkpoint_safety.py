@@ -129,3 +129,14 @@ def test_all_ranks_agree_before_loading(tmp_path):
 def _load_and_raise(rank, world, root):
     msg, _ = _load_tp2(rank, world, root)
     raise CheckpointError(msg)
+
+
+def test_old_format_is_one_line(tmp_path):
+    root = str(tmp_path / "ck")
+    directory = _save_single(root)
+    meta = os.path.join(directory, "metadata.json")
+    old = json.load(open(meta))
+    json.dump({"iteration": 3, "layout": old["layout"]}, open(meta, "w"))  # format 1 marker
+    with pytest.raises(CheckpointError, match="old per-layout format") as e:
+        _load_single(root)
+    assert "\n" not in str(e.value)
