@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,14 +55,25 @@ from megazero.checkpoint.files import (
     Writer,
     remove_stale_tmp,
     sha256,
-    verified_load,
 )
+from megazero.checkpoint.reader import (
+    FORMAT,
+    MARKER,
+    TRACKER,
+    VERSION,
+    ShardReader,
+    iteration_dir,
+    read_global_tensors,
+    read_json,
+    read_meta,
+    read_model_state,
+    read_tracker,
+)
+from megazero.checkpoint.rng import get_rng_state, set_rng_state
 from megazero.checkpoint.tensors import (
     ParamInfo,
-    assemble,
     optimizer_state_per_param,
     param_infos,
-    read_slice,
 )
 
 __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",
@@ -72,10 +81,6 @@ __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_
            "save_checkpoint",
            "write_model_state", "TRACKER", "MARKER"]
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MARKER = "metadata.json"
-FORMAT = "megazero-portable"
-VERSION = 2
 # Settings that change the model's tensors; a difference is named instead of a shape error.
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "num_query_groups", "vocab_size", "max_position_embeddings",
@@ -91,44 +96,12 @@ class LoadResult:
     notes: list[str] = field(default_factory=list)  # what was not restored, and why
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
 def _pair_dir(tp: int, pp: int) -> str:
     return f"mp_rank_{tp:02d}_{pp:03d}"
 
 
 def _rank_dir(tp: int, pp: int, dp: int) -> str:
     return f"mp_rank_{tp:02d}_{pp:03d}_{dp:03d}"
-
-
-def get_rng_state(tracker: Any = None) -> dict[str, Any]:
-    """Every random stream a step may draw from, as tensors and plain lists (weights_only)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                  float(gauss)],
-        "random": [version, list(internal), gauss_next]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    if tracker is not None:
-        state["tracker"] = tracker.get_states()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], tracker: Any = None) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss_next = state["random"]
-    random.setstate((version, tuple(internal), gauss_next))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if tracker is not None and "tracker" in state:
-        tracker.set_states(state["tracker"])
 
 
 def layout_of(topo: Any, zero_stage: int) -> dict[str, Any]:
@@ -288,119 +261,6 @@ def write_model_state(root: str, config: dict, state: dict[str, torch.Tensor],
     return directory
 
 
-# --- reading ---------------------------------------------------------------------------------
-
-def read_tracker(root: str) -> int | None:
-    """The iteration ``latest`` names, or ``None`` when ``root`` has no checkpoint."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    text = open(path, encoding="utf-8").read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number") from None
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} cannot be read ({e}); it is truncated "
-                              "or corrupted: load an earlier iteration") from None
-
-
-def _read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any]] | None:
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            return None
-    directory = iteration_dir(root, iteration)
-    marker = os.path.join(directory, MARKER)
-    if not os.path.isfile(marker):
-        raise CheckpointError(f"{directory} has no {MARKER}: the save of iteration {iteration} "
-                              "did not complete; point --load at a complete checkpoint")
-    meta = _read_json(marker)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{directory} is in megazero's old per-layout format, which needs "
-                              "unsafe pickle loading; re-save it with the megazero version that "
-                              "wrote it, or start from a portable checkpoint")
-    return iteration, directory, meta
-
-
-class _Reader:
-    """Loads each file once (mmap, verified) and assembles global tensors from the index."""
-
-    def __init__(self, directory: str, meta: dict[str, Any]) -> None:
-        self.directory, self.meta, self.cache = directory, meta, {}
-
-    def file(self, rel: str) -> Any:
-        if rel not in self.cache:
-            expected = self.meta["files"].get(rel)
-            if expected is None:
-                raise CheckpointError(f"{self.directory}/{MARKER} lists no checksum for {rel}")
-            self.cache[rel] = verified_load(os.path.join(self.directory, rel), expected)
-        return self.cache[rel]
-
-    def piece(self, name: str, kind: str, r: int) -> torch.Tensor:
-        d = self.meta["tensors"][name]["dirs"][r]
-        if kind == "weight":
-            return self.file(f"{d}/model.pt")[name]
-        return self.file(f"{d}/optim.pt")[name][kind]
-
-    def full(self, name: str, kind: str = "weight") -> torch.Tensor:
-        e = self.meta["tensors"][name]
-        if kind == "step":
-            return self.piece(name, kind, 0)
-        return assemble(e, [self.piece(name, kind, r) for r in range(e["tp"])])
-
-    def local(self, name: str, kind: str, info: ParamInfo, local_shape: tuple[int, ...],
-              tp_rank: int, tp_size: int) -> torch.Tensor:
-        e = self.meta["tensors"][name]
-        return read_slice(e, lambda r: self.piece(name, kind, r), info, local_shape, tp_rank,
-                          tp_size)
-
-
-def read_global_tensors(root: str, iteration: int | None = None,
-                        kinds: Sequence[str] = ("weight",)) -> dict[str, dict[str, torch.Tensor]]:
-    """``{kind: {global name: tensor}}`` for kinds among weight, master, exp_avg, exp_avg_sq
-    (unpadded, tp=1), from a checkpoint of any layout; one process, no torch.distributed."""
-    found = _read_meta(root, iteration)
-    if found is None:
-        raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
-    _, directory, meta = found
-    reader = _Reader(directory, meta)
-    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in kinds}
-    for name, e in meta["tensors"].items():
-        for k in kinds:
-            if k != "weight" and not e.get("optim"):
-                raise CheckpointError(f"{directory} holds no optimizer state ({k}) for {name}")
-            out[k][name] = reader.full(name, k).clone()
-    return out
-
-
-def read_model_state(root: str, iteration: int | None = None
-                     ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The saved run config (config.json) and the full global fp32 state dict (tp=1 names,
-    unpadded vocabulary) of a checkpoint of any layout; one process, no torch.distributed.
-    Where the fp32 masters were saved they are returned (exact in mixed precision)."""
-    found = _read_meta(root, iteration)
-    if found is None:
-        raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
-    iteration, directory, meta = found
-    config = _read_json(os.path.join(directory, "config.json"))
-    has_masters = all(e.get("optim") for e in meta["tensors"].values())
-    kind = "master" if has_masters and meta["tensors"] else "weight"
-    state = read_global_tensors(root, iteration, (kind,))[kind]
-    reader = _Reader(directory, meta)  # the weight files are checked too, even when unused
-    for d in sorted({d for e in meta["tensors"].values() for d in e["dirs"]}):
-        reader.file(f"{d}/model.pt")
-    return config, {k: v.to(torch.float32) for k, v in state.items()}
-
-
 def _config_difference(saved: Any, current: Any) -> str | None:
     if not isinstance(saved, dict) or not isinstance(current, dict):
         return None
@@ -453,11 +313,11 @@ def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], 
 def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim, no_load_rng,
           finetune, iteration, config) -> dict[str, Any]:
     """Phase 1, no collectives: read and check everything this rank needs."""
-    found = _read_meta(root, iteration)
+    found = read_meta(root, iteration)
     if found is None:
         return {"found": False}
     iteration, directory, meta = found
-    saved_cfg = _read_json(os.path.join(directory, "config.json"))
+    saved_cfg = read_json(os.path.join(directory, "config.json"))
     now_cfg = config_dict(config) if config is not None else None
     diff = _config_difference(saved_cfg, now_cfg)
     if diff:
@@ -476,7 +336,7 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
     if load_optim and engine is not None and not meta["has_optimizer"]:
         raise CheckpointError(f"checkpoint {directory} holds weights only (no optimizer state); "
                               "load it with --finetune or --no-load-optim")
-    reader = _Reader(directory, meta)
+    reader = ShardReader(directory, meta)
     c = topo.coord
     infos = param_infos(models, c.pp, topo.pp_size)
     missing = [i.name for i in infos if i.name not in meta["tensors"]]
