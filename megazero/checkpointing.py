@@ -1,49 +1,91 @@
-"""Save and load training state, atomically, in Megatron's directory layout.
+"""Save and load training state in a layout-independent ("portable") format, atomically.
 
 ::
 
-    SAVE/latest_checkpointed_iteration.txt       "10": the newest complete checkpoint
-    SAVE/iter_0000010/metadata.json              layout and iteration; written last = complete
-    SAVE/iter_0000010/config.json                the run's configuration (human-readable)
-    SAVE/iter_0000010/mp_rank_TT_PPP/model.pt    weights of one (tp, pp) shard, all its chunks,
-                                                 plus iteration, consumed samples, scheduler
+    SAVE/latest_checkpointed_iteration.txt     "10": the newest complete checkpoint
+    SAVE/iter_0000010/metadata.json            index of every tensor + file checksums; written
+                                               last, so its presence means "complete"
+    SAVE/iter_0000010/config.json              the run's configuration
+    SAVE/iter_0000010/mp_rank_TT_PPP/model.pt  {global name: TP shard} of the weights this
+                                               (tp, pp) pair holds (written by its dp rank 0)
+    SAVE/iter_0000010/mp_rank_TT_PPP/optim.pt  {global name: {master, exp_avg, exp_avg_sq, step}}
     SAVE/iter_0000010/mp_rank_TT_PPP_DDD/optim_rng.pt
-                                                 each rank: its optimizer / ZeRO shard (loss
-                                                 scaler included) and its RNG states
+                                               each rank's RNG states (and the state of an
+                                               optimizer that is not the ZeRO engine)
 
-The model file is written by dp rank 0 of each (tp, pp) pair (dp replicas hold the same
-weights), except with ZeRO-3, where parameters are partitioned and every dp rank writes its own
-``model.pt`` into its ``mp_rank_TT_PPP_DDD`` directory.
+**Portable.** Every tensor is saved under its global name (its key in the tp=1, pp=1 model)
+with the index recording its global shape (vocabulary padding stripped), TP split dim and
+stride; see :mod:`megazero.checkpoint.tensors`. ZeRO's flat, bucketed optimizer ranges are
+gathered at save into per-parameter tensors, so nothing in the files depends on dp, the ZeRO
+stage, bucket sizes or offload. A loading rank computes the tensors it needs and reads only
+those (``torch.load(mmap=True)``). Weights, masters, Adam moments and step, the loss scaler,
+the scheduler and consumed samples load at any tp / pp / vpp / dp / ZeRO stage / offload.
+RNG states are per rank and restored only at the saved layout.
 
-Why this is crash-safe: every file is written under a temporary name and renamed (a rename is
-atomic on POSIX), every rank then meets at a barrier, and only after it does rank 0 write
-``metadata.json`` and then the ``latest`` pointer. A crash at any earlier point leaves the new
-iteration directory without its marker and ``latest`` still naming the previous checkpoint,
-which is untouched. Loading refuses a directory without the marker.
+Why our own index rather than ``torch.distributed.checkpoint``: DCP's planner resolves
+overlapping reads collectively and needs a process group to read, while this format must also
+be read by one process with no ``torch.distributed`` (:func:`read_model_state`, the converter);
+its flattened-shard support also doesn't cover TP strides or vocabulary un-padding. The index
+is one JSON file a person can read.
+
+**Safe.** Files are data: ``torch.load(weights_only=True)`` only (RNG states stored as tensors
+and lists). ``metadata.json`` holds every file's size and SHA-256, checked before use. A rank
+that cannot load reports its error and every rank raises the same :class:`CheckpointError`
+(errors are gathered before anything is applied), so no rank goes on with half a checkpoint.
+
+**Crash-safe.** Files are written under temporary names and renamed; every rank meets at a
+barrier; only then rank 0 writes ``metadata.json`` and the ``latest`` pointer, and removes
+temporaries left by earlier crashed saves. A crash at any point leaves ``latest`` naming the
+previous complete checkpoint. Writes go through an injectable ``writer`` (tests crash it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MARKER = "metadata.json"
-# Test hook: "N" (or "N@ITER": only when saving iteration ITER) makes this process exit after it
-# has written N files of a checkpoint, as a crash in mid-save would.
-FAULT_ENV = "MEGAZERO_SAVE_FAULT_AFTER_FILES"
+from megazero.checkpoint.files import (
+    CheckpointError,
+    Writer,
+    remove_stale_tmp,
+    sha256,
+)
+from megazero.checkpoint.reader import (
+    FORMAT,
+    MARKER,
+    TRACKER,
+    VERSION,
+    ShardReader,
+    iteration_dir,
+    read_global_tensors,
+    read_json,
+    read_meta,
+    read_model_state,
+    read_tracker,
+)
+from megazero.checkpoint.rng import get_rng_state, set_rng_state
+from megazero.checkpoint.tensors import (
+    ParamInfo,
+    optimizer_state_per_param,
+    param_infos,
+)
 
+__all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",
+           "load_checkpoint", "read_global_tensors", "read_model_state", "read_tracker",
+           "save_checkpoint",
+           "write_model_state", "TRACKER", "MARKER"]
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this run; the message says why and what to do."""
+# Settings that change the model's tensors; a difference is named instead of a shape error.
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+              "num_query_groups", "vocab_size", "max_position_embeddings",
+              "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
+              "untie_embeddings_and_output_weights")
 
 
 @dataclass(frozen=True)
@@ -51,72 +93,15 @@ class LoadResult:
     iteration: int
     consumed_samples: int
     path: str
+    notes: list[str] = field(default_factory=list)  # what was not restored, and why
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+def _pair_dir(tp: int, pp: int) -> str:
+    return f"mp_rank_{tp:02d}_{pp:03d}"
 
 
-def _model_path(root: str, iteration: int, tp: int, pp: int, dp: int | None) -> str:
-    name = f"mp_rank_{tp:02d}_{pp:03d}" + ("" if dp is None else f"_{dp:03d}")
-    return os.path.join(iteration_dir(root, iteration), name, "model.pt")
-
-
-def _optim_path(root: str, iteration: int, tp: int, pp: int, dp: int) -> str:
-    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp:02d}_{pp:03d}_{dp:03d}",
-                        "optim_rng.pt")
-
-
-class _Writer:
-    """Atomic file writes, with the fault-injection hook tests use to crash mid-save."""
-
-    def __init__(self, iteration: int) -> None:
-        spec = os.environ.get(FAULT_ENV, "")
-        limit, _, only = spec.partition("@")
-        self.limit = int(limit) if limit and (not only or int(only) == iteration) else None
-        self.written = 0
-
-    def _commit(self, tmp: str, path: str) -> None:
-        os.replace(tmp, path)
-        self.written += 1
-        if self.limit is not None and self.written >= self.limit:
-            os._exit(17)  # simulate a crash (kill -9, node failure) with files half written
-
-    def torch(self, obj: Any, path: str) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        torch.save(obj, tmp)
-        self._commit(tmp, path)
-
-    def text(self, text: str, path: str) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        self._commit(tmp, path)
-
-
-def get_rng_state(tracker: Any = None) -> dict[str, Any]:
-    """Every random stream a step may draw from, so a resumed run draws the same numbers."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                             "random": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    if tracker is not None:
-        state["tracker"] = tracker.get_states()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], tracker: Any = None) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["random"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if tracker is not None and "tracker" in state:
-        tracker.set_states(state["tracker"])
+def _rank_dir(tp: int, pp: int, dp: int) -> str:
+    return f"mp_rank_{tp:02d}_{pp:03d}_{dp:03d}"
 
 
 def layout_of(topo: Any, zero_stage: int) -> dict[str, Any]:
@@ -136,48 +121,155 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _is_engine(optimizer: Any) -> bool:
+    from megazero.zero.optimizer import ZeroOptimizer
+
+    return isinstance(optimizer, ZeroOptimizer)
+
+
+def _local_shapes(infos: list[ParamInfo], engine: Any) -> dict[int, torch.Size]:
+    """Each parameter's TP-shard shape (stage 3 releases ``.data`` to 0 elements)."""
+    shapes = {id(i.param): i.param.shape for i in infos}
+    if engine is not None:
+        for store in engine.stores:
+            for u in getattr(store, "units", []):
+                for p, shape in zip(u.params, u.shapes):
+                    shapes[id(p)] = shape
+    return shapes
+
+
+def _remove_debris(root: str, directory: str) -> None:
+    """Temporaries of earlier crashed saves: in this iteration's directory and the tracker's."""
+    remove_stale_tmp(directory)
+    for name in os.listdir(root):
+        if name.startswith(TRACKER + ".tmp."):
+            os.remove(os.path.join(root, name))
+
+
+# --- save -----------------------------------------------------------------------------------
+
 def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[torch.nn.Module],
                     optimizer: Any, scheduler: Any, consumed_samples: int, config: Any,
                     zero_stage: int = 0, rng_tracker: Any = None,
-                    barrier: Callable[[], None] = _barrier) -> str:
+                    barrier: Callable[[], None] = _barrier,
+                    gather: Callable[[Any], list[Any]] = _gather,
+                    writer: Writer | None = None) -> str:
     """Collective: every rank calls it. Returns the iteration directory."""
-    w = _Writer(iteration)
+    w = writer if writer is not None else Writer()
     c = topo.coord
-    per_dp_model = zero_stage == 3
-    common = {"iteration": iteration, "consumed_samples": consumed_samples,
-              "scheduler": scheduler.state_dict() if scheduler is not None else None,
-              "layout": layout_of(topo, zero_stage)}
-    if per_dp_model or c.dp == 0:
-        model = {f"model{i}": m.state_dict() for i, m in enumerate(models)}
-        w.torch({**common, "model": model},
-                _model_path(root, iteration, c.tp, c.pp, c.dp if per_dp_model else None))
-    w.torch({"optimizer": optimizer.state_dict() if optimizer is not None else None,
-             "rng": get_rng_state(rng_tracker), "iteration": iteration},
-            _optim_path(root, iteration, c.tp, c.pp, c.dp))
-    barrier()  # every shard is on disk before the checkpoint is declared complete
     directory = iteration_dir(root, iteration)
+    engine = optimizer if _is_engine(optimizer) else None
+    infos = [i for i in param_infos(list(models), c.pp, topo.pp_size) if not i.duplicate]
+    if engine is not None and engine.zero.stage == 3:
+        full = engine.full_parameters()  # collective over dp: every dp rank takes part
+        weights = {id(i.param): full[id(i.param)] for i in infos}
+    else:
+        weights = {id(i.param): i.param.detach() for i in infos}
+    shapes = {k: v.shape for k, v in weights.items()}
+    optim = optimizer_state_per_param(engine, infos, shapes) if engine is not None else None
+    writes_pair = c.dp == 0
+    mine = [i for i in infos if i.dim is not None or c.tp == 0]
+    index: dict[str, Any] = {}
+    files: dict[str, Any] = {}
+
+    def put(obj: Any, rel: str) -> None:
+        path = os.path.join(directory, rel)
+        w.torch(obj, path)
+        files[rel] = {"sha256": sha256(path), "bytes": os.path.getsize(path)}
+
+    if writes_pair:
+        pair = _pair_dir(c.tp, c.pp)
+        put({i.name: weights[id(i.param)].clone() for i in mine}, f"{pair}/model.pt")
+        if optim is not None:
+            put({i.name: optim[id(i.param)] for i in mine}, f"{pair}/optim.pt")
+        for i in mine:
+            index[i.name] = {"shape": i.global_shape(tuple(shapes[id(i.param)]), topo.tp_size),
+                             "dim": i.dim, "stride": i.stride,
+                             "tp": topo.tp_size if i.dim is not None else 1,
+                             "vocab": i.vocab, "dtype": str(weights[id(i.param)].dtype),
+                             "tp_rank": c.tp if i.dim is not None else 0, "dir": pair,
+                             "optim": optim is not None}
+    opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
+    put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
+        f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
+    barrier()  # every shard is on disk before the checkpoint is declared complete
+    gathered = gather((index, files))
     if topo.rank == 0:
+        tensors: dict[str, Any] = {}
+        all_files: dict[str, Any] = {}
+        for idx, fl in gathered:
+            all_files.update(fl)
+            for name, e in idx.items():
+                t = tensors.setdefault(name, {k: v for k, v in e.items()
+                                              if k not in ("tp_rank", "dir")})
+                t.setdefault("dirs", [None] * e["tp"])[e["tp_rank"]] = e["dir"]
         w.text(json.dumps(config_dict(config), indent=1), os.path.join(directory, "config.json"))
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
-                "layout": layout_of(topo, zero_stage), "world_size": topo.world_size}
+        all_files["config.json"] = {"sha256": sha256(os.path.join(directory, "config.json")),
+                                    "bytes": os.path.getsize(os.path.join(directory,
+                                                                          "config.json"))}
+        meta = {"format": FORMAT, "version": VERSION, "iteration": iteration,
+                "consumed_samples": consumed_samples, "layout": layout_of(topo, zero_stage),
+                "world_size": topo.world_size,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "loss_scaler": engine.scaler.state_dict() if engine is not None else None,
+                "has_optimizer": optimizer is not None, "opaque_optimizer": opaque is not None,
+                "tensors": tensors, "files": all_files}
         w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
         w.text(str(iteration), os.path.join(root, TRACKER))
+        _remove_debris(root, directory)
     barrier()
     return directory
 
 
-def read_tracker(root: str) -> int | None:
-    """The iteration ``latest`` names, or ``None`` when ``root`` has no checkpoint."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
+def write_model_state(root: str, config: dict, state: dict[str, torch.Tensor],
+                      iteration: int = 0) -> str:
+    """A weights-only portable checkpoint, as if saved by one process: global names and
+    unpadded vocabulary, no optimizer state. ``pretrain_gpt.py --load root --finetune`` (or
+    ``--no-load-optim``) loads it at any layout. Returns the iteration directory."""
+    w = Writer()
+    directory = iteration_dir(root, iteration)
+    vocab = (config.get("model") or {}).get("vocab_size")
+    rel = f"{_pair_dir(0, 0)}/model.pt"
+    tensors = {}
+    for name, t in state.items():
+        is_vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight")
+        tensors[name] = {"shape": list(t.shape), "dim": None, "stride": 1, "tp": 1,
+                         "vocab": vocab if is_vocab else None, "dtype": str(t.dtype),
+                         "optim": False, "dirs": [_pair_dir(0, 0)]}
+    w.torch({k: v.detach().cpu().contiguous() for k, v in state.items()},
+            os.path.join(directory, rel))
+    w.text(json.dumps(config_dict(config), indent=1), os.path.join(directory, "config.json"))
+    files = {r: {"sha256": sha256(os.path.join(directory, r)),
+                 "bytes": os.path.getsize(os.path.join(directory, r))}
+             for r in (rel, "config.json")}
+    meta = {"format": FORMAT, "version": VERSION, "iteration": iteration, "consumed_samples": 0,
+            "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero_stage": 0}, "world_size": 1,
+            "scheduler": None, "loss_scaler": None, "has_optimizer": False,
+            "opaque_optimizer": False, "tensors": tensors, "files": files}
+    w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
+    w.text(str(iteration), os.path.join(root, TRACKER))
+    _remove_debris(root, directory)
+    return directory
+
+
+def _config_difference(saved: Any, current: Any) -> str | None:
+    if not isinstance(saved, dict) or not isinstance(current, dict):
         return None
-    text = open(path, encoding="utf-8").read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number") from None
+    a, b = saved.get("model") or {}, current.get("model") or {}
+    for k in SHAPE_KEYS:
+        if k in a and k in b and a[k] != b[k]:
+            return (f"--{k.replace('_', '-')} is {b[k]} but the checkpoint was saved with "
+                    f"{a[k]} (config.json)")
+    return None
 
 
 def _describe(layout: dict[str, Any]) -> str:
@@ -185,68 +277,149 @@ def _describe(layout: dict[str, Any]) -> str:
             f"zero_stage={layout['zero_stage']}")
 
 
-def _check_layout(saved: dict[str, Any], current: dict[str, Any], directory: str,
-                  with_optimizer: bool) -> None:
-    keys = ["tp", "pp", "vpp"]
-    if with_optimizer or saved["zero_stage"] == 3 or current["zero_stage"] == 3:
-        keys += ["dp", "zero_stage"]  # optimizer shards (and ZeRO-3 weights) are split by dp
-    if any(saved[k] != current[k] for k in keys):
-        raise CheckpointError(
-            f"checkpoint {directory} was saved at layout {_describe(saved)}, but this run is "
-            f"{_describe(current)}; loading at a different layout (resharding) is not supported "
-            "yet: resume with the saved --tensor-model-parallel-size, "
-            "--pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage, data-"
-            "parallel size and ZeRO stage (or use --no-load-optim / --finetune when only dp "
-            "differs)")
+def _same_ranks(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    return all(saved[k] == current[k] for k in ("tp", "pp", "dp", "vpp"))
 
 
-def _load(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete "
-                              "or was saved at another layout")
-    # Our own files hold numpy and python RNG states, which weights_only loading refuses.
-    return torch.load(path, map_location="cpu", weights_only=False)
-
+# --- load ------------------------------------------------------------------------------------
 
 def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], optimizer: Any,
                     scheduler: Any, zero_stage: int = 0, rng_tracker: Any = None,
                     no_load_optim: bool = False, no_load_rng: bool = False,
-                    finetune: bool = False, iteration: int | None = None) -> LoadResult | None:
-    """Restore the newest complete checkpoint under ``root`` (or ``iteration``).
+                    finetune: bool = False, iteration: int | None = None, config: Any = None,
+                    gather: Callable[[Any], list[Any]] = _gather) -> LoadResult | None:
+    """Restore the newest complete checkpoint under ``root`` (or ``iteration``), at any layout.
 
     Returns ``None`` when ``root`` holds no checkpoint (a fresh start, as in Megatron).
-    ``finetune`` loads the weights only and restarts at iteration 0.
+    ``finetune`` loads the weights only and restarts at iteration 0. Collective: every rank
+    reads what it needs, then all ranks agree it worked before any state is changed.
     """
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            return None
-    directory = iteration_dir(root, iteration)
-    marker = os.path.join(directory, MARKER)
-    if not os.path.isfile(marker):
-        raise CheckpointError(f"{directory} has no {MARKER}: the save of iteration {iteration} "
-                              "did not complete; point --load at a complete checkpoint")
-    meta = json.loads(open(marker, encoding="utf-8").read())
-    load_optim = not (no_load_optim or finetune)
-    _check_layout(meta["layout"], layout_of(topo, zero_stage), directory, load_optim)
+    plan: dict[str, Any] | None = None
+    error = None
+    try:
+        plan = _plan(root, topo, list(models), optimizer, zero_stage, rng_tracker,
+                     no_load_optim, no_load_rng, finetune, iteration, config)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
+    found = gather(plan is not None and plan.get("found", False))
+    if errors:
+        raise CheckpointError(errors[0][1])  # the same message on every rank
+    if not any(found):
+        return None
+    return _apply(plan, list(models), optimizer, scheduler, rng_tracker)
+
+
+def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim, no_load_rng,
+          finetune, iteration, config) -> dict[str, Any]:
+    """Phase 1, no collectives: read and check everything this rank needs."""
+    found = read_meta(root, iteration)
+    if found is None:
+        return {"found": False}
+    iteration, directory, meta = found
+    saved_cfg = read_json(os.path.join(directory, "config.json"))
+    now_cfg = config_dict(config) if config is not None else None
+    diff = _config_difference(saved_cfg, now_cfg)
+    if diff:
+        raise CheckpointError(f"checkpoint {directory} holds another model: {diff}; use the "
+                              "saved settings or another --load directory")
+    engine = optimizer if _is_engine(optimizer) else None
+    load_optim = not (no_load_optim or finetune) and optimizer is not None
+    current = layout_of(topo, zero_stage)
+    saved = meta["layout"]
+    notes: list[str] = []
+    if load_optim and engine is None and meta["opaque_optimizer"] and saved != current:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved at layout {_describe(saved)}, but this run is "
+            f"{_describe(current)}; its optimizer state is saved per rank, so it loads only at "
+            "the saved layout (or use --no-load-optim / --finetune)")
+    if load_optim and engine is not None and not meta["has_optimizer"]:
+        raise CheckpointError(f"checkpoint {directory} holds weights only (no optimizer state); "
+                              "load it with --finetune or --no-load-optim")
+    reader = ShardReader(directory, meta)
     c = topo.coord
-    per_dp_model = zero_stage == 3
-    state = _load(_model_path(root, iteration, c.tp, c.pp, c.dp if per_dp_model else None))
-    if len(state["model"]) != len(models):
-        raise CheckpointError(f"{directory} holds {len(state['model'])} model chunks per rank, "
-                              f"this run builds {len(models)}")
-    for i, m in enumerate(models):
-        m.load_state_dict(state["model"][f"model{i}"])
-    if finetune:
-        return LoadResult(0, 0, directory)
-    shard = None
-    if load_optim or not no_load_rng:
-        shard = _load(_optim_path(root, iteration, c.tp, c.pp, c.dp))
-    if load_optim:
-        if optimizer is not None and shard["optimizer"] is not None:
-            optimizer.load_state_dict(shard["optimizer"])
-        if scheduler is not None and state["scheduler"] is not None:
-            scheduler.load_state_dict(state["scheduler"])
-    if not no_load_rng:
-        set_rng_state(shard["rng"], rng_tracker)
-    return LoadResult(int(state["iteration"]), int(state["consumed_samples"]), directory)
+    infos = param_infos(models, c.pp, topo.pp_size)
+    missing = [i.name for i in infos if i.name not in meta["tensors"]]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} has no tensor {missing[0]}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + "; it was saved from another model")
+    shapes = _local_shapes(infos, engine)
+    weights, states = {}, {}
+    owned: dict[int, tuple[int, int]] = {}
+    if engine is not None:
+        for pc in engine.masters.pieces:
+            a, b = owned.get(id(pc.param), (1 << 62, -1))
+            owned[id(pc.param)] = (min(a, pc.offset), max(b, pc.offset + pc.model.numel()))
+    for i in infos:
+        local = tuple(shapes[id(i.param)])
+        want = i.global_shape(local, topo.tp_size)
+        have = meta["tensors"][i.name]["shape"]
+        if list(want) != list(have):
+            raise CheckpointError(f"checkpoint {directory}: tensor {i.name} has shape {have}, "
+                                  f"this model's is {want}")
+        weights[id(i.param)] = reader.local(i.name, "weight", i, local, c.tp, topo.tp_size)
+        if load_optim and engine is not None:
+            if not meta["tensors"][i.name].get("optim"):
+                raise CheckpointError(f"checkpoint {directory} has no optimizer state for "
+                                      f"{i.name}; load with --no-load-optim")
+            if id(i.param) not in owned:
+                continue  # ZeRO: no range of this parameter lives on this rank
+            lo, hi = owned[id(i.param)]
+            states[id(i.param)] = {  # only the range this rank's pieces cover
+                k: reader.local(i.name, k, i, local, c.tp, topo.tp_size).reshape(-1)[lo:hi]
+                .clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+            states[id(i.param)]["lo"] = lo
+            states[id(i.param)]["step"] = reader.full(i.name, "step").clone()
+    rank_file = None
+    same = _same_ranks(saved, current)
+    if (not finetune) and ((not no_load_rng) or (load_optim and engine is None)) and same:
+        rank_file = reader.file(f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
+    elif not finetune and not no_load_rng:
+        notes.append(f"random states not restored: saved at {_describe(saved)}, running at "
+                     f"{_describe(current)}")
+    scaler_state = meta["loss_scaler"] if load_optim else None
+    if engine is not None and load_optim:
+        was_fp16 = bool((saved_cfg.get("precision") or {}).get("fp16"))
+        if engine.precision.fp16 and not was_fp16:
+            scaler_state = None
+            notes.append("the checkpoint was not trained with --fp16: the loss scaler starts "
+                         "from the configured initial scale")
+    return {"found": True, "iteration": iteration, "directory": directory, "meta": meta,
+            "finetune": finetune, "load_optim": load_optim, "weights": weights,
+            "states": states, "rank_file": rank_file, "no_load_rng": no_load_rng,
+            "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes}
+
+
+@torch.no_grad()
+def _apply(plan, models, optimizer, scheduler, rng_tracker) -> LoadResult:
+    """Phase 2: put the checked state into the model, engine, scheduler and RNGs."""
+    engine, infos, weights = plan["engine"], plan["infos"], plan["weights"]
+
+    def copy_weights():
+        for i in infos:
+            i.param.data.copy_(weights[id(i.param)].to(i.param.dtype))
+
+    if engine is not None and engine.zero.stage == 3:
+        with engine.gathered_parameters(write_back=True):
+            copy_weights()
+    else:
+        copy_weights()
+        if engine is not None:
+            engine.sync_masters_from_model()
+    meta, directory = plan["meta"], plan["directory"]
+    if plan["finetune"]:
+        return LoadResult(0, 0, directory, plan["notes"])
+    if plan["load_optim"]:
+        if engine is not None:
+            engine.load_param_states(plan["states"])
+            if plan["scaler"] is not None:
+                engine.scaler.load_state_dict(plan["scaler"])
+        elif plan["rank_file"] is not None and plan["rank_file"]["optimizer"] is not None:
+            optimizer.load_state_dict(plan["rank_file"]["optimizer"])
+        if scheduler is not None and meta["scheduler"] is not None:
+            scheduler.load_state_dict(meta["scheduler"])
+    if not plan["no_load_rng"] and plan["rank_file"] is not None:
+        set_rng_state(plan["rank_file"]["rng"], rng_tracker)
+    return LoadResult(int(meta["iteration"]), int(meta["consumed_samples"]), directory,
+                      plan["notes"])

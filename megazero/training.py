@@ -93,6 +93,7 @@ class Run:
     valid_ds: Any
     state: TrainState
     watchdog: Watchdog | None = None
+    checkpoint_writer: Any = None  # a megazero.checkpoint.files.Writer; None = the default
 
     @property
     def sp(self) -> bool:
@@ -216,7 +217,8 @@ def _save(run: Run) -> None:
         save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
                         optimizer=run.engine, scheduler=run.scheduler,
                         consumed_samples=run.state.consumed_samples, config=run.cfg,
-                        zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks))
+                        zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
+                        writer=run.checkpoint_writer)
     except CheckpointError:
         raise
     except (OSError, RuntimeError) as e:  # a full disk, a directory gone or made read-only
@@ -232,13 +234,15 @@ def _load(run: Run) -> None:
     res = load_checkpoint(ck.load, run.topo, models=run.chunks, optimizer=run.engine,
                           scheduler=run.scheduler, zero_stage=run.cfg.zero.stage,
                           rng_tracker=ChunkTrackers(run.chunks), no_load_optim=ck.no_load_optim,
-                          no_load_rng=ck.no_load_rng, finetune=ck.finetune)
+                          no_load_rng=ck.no_load_rng, finetune=ck.finetune, config=run.cfg)
     if res is None:
         run.monitor.info(f"no checkpoint found in {ck.load}; starting from scratch")
         return
     run.state.iteration, run.state.consumed_samples = res.iteration, res.consumed_samples
     if ck.no_load_optim and not ck.finetune:
         run.scheduler.load_state_dict({"num_steps": res.iteration})
+    for note in res.notes:
+        run.monitor.info(f"note: {note}")
     run.monitor.info(f"loaded checkpoint {res.path} at iteration {res.iteration}")
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megazero.checkpointing import (
-    FAULT_ENV,
     TRACKER,
     CheckpointError,
     load_checkpoint,
@@ -17,7 +16,9 @@ from megazero.checkpointing import (
     save_checkpoint,
 )
 from megazero.lr_scheduler import LRScheduler
+from megazero.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megazero.testing.distributed import DistributedTestError, run_distributed
+from megazero.testing.faults import CrashingWriter
 from megazero.topology import ParallelTopology
 
 
@@ -70,6 +71,8 @@ def _build(topo, seed=0):
     np.random.seed(seed + topo.rank)
     random.seed(seed + topo.rank)
     models = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
+    for p in (p for m in models for p in m.parameters()):  # each TP rank holds its own rows
+        set_tensor_model_parallel_attributes(p, 0)
     opt = _MomentumSGD([p for m in models for p in m.parameters()], lr=0.1)
     sched = LRScheduler(opt, lambda step: 0.1 / (1 + step))
     return models, opt, sched, _Tracker(seed + topo.rank)
@@ -95,10 +98,10 @@ def _save_run(rank, world, root, fault_rank=None):
               "tracker": torch.randn(2, generator=tracker.gen).numpy(),
               "lr": opt.param_groups[0]["lr"]}
     _train_steps(models, opt, sched, 2)
-    if fault_rank == rank:
-        os.environ[FAULT_ENV] = "1"  # this rank dies after writing one file of iteration 20
+    # fault_rank dies (os._exit) after writing one file of iteration 20
+    writer = CrashingWriter(1, hard=True) if fault_rank == rank else None
     save_checkpoint(root, 20, topo, models=models, optimizer=opt, scheduler=sched,
-                    consumed_samples=160, config={"tp": 2}, rng_tracker=tracker)
+                    consumed_samples=160, config={"tp": 2}, rng_tracker=tracker, writer=writer)
     return expect
 
 

@@ -1,22 +1,30 @@
-"""A training run killed in the middle of writing a checkpoint leaves the previous one usable."""
+"""Through ``pretrain_gpt.py``: a run killed in the middle of writing a checkpoint leaves the
+previous one usable; another layout loads; another model shape is one clear error."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import pytest
+from ckpt_runs import train_in_rank
 from test_e2e import TINY, check, run_training
 
-from megazero.checkpointing import FAULT_ENV
+from megazero.testing.distributed import DistributedTestError, run_distributed
+from megazero.testing.faults import CrashingWriter
+
+
+def _crash_in_second_save(rank, world, args):
+    # One process writes 6 files per checkpoint (model, optimizer, rng, config, marker,
+    # latest). The process dies (os._exit) after the first file of iteration 6.
+    train_in_rank(rank, world, args, CrashingWriter(7, hard=True))
 
 
 def test_crash_during_save_then_resume(tmp_path):
     ck = tmp_path / "ck"
     args = [*TINY, "--train-iters", "6", "--save", str(ck), "--save-interval", "3"]
-    # One process writes 5 files per checkpoint (model, optimizer shard, config, marker,
-    # latest). Dying after the first file of iteration 6: iteration 3 stays the latest.
-    proc = run_training(args, extra_env={FAULT_ENV: "1@6"})
-    assert proc.returncode == 17, proc.stderr[-3000:]
+    with pytest.raises(DistributedTestError, match="exit"):
+        run_distributed(_crash_in_second_save, 1, args, timeout=120)
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert (ck / "iter_0000003" / "metadata.json").is_file()
     assert os.path.isfile(ck / "iter_0000006" / "mp_rank_00_000" / "model.pt")
@@ -32,15 +40,21 @@ def test_crash_during_save_then_resume(tmp_path):
     assert (ck / "iter_0000006" / "metadata.json").is_file()
 
 
-def test_other_layout_is_a_clear_error_and_finetune_restarts(tmp_path):
+def test_other_layout_loads_other_shape_is_a_clear_error_and_finetune_restarts(tmp_path):
     ck = tmp_path / "ck"
     check(run_training([*TINY, "--train-iters", "2", "--save", str(ck)]))
-    proc = run_training([*TINY, "--train-iters", "4", "--load", str(ck),
-                         "--tensor-model-parallel-size", "2"], nproc=2)
-    assert proc.returncode != 0
+    out = check(run_training([*TINY, "--train-iters", "3", "--load", str(ck),
+                              "--tensor-model-parallel-size", "2"], nproc=2))
+    assert "loaded checkpoint" in out and "at iteration 2" in out
+    assert "random states not restored: saved at tp=1 pp=1 dp=1" in out
+    hidden = [a if a != "32" or TINY[i - 1] != "--hidden-size" else "64"
+              for i, a in enumerate(TINY)]
+    proc = run_training([*hidden, "--train-iters", "4", "--load", str(ck)])
+    assert proc.returncode == 2
     assert "pretrain_gpt.py: error: checkpoint" in proc.stderr
-    assert "saved at layout tp=1 pp=1 dp=1 vpp=1 zero_stage=0, but this run is tp=2 pp=1" \
+    assert "--hidden-size is 64 but the checkpoint was saved with 32 (config.json)" \
         in proc.stderr
+    assert "Traceback" not in proc.stderr
     # --finetune: weights only, counting restarts at iteration 0 (and the optimizer is fresh).
     log = tmp_path / "ft.jsonl"
     out = check(run_training([*TINY, "--train-iters", "2", "--load", str(ck), "--finetune",

@@ -296,7 +296,7 @@ class GradBuffer:
                 lo, hi = max(s.start, b.own_lo), min(s.start + s.numel, b.own_hi)
                 if lo < hi:
                     out.append(Piece(s.param, self.param_view(b, lo, hi),
-                                     self.grad_view(b, lo, hi)))
+                                     self.grad_view(b, lo, hi), offset=lo - s.start))
         return out
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:

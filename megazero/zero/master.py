@@ -33,6 +33,7 @@ class Piece:
     grad: torch.Tensor  # 1-D view of the reduced gradient
     master: torch.Tensor | None = None
     ndim: int = -1  # the parameter's full rank (stage 3 releases parameters to 0 elements)
+    offset: int = 0  # where ``model`` starts in the parameter's flattened values (checkpoints)
 
     def __post_init__(self) -> None:
         if self.ndim < 0:
@@ -46,7 +47,8 @@ def split_pieces(pieces: list[Piece], limit: int) -> list[Piece]:
         n = p.model.numel()
         for lo in range(0, n, max(1, limit)):
             hi = min(n, lo + limit)
-            out.append(Piece(p.param, p.model[lo:hi], p.grad[lo:hi], ndim=p.ndim))
+            out.append(Piece(p.param, p.model[lo:hi], p.grad[lo:hi], ndim=p.ndim,
+                             offset=p.offset + lo))
     return out
 
 

@@ -236,6 +236,27 @@ class ZeroOptimizer:
         for store in self.stores:
             store.after_step(chunk, not self.zero.allgather_partitions)
 
+    def load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Set masters and Adam state from per-parameter tensors keyed by ``id(param)``: flat
+        ranges of the parameter's (TP-shard) values starting at element ``st["lo"]``, covering
+        this rank's pieces; every piece takes its own range. This is how a layout-independent
+        checkpoint loads, whatever the buckets, dp size or ZeRO stage."""
+        opt = self.masters.optimizer
+        for pc in self.masters.pieces:
+            st = states[id(pc.param)]
+            lo, n = pc.offset - st["lo"], pc.model.numel()
+            dev = pc.master.device
+            pc.master.copy_(st["master"].reshape(-1)[lo:lo + n])
+            opt.state[pc.master] = {
+                "step": st["step"].to(torch.float32).clone(),
+                "exp_avg": st["exp_avg"].reshape(-1)[lo:lo + n].to(dev, torch.float32).clone(),
+                "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[lo:lo + n].to(dev, torch.float32)
+                .clone()}
+        self.masters.sync_model_from_masters()
+        chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
+        for store in self.stores:
+            store.after_step(chunk, not self.zero.allgather_partitions)
+
     # --- accounting ---------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, Any]:

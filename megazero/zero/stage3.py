@@ -338,7 +338,8 @@ class Stage3Params:
                 lo, hi = max(s, u.own_lo), min(s + shape.numel(), u.own_hi)
                 if lo < hi:
                     a, b = lo - u.own_lo, hi - u.own_lo
-                    out.append(Piece(p, u.shard[a:b], u.grad_shard[a:b], ndim=len(shape)))
+                    out.append(Piece(p, u.shard[a:b], u.grad_shard[a:b], ndim=len(shape),
+                                     offset=lo - s))
         return out
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
