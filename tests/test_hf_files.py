@@ -105,22 +105,20 @@ def test_missing_config_is_named(tmp_path):
 
 
 def test_hf_to_megazero_checkpoint_to_generate_text_and_back(tmp_path, capsys):
-    """HF dir -> write_model_state -> tools/generate_text.py ids equal transformers' greedy
-    generate; read_model_state -> HF dir has bitwise the original weights."""
+    """HF dir -> convert.py --loader hf --saver megazero -> tools/generate_text.py ids equal
+    transformers' greedy generate; convert.py --loader megazero --saver hf gives bitwise the
+    original weights back, with the tokenizer."""
     import json
 
-    from megazero import checkpointing
-
-    if not hasattr(checkpointing, "write_model_state"):
-        pytest.skip("needs megazero.checkpointing.write_model_state (layout-independent "
-                    "checkpoints)")
     src, ckpt, out = tmp_path / "src", tmp_path / "ckpt", tmp_path / "out"
     os.makedirs(src)
     _, _, vocab = write_bpe_files(str(src))
     hf = build("gpt2", vocab_size=vocab, initializer_range=0.3)
     hf.save_pretrained(src)
-    model_config, state, tok = plugin("loader_hf").load(SimpleNamespace(load_dir=str(src)))
-    checkpointing.write_model_state(str(ckpt), {"model": model_config, "data": tok}, state)
+    convert = plugin("convert")
+    assert convert.main(["--loader", "hf", "--saver", "megazero", "--load-dir", str(src),
+                         "--save-dir", str(ckpt)]) == 0
+    capsys.readouterr()  # what convert.py printed
 
     spec = importlib.util.spec_from_file_location(
         "generate_text", os.path.join(TOOLS, "..", "generate_text.py"))
@@ -137,8 +135,8 @@ def test_hf_to_megazero_checkpoint_to_generate_text_and_back(tmp_path, capsys):
                           max_new_tokens=8)
     assert got == ref[0].tolist()
 
-    config, back_state = checkpointing.read_model_state(str(ckpt))
-    plugin("saver_hf").save(SimpleNamespace(save_dir=str(out)), config, back_state, None)
+    assert convert.main(["--loader", "megazero", "--saver", "hf", "--load-dir", str(ckpt),
+                         "--save-dir", str(out)]) == 0
     from megazero.convert.hf_files import read_hf_dir
 
     _, written = read_hf_dir(str(out))

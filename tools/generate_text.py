@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     prompt included, or is null without a tokenizer)."""
     import torch
 
+    from megazero.checkpointing import read_model_state
     from megazero.convert import load_global_state, model_config_from_dict
-    from megazero.convert.checkpoint import read_checkpoint
     from megazero.generation import SamplingConfig, generate
     from megazero.model import GPTModel
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
                          "drop one")
     sampling = SamplingConfig(greedy=not sampling_flags, temperature=args.temperature or 1.0,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    config, state = read_checkpoint(args.load, args.iteration)
+    config, state = read_model_state(args.load, args.iteration)
     mc = model_config_from_dict(config)
     tokenizer = _tokenizer(config, args, mc.vocab_size)
     if args.prompt is not None:

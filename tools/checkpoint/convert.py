@@ -10,7 +10,13 @@ into the global fp32 state dict (tp=1 names, unpadded vocabulary; fp32 masters w
 DeepSpeed's ``zero_to_fp32`` job). ``--saver torch`` writes it as one ``model.pt``
 (``torch.save`` of ``{name: tensor}``) plus ``config.json``; ``--saver megazero`` writes a
 weights-only megazero checkpoint that ``pretrain_gpt.py --load OUT --finetune`` loads at any
-layout.
+layout. ``--loader hf`` reads a local Hugging Face directory (GPT-2 or Llama, config.json plus
+safetensors or ``pytorch_model.bin``, sharded or not; tokenizer files when present) and
+``--saver hf`` writes one that ``transformers.AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load (:mod:`megazero.convert`)::
+
+    python tools/checkpoint/convert.py --loader hf --saver megazero --load-dir HF --save-dir CK
+    python tools/checkpoint/convert.py --loader megazero --saver hf --load-dir CK --save-dir HF
 
 Loaders and savers are plain functions in :data:`LOADERS` / :data:`SAVERS`, so other formats
 plug in by adding an entry: a loader returns ``(config dict, state dict)``, a saver writes
@@ -59,8 +65,34 @@ def save_megazero(args: argparse.Namespace, config: dict[str, Any],
     write_model_state(out, config, state)
 
 
-LOADERS: dict[str, Loader] = {"megazero": load_megazero}
-SAVERS: dict[str, Saver] = {"torch": save_torch, "megazero": save_megazero}
+def _plugin(name: str) -> Any:
+    """A loader/saver module beside this script (importable however the script was started)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_hf(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A local Hugging Face directory (config.json + safetensors/bin, sharded or not); the
+    tokenizer files it holds, if any, become the run config's ``data`` block."""
+    model_config, state, tokenizer = _plugin("loader_hf").load(args)
+    return {"model": model_config, "data": tokenizer or {}}, state
+
+
+def save_hf(args: argparse.Namespace, config: dict[str, Any],
+            state: dict[str, torch.Tensor], out: str) -> None:
+    """A directory transformers' ``from_pretrained`` loads, tokenizer included when the
+    checkpoint's run config names one."""
+    args = argparse.Namespace(**{**vars(args), "save_dir": out})
+    _plugin("saver_hf").save(args, config, state, None)
+
+
+LOADERS: dict[str, Loader] = {"megazero": load_megazero, "hf": load_hf}
+SAVERS: dict[str, Saver] = {"torch": save_torch, "megazero": save_megazero, "hf": save_hf}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
