@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megazero.errors import MegazeroError
 
-class ConfigError(ValueError):
+
+class ConfigError(MegazeroError, ValueError):
     """A setting that is wrong; the message names the key, what was given and the fix."""
 
 
@@ -293,6 +295,7 @@ class LoggingConfig:
     steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
     wandb: dict = field(default_factory=dict)
     csv_monitor: dict = field(default_factory=dict)
+    log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,11 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                       UnimplementedConfigWarning, stacklevel=3)
     found = json_field_values(ds_checked)
     _json_semantics(ds_checked, found)
-    merged = _merge(found, flag_values(args or {}))
+    flags = flag_values(args or {})
+    merged = _merge(found, flags)
+    if "logging.steps_per_print" in merged and "logging.log_interval" not in flags:
+        # A DeepSpeed user's print interval is the log line's interval unless the flag is typed.
+        merged["logging.log_interval"] = ("steps_per_print", merged["logging.steps_per_print"][1])
     if merged.get("precision.fp16", (0, False))[1] and merged.get("precision.bf16", (0, False))[1]:
         raise ConfigError(f"fp16 and bf16 are both enabled ({merged['precision.fp16'][0]} and "
                           f"{merged['precision.bf16'][0]}); enable at most one of them")

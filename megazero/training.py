@@ -286,7 +286,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
     scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
     logging = cfg.logging
-    monitor = Monitor(logging, enabled=is_reporter, log_json=log_json,
+    monitor = Monitor(logging, enabled=is_reporter, log_json=log_json or logging.log_json,
                       run_config=config_dict(cfg) if is_reporter else None)
     timers = Timers(enabled=logging.wall_clock_breakdown)
     if timers.enabled:

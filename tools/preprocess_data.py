@@ -23,7 +23,8 @@ from megazero.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("input")
     g.add_argument("--input", required=True, nargs="+",
                    help="JSON lines files (.json/.jsonl), plain text files, or directories")
