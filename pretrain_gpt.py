@@ -29,7 +29,14 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:  # n
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megazero.errors import env_rank, expected_errors, report_error
+    from megazero.errors import (
+        EXIT_CODE,
+        already_reported,
+        debug_enabled,
+        env_rank,
+        expected_errors,
+        report_error,
+    )
 
     argv = list(sys.argv[1:] if argv is None else argv)
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
@@ -52,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         pretrain(cfg)
     except expected_errors() as e:
         return report_error(e, PROG)
+    except Exception:
+        if already_reported() and not debug_enabled():
+            return EXIT_CODE  # a peer stopped the job and said why; this is the consequence
+        raise
     finally:
         destroy()
     return 0

@@ -7,10 +7,11 @@ checkpoint, a diverging fp16 run) derives from :class:`MegazeroError` or is list
 a bug and keeps its traceback.
 
 Who speaks: before the process group exists (flag and JSON errors) every rank computes the same
-message, so only ``RANK`` 0 prints it. Once the group exists an error may be raised by some ranks
-only (a file one node cannot read), so the first failing rank claims the job's error slot in the
+message, so ``RANK`` 0 prints it. Once the group exists an error may be raised by some ranks only
+(a file one node cannot read), so the first failing rank claims the job's error slot in the
 launcher's key-value store; rank 0 is given a short head start so that an error every rank hits is
-reported by rank 0. The other ranks exit with the same code without printing.
+reported by rank 0. The other ranks exit with the same code without printing (see
+:func:`report_error` for how they make sure the speaking rank is heard).
 
 ``MEGAZERO_DEBUG=1`` in the environment prints the full traceback on every rank as well.
 """
@@ -63,10 +64,10 @@ def _claim_report(rank: int, head_start_s: float) -> bool:
     try:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            return rank == 0
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # no store to agree through: rank 0 speaks
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # no store to agree through
+        store = None
+    if store is None:
         return rank == 0
     if rank != 0:
         time.sleep(head_start_s)
@@ -77,11 +78,35 @@ def _claim_report(rank: int, head_start_s: float) -> bool:
         return rank == 0
 
 
-def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0) -> int:
-    """Print ``prog: error: <message>`` once per job; return the exit status for every rank."""
+def already_reported() -> bool:
+    """True once a rank of this job has reported an expected error. A rank that then fails in a
+    collective (its peer has left: "Connection closed by peer") is seeing a consequence, not a
+    second problem, and exits without a traceback."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return False
+        return bool(dist.distributed_c10d._get_default_store().check([_ERROR_KEY]))
+    except Exception:
+        return False
+
+
+def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
+                 grace_s: float = 20.0) -> int:
+    """Print ``prog: error: <message>`` once per job; return the exit status for every rank.
+
+    A rank that does not print waits ``grace_s`` before returning: the launcher stops the whole
+    job as soon as one rank exits, which must not happen before the speaking rank has printed.
+    When rank 0 has failed too, torchrun ends the waiting ranks early; a rank still alive after
+    the grace period saw an error rank 0 did not, and says it itself.
+    """
     rank = env_rank()
     if debug_enabled():
         traceback.print_exception(error, file=sys.stderr)
     if _claim_report(rank, head_start_s):
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        return EXIT_CODE
+    time.sleep(grace_s)
+    print(f"{prog}: error (rank {rank}): {error}", file=sys.stderr, flush=True)
     return EXIT_CODE
