@@ -149,6 +149,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-load-optim", "checkpoint.no_load_optim", **_ON),
     _f("--no-load-rng", "checkpoint.no_load_rng", **_ON),
     _f("--finetune", "checkpoint.finetune", **_ON),
+    _f("--override-opt_param-scheduler", "checkpoint.override_opt_param_scheduler", **_ON),
+    _f("--use-checkpoint-opt_param-scheduler", "checkpoint.use_checkpoint_opt_param_scheduler",
+       **_ON),
     # logging
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),

@@ -306,6 +306,8 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    override_opt_param_scheduler: bool = False  # on resume: the schedule flags given now win
+    use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins
 
 
 @dataclass(frozen=True)

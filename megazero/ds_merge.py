@@ -208,7 +208,10 @@ def _fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dic
             out[name] = total
         elif path == "scheduler.params.cos_min_ratio":
             out[name] = cfg.optimizer.min_lr / cfg.optimizer.lr if cfg.optimizer.lr else 0.0
-        elif path in ("scheduler.params.warmup_min_lr", "scheduler.params.warmup_min_ratio"):
+        elif path == "scheduler.params.warmup_min_lr":
+            # WarmupDecayLR ends at warmup_min_lr: the decay's floor is --min-lr (default 0)
+            out[name] = cfg.optimizer.min_lr
+        elif path == "scheduler.params.warmup_min_ratio":
             out[name] = 0.0  # Megatron's warm-up starts from zero
         elif path == "tensorboard.enabled":
             out[name] = cfg.logging.tensorboard_dir is not None

@@ -34,6 +34,7 @@ from megazero.flops import model_flops_per_iteration, peak_flops
 from megazero.initialize import DistEnv, initialize_distributed, set_seed
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
+from megazero.resume_checks import check_resume
 from megazero.topology import ParallelTopology
 from megazero.train_setup import (
     Batching,
@@ -202,6 +203,13 @@ def _load(run: Run) -> None:
     if ck.no_load_optim and not ck.finetune:
         run.scheduler.load_state_dict({"num_steps": res.iteration})
     run.monitor.info(f"loaded checkpoint {res.path} at iteration {res.iteration}")
+    if ck.finetune:
+        run.monitor.info("> --finetune: weights only; iteration 0, fresh optimizer state and "
+                         "learning-rate schedule")
+    elif ck.no_load_optim:
+        run.monitor.info(f"> --no-load-optim: optimizer state NOT loaded (Adam moments start "
+                         f"at zero); the learning-rate schedule continues at iteration "
+                         f"{res.iteration}")
 
 
 def _should_exit(run: Run, flags: ExitFlags, start: float) -> tuple[bool, str]:
@@ -275,6 +283,7 @@ def train(run: Run) -> TrainState:
 
 def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     """Initialise the process group and build everything the loop needs."""
+    cfg = check_resume(cfg)  # before the process group: every rank reads the same files
     env = initialize_distributed(cfg.parallel.distributed_backend)
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp)
     set_seed(cfg.train.seed, topo.pp_rank)

@@ -35,7 +35,7 @@ def test_crash_during_save_then_resume(tmp_path):
 def test_other_layout_is_a_clear_error_and_finetune_restarts(tmp_path):
     ck = tmp_path / "ck"
     check(run_training([*TINY, "--train-iters", "2", "--save", str(ck)]))
-    proc = run_training([*TINY, "--train-iters", "4", "--load", str(ck),
+    proc = run_training([*TINY, "--train-iters", "2", "--load", str(ck),
                          "--tensor-model-parallel-size", "2"], nproc=2)
     assert proc.returncode != 0
     assert "pretrain_gpt.py: error: checkpoint" in proc.stderr

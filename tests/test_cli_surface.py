@@ -36,6 +36,7 @@ GOLDEN_FLAGS = """
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
+--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler
 --tensorboard-dir --log-json
 """.split()
 
