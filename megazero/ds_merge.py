@@ -228,6 +228,46 @@ def _get(cfg: Any, path: str) -> Any:
     return cfg
 
 
+def _schedule_lengths(cfg: MegazeroConfig, given: set[str]) -> MegazeroConfig:
+    """Megatron's other ways to give the warm-up and decay lengths, turned into iterations:
+    ``--lr-warmup-fraction`` (of the decay steps) and ``--lr-warmup-samples`` /
+    ``--lr-decay-samples`` (divided by the global batch, which must divide them)."""
+    o, t = cfg.optimizer, cfg.train
+    warmups = [n for n, f in (("--lr-warmup-iters", "optimizer.lr_warmup_iters"),
+                              ("--lr-warmup-fraction", "optimizer.lr_warmup_fraction"),
+                              ("--lr-warmup-samples", "optimizer.lr_warmup_samples"))
+               if f in given]
+    if len(warmups) > 1:
+        raise ConfigError(f"{' and '.join(warmups)} all set the warm-up length; give one of them")
+    if o.lr_decay_samples is not None and "optimizer.lr_decay_iters" in given:
+        raise ConfigError("--lr-decay-iters and --lr-decay-samples both set the decay length; "
+                          "give one of them")
+    gbs = t.global_batch_size
+
+    def iters(flag: str, samples: int) -> int:
+        if samples < 0 or samples % gbs:
+            raise ConfigError(f"{flag} {samples} is not a multiple of the global batch size "
+                              f"{gbs}; use a multiple (e.g. {max(gbs, samples - samples % gbs)})")
+        return samples // gbs
+
+    kw: dict[str, Any] = {}
+    if o.lr_decay_samples is not None:
+        kw["lr_decay_iters"] = iters("--lr-decay-samples", o.lr_decay_samples)
+    if o.lr_warmup_samples is not None:
+        kw["lr_warmup_iters"] = iters("--lr-warmup-samples", o.lr_warmup_samples)
+    if o.lr_warmup_fraction is not None:
+        if not 0.0 <= o.lr_warmup_fraction <= 1.0:
+            raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction}: expected a "
+                              f"fraction between 0 and 1")
+        decay = kw.get("lr_decay_iters", o.lr_decay_iters) or t.train_iters or (
+            t.train_samples // gbs if t.train_samples else None)
+        if decay is None:
+            raise ConfigError("--lr-warmup-fraction needs the decay length: give --train-iters "
+                              "or --lr-decay-iters")
+        kw["lr_warmup_iters"] = int(o.lr_warmup_fraction * decay)
+    return replace(cfg, optimizer=replace(o, **kw)) if kw else cfg
+
+
 def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
                      world_size: int) -> MegazeroConfig:
     """Build the config from a DeepSpeed dict and the flags that were typed.
@@ -284,6 +324,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                 if name not in ("model", "parallel", "train")}
     cfg = MegazeroConfig(model=model, parallel=parallel, train=train, zero=ZeroConfig(**zero_kw),
                          **sections, **top)
+    cfg = _schedule_lengths(cfg, {f for f, (src, _) in merged.items()})
     filled = _fill_auto(copy.deepcopy(ds_checked), cfg)
     optimizer = cfg.optimizer
     if optimizer.scheduler_type is not None:

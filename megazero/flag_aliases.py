@@ -37,8 +37,6 @@ EQUIVALENT_FLAGS: dict[str, tuple[str, ...]] = {
     "--attention-softmax-in-fp32": (),
     "--exit-signal-handler": (),
     "--log-throughput": (),
-    "--log-params-norm": (),
-    "--log-timers-to-tensorboard": (),
     "--log-validation-ppl-to-tensorboard": (),
 }
 
@@ -46,6 +44,7 @@ EQUIVALENT_FLAGS: dict[str, tuple[str, ...]] = {
 EQUIVALENT_WITH_VALUE: dict[str, str] = {
     "--num-workers": "samples are read from the mmap files in the training process",
     "--tensorboard-log-interval": "TensorBoard is written at every --log-interval",
+    "--attention-backend": "flash-attn is used when installed and on GPU (--no-flash-attn: never)",
 }
 
 #: flag -> what to write instead (the flag itself is rejected).
@@ -79,7 +78,20 @@ RENAMED_FLAGS: dict[str, str] = {
                          "are not implemented)",
     "--test-data-path": "--data-path PREFIX with --split (separate train/valid/test files are "
                         "not implemented)",
-    "--eval-only": "--skip-train",
+    "--eval-only": "nothing: evaluation-only runs are not implemented (validation runs every "
+                   "--eval-interval and after the last iteration)",
+    "--skip-train": "nothing: evaluation-only runs are not implemented (validation runs every "
+                    "--eval-interval and after the last iteration)",
+    "--no-save-optim": "nothing: checkpoints always hold the optimizer state (exact resume); "
+                       "load with --no-load-optim or --finetune to drop it",
+    "--no-save-rng": "nothing: checkpoints always hold the RNG states (exact resume); load with "
+                     "--no-load-rng to drop them",
+    "--use-checkpoint-args": "the model flags of the saved run (its iter_*/config.json lists "
+                             "them); reading them from the checkpoint is not implemented",
+    "--log-params-norm": "nothing: the parameter norm is not logged (the log line has the "
+                         "gradient norm)",
+    "--log-timers-to-tensorboard": 'the DeepSpeed JSON: "wall_clock_breakdown": true (phase '
+                                   'times in the log and TensorBoard)',
     "--fp32-residual-connection": "nothing: residuals follow --fp16/--bf16 (not implemented)",
     "--apply-query-key-layer-scaling": "nothing: attention scores are scaled by 1/sqrt(head "
                                        "dim) in fp32",

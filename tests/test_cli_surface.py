@@ -36,7 +36,8 @@ GOLDEN_FLAGS = """
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
---override-opt_param-scheduler --use-checkpoint-opt_param-scheduler
+--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --lr-warmup-fraction
+--lr-warmup-samples --lr-decay-samples --kv-channels
 --tensorboard-dir --log-json
 """.split()
 
