@@ -89,3 +89,14 @@ def test_log_json_is_a_flag_and_explicit_log_interval_wins(tmp_path):
     assert load_config(base + ["--log-interval=5"], 1).logging.log_interval == 5
     assert load_config(base + ["--log-interval", "5"], 1).logging.log_interval == 5
     assert load_config(["--log-json=m.jsonl"], 1).logging.log_json == "m.jsonl"
+
+
+def test_readme_says_how_to_make_the_tokenizer_and_what_must_be_shared():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    own = text[text.index("Your own corpus"):text.index("- **Parallelism**")]
+    assert "tools/train_tokenizer.py" in own and "--output-prefix tok" in own
+    multi = text[text.index("## Multi-node"):text.index("## SLURM")]
+    for flag in ("--save", "--load", "--data-cache-path"):
+        assert f"`{flag}`" in multi
+    assert "every node sees" in multi
+    assert "MEGAZERO_DEBUG=1" in text
