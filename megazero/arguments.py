@@ -156,6 +156,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--override-opt_param-scheduler", "checkpoint.override_opt_param_scheduler", **_ON),
     _f("--use-checkpoint-opt_param-scheduler", "checkpoint.use_checkpoint_opt_param_scheduler",
        **_ON),
+    _f("--use-checkpoint-args", "checkpoint.use_checkpoint_args", **_ON),
     # logging
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),

@@ -315,6 +315,7 @@ class CheckpointConfig:
     finetune: bool = False
     override_opt_param_scheduler: bool = False  # on resume: the schedule flags given now win
     use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins
+    use_checkpoint_args: bool = False  # take the model's shape from the --load checkpoint
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,6 @@ RENAMED_FLAGS: dict[str, str] = {
                        "load with --no-load-optim or --finetune to drop it",
     "--no-save-rng": "nothing: checkpoints always hold the RNG states (exact resume); load with "
                      "--no-load-rng to drop them",
-    "--use-checkpoint-args": "the model flags of the saved run (its iter_*/config.json lists "
-                             "them); reading them from the checkpoint is not implemented",
     "--log-params-norm": "nothing: the parameter norm is not logged (the log line has the "
                          "gradient norm)",
     "--log-timers-to-tensorboard": 'the DeepSpeed JSON: "wall_clock_breakdown": true (phase '

@@ -129,6 +129,8 @@ HELP = {
     "--no-load-optim": "do not load the optimizer state (fresh Adam moments)",
     "--no-load-rng": "do not load the random-number-generator states",
     "--finetune": "load weights only: iteration 0, fresh optimizer and schedule",
+    "--use-checkpoint-args": "take the model's shape (layers, widths, heads, positions, norm...) "
+                             "from the --load checkpoint instead of the flags",
     # logging
     "--log-interval": "iterations between log lines",
     "--tensorboard-dir": "write TensorBoard scalars here",

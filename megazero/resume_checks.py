@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
-from megazero.config import ConfigError, MegazeroConfig
+from megazero.config import ConfigError, MegazeroConfig, ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -95,9 +95,28 @@ def check_schedule(cfg: MegazeroConfig, saved: dict[str, Any] | None) -> Megazer
     return cfg
 
 
+def use_checkpoint_args(cfg: MegazeroConfig, saved: dict[str, Any] | None) -> MegazeroConfig:
+    """``--use-checkpoint-args``: the model section of the checkpoint's config replaces the
+    flags' (Megatron's ``load_args_from_checkpoint``); the vocabulary still comes from the
+    tokenizer, and the layout checks run again on the result."""
+    if not cfg.checkpoint.use_checkpoint_args:
+        return cfg
+    if not cfg.checkpoint.load:
+        raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint to read the "
+                          "model's settings from)")
+    if saved is None or not isinstance(saved.get("model"), dict):
+        raise ConfigError(f"--use-checkpoint-args: no checkpoint with a config.json in "
+                          f"{cfg.checkpoint.load}; give the model flags instead")
+    names = {f.name for f in fields(ModelConfig)} - {"vocab_size"}
+    model = replace(cfg.model, **{k: v for k, v in saved["model"].items() if k in names})
+    return replace(cfg, model=model)
+
+
 def check_resume(cfg: MegazeroConfig) -> MegazeroConfig:
-    """Both checks; the config to train with."""
+    """All the checks above; the config to train with."""
     check_load_path(cfg)
+    saved = saved_config(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    cfg = use_checkpoint_args(cfg, saved)
     if not cfg.checkpoint.load:
         return cfg
-    return check_schedule(cfg, saved_config(cfg.checkpoint.load))
+    return check_schedule(cfg, saved)

@@ -37,7 +37,7 @@ GOLDEN_FLAGS = """
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
 --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --lr-warmup-fraction
---lr-warmup-samples --lr-decay-samples --kv-channels
+--lr-warmup-samples --lr-decay-samples --kv-channels --use-checkpoint-args
 --tensorboard-dir --log-json
 """.split()
 

@@ -71,3 +71,17 @@ def test_min_lr_fills_auto_warmup_min_lr():
     cfg = load_config([*BASE[:-6], "--min-lr", "1e-5"], 1, ds_config=ds)
     assert cfg.ds_config["scheduler"]["params"]["warmup_min_lr"] == 1e-5
     assert cfg.optimizer.scheduler_params["warmup_min_lr"] == 1e-5
+
+
+def test_use_checkpoint_args_takes_the_saved_model(tmp_path):
+    saved = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "6",
+             "--position-embedding-type", "rope", "--swiglu"]
+    root = _fake_checkpoint(tmp_path / "ck", [*BASE, *saved])
+    cfg = check_resume(load_config([*BASE, "--load", root, "--use-checkpoint-args"], 1))
+    want = load_config([*BASE, *saved], 1).model
+    assert cfg.model == want
+    with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load"):
+        check_resume(load_config([*BASE, "--use-checkpoint-args"], 1))
+    with pytest.raises(ConfigError, match="not divisible"):  # the layout is checked again
+        check_resume(load_config([*BASE, "--load", root, "--use-checkpoint-args",
+                                  "--tensor-model-parallel-size", "4"], 4))
