@@ -9,7 +9,6 @@ takes the flag's value (or the default). The merge itself is :mod:`megazero.ds_m
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
 import sys
@@ -18,7 +17,10 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from megazero.config import ConfigError, MegazeroConfig
+from megazero.data.tokenizers import TOKENIZER_TYPES
 from megazero.ds_json import load_ds_json
+from megazero.flag_aliases import rewrite_aliases, suggest
+from megazero.flag_help import GROUP_OF_FLAG, GROUP_OF_SECTION, GROUPS, HELP
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,6 +94,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--attention-dropout", "model.attention_dropout", **_FL),
     _f("--hidden-dropout", "model.hidden_dropout", **_FL),
     _f("--init-method-std", "model.init_method_std", **_FL),
+    _f("--kv-channels", "model.kv_channels", **_I),
     _f("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", **_I),
     _f("--vocab-size", "model.vocab_size", **_I),
     _f("--use-flash-attn", "model.use_flash_attn", dest="use_flash_attn", **_ON),
@@ -121,6 +124,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--lr-decay-style", "optimizer.lr_decay_style", choices=("constant", "linear", "cosine")),
     _f("--lr-warmup-iters", "optimizer.lr_warmup_iters", **_I),
     _f("--lr-decay-iters", "optimizer.lr_decay_iters", **_I),
+    _f("--lr-warmup-fraction", "optimizer.lr_warmup_fraction", **_FL),
+    _f("--lr-warmup-samples", "optimizer.lr_warmup_samples", **_I),
+    _f("--lr-decay-samples", "optimizer.lr_decay_samples", **_I),
     _f("--weight-decay", "optimizer.weight_decay", **_FL),
     _f("--adam-beta1", "optimizer.adam_beta1", **_FL),
     _f("--adam-beta2", "optimizer.adam_beta2", **_FL),
@@ -148,7 +154,7 @@ FLAGS: tuple[Flag, ...] = (
        nargs="+", help='"PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights for blending)'),
     _f("--split", "data.split"),
     _f("--mock-data", "data.mock_data", **_ON),
-    _f("--tokenizer-type", "data.tokenizer_type"),
+    _f("--tokenizer-type", "data.tokenizer_type", choices=TOKENIZER_TYPES),
     _f("--tokenizer-model", "data.tokenizer_model"),
     _f("--vocab-file", "data.vocab_file"),
     _f("--merge-file", "data.merge_file"),
@@ -160,26 +166,16 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-load-optim", "checkpoint.no_load_optim", **_ON),
     _f("--no-load-rng", "checkpoint.no_load_rng", **_ON),
     _f("--finetune", "checkpoint.finetune", **_ON),
+    _f("--override-opt_param-scheduler", "checkpoint.override_opt_param_scheduler", **_ON),
+    _f("--use-checkpoint-opt_param-scheduler", "checkpoint.use_checkpoint_opt_param_scheduler",
+       **_ON),
+    _f("--use-checkpoint-args", "checkpoint.use_checkpoint_args", **_ON),
     # logging
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),
     _f("--log-memory-phases", "logging.log_memory_phases", **_ON),
+    _f("--log-json", "logging.log_json", metavar="PATH"),
 )
-
-
-#: Flags of older Megatron / Megatron-DeepSpeed scripts, with what to write instead.
-RENAMED_FLAGS = {
-    "--model-parallel-size": "--tensor-model-parallel-size",
-    "--batch-size": "--micro-batch-size",
-    "--checkpoint-activations": "--recompute-granularity full --recompute-method uniform",
-    "--activations-checkpoint-method": "--recompute-method",
-    "--sequence-parallel-size": "--sequence-parallel (a mode of the TP group)",
-    "--use-distributed-optimizer": "--zero-stage 1",
-    "--warmup": "--lr-warmup-iters",
-    "--deepscale_config": "--deepspeed_config",
-    "--local_rank": "nothing: launch with torchrun, which sets LOCAL_RANK",
-    "--local-rank": "nothing: launch with torchrun, which sets LOCAL_RANK",
-}
 
 
 def field_default(path: str) -> Any:
@@ -197,35 +193,69 @@ def _dest(flag: Flag) -> str:
     return flag.kwargs.get("dest") or flag.names[0].lstrip("-").replace("-", "_")
 
 
+def _help(flag: Flag) -> str:
+    """One line of meaning, the default and the config field, for ``--help``."""
+    meaning = HELP.get(flag.names[0]) or flag.kwargs.get("help", "")
+    action = flag.kwargs.get("action")
+    if action in ("store_true", "store_false"):
+        on = action == "store_true" and flag.convert is None and field_default(flag.field) is True
+        default = "on" if on else "off"
+    else:
+        default = field_default(flag.field)
+        if flag.convert is not None and default is not None and flag.names[0] != "--data-path":
+            default = f"{default} ({flag.field})"
+    if isinstance(default, tuple):
+        default = " ".join(map(str, default)) or None
+    shown = "none" if default is None else str(default)
+    if "(default" in meaning:  # the meaning says what the default is
+        return meaning.replace("%", "%%")
+    return f"{meaning}{'; ' if meaning else ''}default: {shown}".replace("%", "%%")
+
+
+def _group(flag: Flag) -> str:
+    return GROUP_OF_FLAG.get(flag.names[0]) or GROUP_OF_SECTION.get(
+        flag.field.split(".")[0], "ZeRO and DeepSpeed config")
+
+
 def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
-    """The command-line parser. With ``explicit_only`` every default is suppressed, so the
-    namespace holds exactly the flags that were typed (used to detect flag-vs-JSON conflicts)."""
-    parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False,
-                     description="Pretrain a GPT model (Megatron flags, DeepSpeed JSON config).")
+    """The command-line parser, flags grouped under Megatron's headings. With ``explicit_only``
+    every default is suppressed, so the namespace holds exactly the flags that were typed (used to
+    detect flag-vs-JSON conflicts); that parser has no ``--help`` of its own
+    (:func:`parse_args` prints the full parser's help)."""
+    parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=not explicit_only,
+                     usage="torchrun [--nproc_per_node N ...] %(prog)s [flags]",
+                     description="Pretrain a GPT model (Megatron flags, DeepSpeed JSON config).",
+                     epilog="Errors print one line; set MEGAZERO_DEBUG=1 for tracebacks.")
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
     for flag in FLAGS:
         kw = dict(flag.kwargs)
         if explicit_only:
             kw["default"] = argparse.SUPPRESS
-        elif flag.convert is None:
-            kw["default"] = field_default(flag.field)
-        kw.setdefault("help", f"-> {flag.field} (default: %(default)s)")
-        parser.add_argument(*flag.names, **kw)
+            kw.pop("help", None)
+        else:
+            if flag.convert is None:
+                kw["default"] = field_default(flag.field)
+            kw["help"] = _help(flag)
+        group = groups.setdefault(_group(flag), parser.add_argument_group(_group(flag)))
+        group.add_argument(*flag.names, **kw)
     return parser
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Only the flags given in ``argv``; an unknown flag is an error with the closest match."""
+    """Only the flags given in ``argv``; an unknown flag is an error that names the equivalent
+    flag (:mod:`megazero.flag_aliases`) or the closest spelling. ``-h``/``--help`` prints the
+    help and exits 0, as argparse does."""
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv[:argv.index("--") if "--" in argv else None]):
+        build_parser().print_help()
+        raise SystemExit(0)
+    argv = rewrite_aliases(argv)
     parser = build_parser(explicit_only=True)
-    args, unknown = parser.parse_known_args(list(argv))
+    args, unknown = parser.parse_known_args(argv)
     for token in unknown:
         name = token.split("=")[0]
-        if name in RENAMED_FLAGS:
-            raise ConfigError(f"command line: {name} is not a megazero flag; use "
-                              f"{RENAMED_FLAGS[name]}")
         known = [n for flag in FLAGS for n in flag.names]
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        raise ConfigError(f"command line: unknown argument {token!r}"
-                          + (f"; did you mean {close[0]}?" if close else "; see --help"))
+        raise ConfigError(f"command line: {suggest(name, known, token)}")
     return args
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megazero.errors import MegazeroError
 
-class ConfigError(ValueError):
+
+class ConfigError(MegazeroError, ValueError):
     """A setting that is wrong; the message names the key, what was given and the fix."""
 
 
@@ -42,6 +44,7 @@ class ModelConfig:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
+    kv_channels: int | None = None  # Megatron's per-head width; must be hidden / heads here
     use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
     group_query_attention: bool = False  # Megatron's switch; the group count is num_query_groups
     model_preset: str | None = None  # "gpt2" / "llama": the preset the fields were started from
@@ -68,6 +71,9 @@ class ModelConfig:
         _check(not self.group_query_attention or self.num_query_groups is not None,
                "--group-query-attention needs --num-query-groups N (the number of key/value "
                "heads)")
+        _check(self.kv_channels in (None, self.head_dim),
+               f"--kv-channels {self.kv_channels}: megazero's head width is --hidden-size / "
+               f"--num-attention-heads = {self.head_dim}; drop --kv-channels or make them agree")
         _check(self.max_positions >= self.seq_length,
                f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
                f"--seq-length {self.seq_length}")
@@ -257,6 +263,9 @@ class OptimizerConfig:
     lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # default: train_iters
+    lr_warmup_fraction: float | None = None  # warm-up = fraction x decay steps (Megatron)
+    lr_warmup_samples: int | None = None  # sample-based lengths, turned into iterations
+    lr_decay_samples: int | None = None  # by ds_merge once the global batch is known
     scheduler_type: str | None = None  # DeepSpeed scheduler block: WarmupLR, WarmupDecayLR, ...
     scheduler_params: dict = field(default_factory=dict)
 
@@ -302,6 +311,7 @@ class LoggingConfig:
     steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
     wandb: dict = field(default_factory=dict)
     csv_monitor: dict = field(default_factory=dict)
+    log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
 
 
 @dataclass(frozen=True)
@@ -312,6 +322,9 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    override_opt_param_scheduler: bool = False  # on resume: the schedule flags given now win
+    use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins
+    use_checkpoint_args: bool = False  # take the model's shape from the --load checkpoint
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.errors import MegazeroError
 
-class TrainingDivergedError(RuntimeError):
+
+class TrainingDivergedError(MegazeroError, RuntimeError):
     """The loss or gradients stayed NaN/inf for ``--max-nonfinite-steps`` iterations in a row.
-    Raised on every rank alike (the decision is all-reduced), after nothing was saved."""
+    Raised on every rank alike (the decision is all-reduced), after nothing was saved. Its
+    exit status (3) tells a job scheduler not to requeue the run as it is."""
+
+    exit_code = 3
 
 
 def params_finite(chunks: list[torch.nn.Module], topo: Any, device: torch.device) -> bool:

@@ -3,9 +3,13 @@
 Tutorial configs are pasted with ``//`` and ``/* */`` comments, which strict JSON rejects. The
 comments are blanked out (replaced by spaces, newlines kept) by a small tokenizer that knows about
 strings, so ``"output_path": "http://x"`` survives and every error still points at the line and
-column of the original text. Everything else is strict JSON: trailing commas, Python literals,
-unquoted placeholders (``"stage": [0|1|2|3]``, ``"stage": stage``) are rejected with the line, the
-column and the fix.
+column of the original text.
+
+DeepSpeed reads its config with hjson, so configs that DeepSpeed runs may carry trailing commas or
+members separated by newlines only; those two are accepted (read by hjson). Everything else that
+strict JSON rejects (Python literals, unquoted placeholders such as ``"stage": [0|1|2|3]`` or
+``"stage": stage``) is an error naming the line, the column and the fix: hjson would read them as
+strings and the run would fail later with a less precise message.
 """
 
 from __future__ import annotations
@@ -54,6 +58,16 @@ def strip_comments(text: str) -> str:
     return "".join(out)
 
 
+def _hjson_tolerates(text: str, pos: int, msg: str) -> bool:
+    """A trailing comma, or a missing comma where the next member starts on a new line: the
+    two relaxations of DeepSpeed's hjson reader that tutorial configs rely on."""
+    before = text[:pos].rstrip()
+    here = text[pos:pos + 1]
+    if before.endswith(",") and here and here in "}]":
+        return True
+    return "delimiter" in msg and "','" in msg and "\n" in text[len(before):pos]
+
+
 def _line_col(text: str, pos: int) -> tuple[int, int]:
     line = text.count("\n", 0, pos) + 1
     return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
@@ -64,6 +78,9 @@ def _hint(text: str, pos: int, msg: str) -> tuple[int, str]:
     before = text[:pos].rstrip()
     here = text[pos:pos + 1]
     word = _WORD.match(text, pos)
+    if pos >= len(text.rstrip()):
+        return len(before), ("the file ends inside a block: close every { and [ (is the end of "
+                             "the file missing?)")
     if before.endswith(",") and here in "}]" and here:
         return len(before) - 1, ("trailing comma (not allowed in JSON): remove the trailing "
                                  "comma")
@@ -105,15 +122,29 @@ def parse_ds_json(text: str, source: str = "DeepSpeed config") -> dict[str, Any]
     try:
         data = json.loads(clean, object_pairs_hook=_reject_duplicates)
     except json.JSONDecodeError as e:
-        pos, fix = _hint(clean, e.pos, e.msg)
-        line, col = _line_col(clean, pos)
-        src_line = text.splitlines()[line - 1] if text.splitlines() else ""
-        raise ConfigError(f"{source}: invalid JSON at line {line}, column {col} ({e.msg}): {fix}\n"
-                          f"    {src_line}\n    {' ' * (col - 1)}^") from None
+        data = _read_relaxed(clean) if _hjson_tolerates(clean, e.pos, e.msg) else None
+        if data is None:
+            pos, fix = _hint(clean, e.pos, e.msg)
+            line, col = _line_col(clean, pos)
+            lines = text.splitlines()
+            src_line = lines[line - 1] if 0 < line <= len(lines) else ""
+            raise ConfigError(f"{source}: invalid JSON at line {line}, column {col} ({e.msg}): "
+                              f"{fix}\n    {src_line}\n    {' ' * (col - 1)}^") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object {{...}}, got "
                           f"{type(data).__name__}")
     return data
+
+
+def _read_relaxed(clean: str) -> Any:
+    """``clean`` read as DeepSpeed reads it (hjson), or None if hjson rejects it too."""
+    import hjson
+
+    try:
+        data = hjson.loads(clean, object_pairs_hook=_reject_duplicates)
+    except hjson.HjsonDecodeError:
+        return None
+    return json.loads(json.dumps(data))  # hjson's OrderedDicts -> plain dicts
 
 
 def load_ds_json(path: str | Path) -> dict[str, Any]:

@@ -208,7 +208,10 @@ def _fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dic
             out[name] = total
         elif path == "scheduler.params.cos_min_ratio":
             out[name] = cfg.optimizer.min_lr / cfg.optimizer.lr if cfg.optimizer.lr else 0.0
-        elif path in ("scheduler.params.warmup_min_lr", "scheduler.params.warmup_min_ratio"):
+        elif path == "scheduler.params.warmup_min_lr":
+            # WarmupDecayLR ends at warmup_min_lr: the decay's floor is --min-lr (default 0)
+            out[name] = cfg.optimizer.min_lr
+        elif path == "scheduler.params.warmup_min_ratio":
             out[name] = 0.0  # Megatron's warm-up starts from zero
         elif path == "tensorboard.enabled":
             out[name] = cfg.logging.tensorboard_dir is not None
@@ -223,6 +226,46 @@ def _get(cfg: Any, path: str) -> Any:
     for part in path.split("."):
         cfg = getattr(cfg, part)
     return cfg
+
+
+def _schedule_lengths(cfg: MegazeroConfig, given: set[str]) -> MegazeroConfig:
+    """Megatron's other ways to give the warm-up and decay lengths, turned into iterations:
+    ``--lr-warmup-fraction`` (of the decay steps) and ``--lr-warmup-samples`` /
+    ``--lr-decay-samples`` (divided by the global batch, which must divide them)."""
+    o, t = cfg.optimizer, cfg.train
+    warmups = [n for n, f in (("--lr-warmup-iters", "optimizer.lr_warmup_iters"),
+                              ("--lr-warmup-fraction", "optimizer.lr_warmup_fraction"),
+                              ("--lr-warmup-samples", "optimizer.lr_warmup_samples"))
+               if f in given]
+    if len(warmups) > 1:
+        raise ConfigError(f"{' and '.join(warmups)} all set the warm-up length; give one of them")
+    if o.lr_decay_samples is not None and "optimizer.lr_decay_iters" in given:
+        raise ConfigError("--lr-decay-iters and --lr-decay-samples both set the decay length; "
+                          "give one of them")
+    gbs = t.global_batch_size
+
+    def iters(flag: str, samples: int) -> int:
+        if samples < 0 or samples % gbs:
+            raise ConfigError(f"{flag} {samples} is not a multiple of the global batch size "
+                              f"{gbs}; use a multiple (e.g. {max(gbs, samples - samples % gbs)})")
+        return samples // gbs
+
+    kw: dict[str, Any] = {}
+    if o.lr_decay_samples is not None:
+        kw["lr_decay_iters"] = iters("--lr-decay-samples", o.lr_decay_samples)
+    if o.lr_warmup_samples is not None:
+        kw["lr_warmup_iters"] = iters("--lr-warmup-samples", o.lr_warmup_samples)
+    if o.lr_warmup_fraction is not None:
+        if not 0.0 <= o.lr_warmup_fraction <= 1.0:
+            raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction}: expected a "
+                              f"fraction between 0 and 1")
+        decay = kw.get("lr_decay_iters", o.lr_decay_iters) or t.train_iters or (
+            t.train_samples // gbs if t.train_samples else None)
+        if decay is None:
+            raise ConfigError("--lr-warmup-fraction needs the decay length: give --train-iters "
+                              "or --lr-decay-iters")
+        kw["lr_warmup_iters"] = int(o.lr_warmup_fraction * decay)
+    return replace(cfg, optimizer=replace(o, **kw)) if kw else cfg
 
 
 def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
@@ -246,7 +289,11 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                       UnimplementedConfigWarning, stacklevel=3)
     found = json_field_values(ds_checked)
     _json_semantics(ds_checked, found)
-    merged = _merge(found, flag_values(args or {}))
+    flags = flag_values(args or {})
+    merged = _merge(found, flags)
+    if "logging.steps_per_print" in merged and "logging.log_interval" not in flags:
+        # A DeepSpeed user's print interval is the log line's interval unless the flag is typed.
+        merged["logging.log_interval"] = ("steps_per_print", merged["logging.steps_per_print"][1])
     if merged.get("precision.fp16", (0, False))[1] and merged.get("precision.bf16", (0, False))[1]:
         raise ConfigError(f"fp16 and bf16 are both enabled ({merged['precision.fp16'][0]} and "
                           f"{merged['precision.bf16'][0]}); enable at most one of them")
@@ -277,6 +324,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                 if name not in ("model", "parallel", "train")}
     cfg = MegazeroConfig(model=model, parallel=parallel, train=train, zero=ZeroConfig(**zero_kw),
                          **sections, **top)
+    cfg = _schedule_lengths(cfg, {f for f, (src, _) in merged.items()})
     filled = _fill_auto(copy.deepcopy(ds_checked), cfg)
     optimizer = cfg.optimizer
     if optimizer.scheduler_type is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megazero.config import ConfigError, MegazeroConfig
+from megazero.errors import DataError, MegazeroError
 from megazero.topology import ParallelTopology
 
 
@@ -63,9 +64,12 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
             raise ConfigError("--data-path needs --tokenizer-type (SentencePieceTokenizer with "
                               "--tokenizer-model, GPT2BPETokenizer with --vocab-file and "
                               "--merge-file, or NullTokenizer with --vocab-size)")
-        tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
-                              vocab_file=d.vocab_file, merge_file=d.merge_file,
-                              vocab_size=cfg.model.vocab_size)
+        try:
+            tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                                  vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                  vocab_size=cfg.model.vocab_size)
+        except (OSError, ValueError) as e:  # a missing or unreadable tokenizer file
+            raise DataError(f"--tokenizer-type {d.tokenizer_type}: {e}") from e
     else:
         from megazero.demo import prepare_demo_data
 
@@ -101,7 +105,12 @@ def build_datasets(cfg: MegazeroConfig, batching: Batching) -> tuple[Any, Any]:
                     data_path=tuple(cfg.data.data_path), split=cfg.data.split, seed=t.seed,
                     cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data,
                     vocab_size=cfg.model.vocab_size)
-    train, valid_ds, _ = build_train_valid_test_datasets(dc)
+    try:
+        train, valid_ds, _ = build_train_valid_test_datasets(dc)
+    except (FileNotFoundError, ValueError) as e:  # a missing prefix, a split with no samples
+        if isinstance(e, MegazeroError):  # IndexFormatError names the file already
+            raise
+        raise DataError(f"--data-path: {e}") from e
     return train, valid_ds
 
 

@@ -47,6 +47,7 @@ from megazero.initialize import (
 )
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
+from megazero.resume_checks import check_resume
 from megazero.save_check import check_save_dir, checkpoint_bytes, explain_write_error
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
@@ -244,6 +245,13 @@ def _load(run: Run) -> None:
     for note in res.notes:
         run.monitor.info(f"note: {note}")
     run.monitor.info(f"loaded checkpoint {res.path} at iteration {res.iteration}")
+    if ck.finetune:
+        run.monitor.info("> --finetune: weights only; iteration 0, fresh optimizer state and "
+                         "learning-rate schedule")
+    elif ck.no_load_optim:
+        run.monitor.info(f"> --no-load-optim: optimizer state NOT loaded (Adam moments start "
+                         f"at zero); the learning-rate schedule continues at iteration "
+                         f"{res.iteration}")
 
 
 def _save_if_sound(run: Run, why: str) -> bool:
@@ -322,6 +330,7 @@ def train(run: Run) -> TrainState:
 
 def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     """Initialise the process group and build everything the loop needs."""
+    cfg = check_resume(cfg)  # before the process group: every rank reads the same files
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     env = initialize_distributed(cfg.parallel.distributed_backend,
                                  cfg.parallel.distributed_timeout_minutes)
@@ -333,13 +342,17 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
         enable_deterministic_mode()
     is_reporter = topo.rank == 0
     log = print if is_reporter else (lambda *a, **k: None)
+    demo = not cfg.data.data_path and not cfg.data.mock_data
     _, cfg = build_tokenizer_and_data_path(cfg, topo, log=log)
+    if demo:
+        log(f"> no --data-path: training on the built-in demo corpus, cached in "
+            f"{os.path.dirname(cfg.data.data_path[0])} (--data-cache-path moves it)")
     batching = Batching.from_config(cfg, topo.dp_size)
     train_ds, valid_ds = build_datasets(cfg, batching)
     chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
     scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
     logging = cfg.logging
-    monitor = Monitor(logging, enabled=is_reporter, log_json=log_json,
+    monitor = Monitor(logging, enabled=is_reporter, log_json=log_json or logging.log_json,
                       run_config=config_dict(cfg) if is_reporter else None)
     timers = Timers(enabled=logging.wall_clock_breakdown)
     if timers.enabled:
@@ -352,25 +365,71 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     return run
 
 
+def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology) -> float:
+    """This rank's share of the model's parameter count; summed over one data-parallel replica
+    (the tp x pp ranks) it is the count of the model itself, the same at every layout.
+
+    A TP-split tensor counts its slice; a tensor every TP rank holds whole (norms, row-parallel
+    biases) counts 1/tp on each; vocabulary pad rows (the vocabulary is padded to a multiple of
+    ``make_vocab_size_divisible_by x tp``) are not parameters of the model; the last stage's copy
+    of a tied word embedding is the first stage's parameter, not another one.
+    """
+    share = 0.0
+    for c in chunks:
+        for p in c.parameters():
+            if not topo.is_first_stage and getattr(p, "shared_embedding", False):
+                continue
+            if getattr(p, "tensor_model_parallel", False):
+                share += p.numel() * getattr(p, "vocab_size", 1) / getattr(p, "padded_vocab_size",
+                                                                             1)
+            else:
+                share += p.numel() / topo.tp_size
+    return share
+
+
+def _padded_vocab(chunks: list[torch.nn.Module]) -> int | None:
+    for c in chunks:
+        for p in c.parameters():
+            if hasattr(p, "padded_vocab_size"):
+                return int(p.padded_vocab_size)
+    return None
+
+
 def _describe(run: Run) -> None:
     cfg, topo, b = run.cfg, run.topo, run.batching
-    # The last stage's copy of a tied word embedding is not another parameter of the model.
-    n_params = sum(p.numel() for c in run.chunks for p in c.parameters()
-                   if topo.is_first_stage or not getattr(p, "shared_embedding", False))
-    counts = torch.tensor([n_params], dtype=torch.float64, device=run.env.device)
+    counts = torch.tensor([local_parameter_share(run.chunks, topo)], dtype=torch.float64,
+                          device=run.env.device)
     if topo.world_size > 1:
         dist.all_reduce(counts)
-    total = int(counts.item()) // topo.dp_size  # dp replicas hold the same (tp, pp) shards
+    total = round(counts.item() / topo.dp_size)  # dp replicas hold the same (tp, pp) shards
+    padded = _padded_vocab(run.chunks)
+    vocab = f"vocab {cfg.model.vocab_size}" + (
+        f" (padded to {padded} for --make-vocab-size-divisible-by "
+        f"{cfg.model.make_vocab_size_divisible_by} x tp {topo.tp_size})"
+        if padded and padded != cfg.model.vocab_size else "")
     precision = "fp16" if cfg.precision.fp16 else "bf16" if cfg.precision.bf16 else "fp32"
-    run.monitor.info(
+    lines = [
         f"> world {topo.world_size} ({run.env.backend}): tp {topo.tp_size} x pp {topo.pp_size} "
         f"x dp {topo.dp_size}, vpp {topo.vpp_size or 1}, sequence parallel {run.sp}, "
-        f"ZeRO stage {cfg.zero.stage}, {precision}\n"
+        f"ZeRO stage {cfg.zero.stage}, {precision}",
         f"> model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, heads "
-        f"{cfg.model.num_attention_heads}, seq {cfg.model.seq_length}, vocab "
-        f"{cfg.model.vocab_size}: {total / 1e6:.2f}M parameters\n"
+        f"{cfg.model.num_attention_heads}, seq {cfg.model.seq_length}, {vocab}: "
+        f"{total / 1e6:.2f}M parameters ({total:,})",
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
-        f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations")
+        f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
+    ]
+    d = cfg.data
+    if d.mock_data:
+        lines.append("> data: --mock-data (random tokens)")
+    else:
+        lines.append(f"> data: {' '.join(d.data_path)} ({d.tokenizer_type}"
+                     + (f" {d.tokenizer_model}" if d.tokenizer_model else "") + ")")
+    if cfg.logging.tensorboard_dir:
+        lines.append(f"> tensorboard: writing to {cfg.logging.tensorboard_dir}")
+    if cfg.checkpoint.save:
+        lines.append(f"> checkpoints: saving to {cfg.checkpoint.save} every "
+                     f"{cfg.checkpoint.save_interval or 'end of'} iterations")
+    run.monitor.info("\n".join(lines))
 
 
 def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:

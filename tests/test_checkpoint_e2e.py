@@ -44,12 +44,14 @@ def test_other_layout_loads_other_shape_is_a_clear_error_and_finetune_restarts(t
     ck = tmp_path / "ck"
     check(run_training([*TINY, "--train-iters", "2", "--save", str(ck)]))
     out = check(run_training([*TINY, "--train-iters", "3", "--load", str(ck),
+                              "--override-opt_param-scheduler",
                               "--tensor-model-parallel-size", "2"], nproc=2))
     assert "loaded checkpoint" in out and "at iteration 2" in out
     assert "random states not restored: saved at tp=1 pp=1 dp=1" in out
     hidden = [a if a != "32" or TINY[i - 1] != "--hidden-size" else "64"
               for i, a in enumerate(TINY)]
-    proc = run_training([*hidden, "--train-iters", "4", "--load", str(ck)])
+    proc = run_training([*hidden, "--train-iters", "4", "--load", str(ck),
+                         "--override-opt_param-scheduler"])
     assert proc.returncode == 2
     assert "pretrain_gpt.py: error: checkpoint" in proc.stderr
     assert "--hidden-size is 64 but the checkpoint was saved with 32 (config.json)" \

@@ -40,7 +40,9 @@ GOLDEN_FLAGS = """
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
---tensorboard-dir --log-memory-phases
+--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --lr-warmup-fraction
+--lr-warmup-samples --lr-decay-samples --kv-channels --use-checkpoint-args
+--tensorboard-dir --log-json --log-memory-phases
 """.split()
 
 CHOICES = {

@@ -138,8 +138,6 @@ def test_other_seed_configs_load(fixture, world, check, warned):
 @pytest.mark.parametrize("fixture, line, fix", [
     ("bad_seed000_placeholders.json", 35, "write exactly one value"),
     ("bad_seed000_unquoted_auto.json", 41, 'write "auto" in double quotes'),
-    ("bad_seed003_missing_commas.json", 7, "a comma is missing"),
-    ("bad_seed004_trailing_comma.json", 5, "remove the trailing comma"),
     ("bad_seed003_python_variables.json", 2, "'GLOBAL_BATCH_SIZE' is not a JSON value"),
 ])
 def test_invalid_seed_json_names_line_and_fix(fixture, line, fix):
@@ -147,6 +145,29 @@ def test_invalid_seed_json_names_line_and_fix(fixture, line, fix):
         load_ds_json(CONFIGS / fixture)
     assert f"line {line}," in str(e.value) and fix in str(e.value)
     assert fixture in str(e.value)
+
+
+@pytest.mark.parametrize("fixture", ["bad_seed003_missing_commas.json",
+                                     "bad_seed004_trailing_comma.json"])
+def test_what_deepspeeds_hjson_reader_accepts_is_accepted(fixture):
+    """DeepSpeed reads its config with hjson: trailing commas and members separated by
+    newlines only are fine there, so they are fine here."""
+    import hjson
+
+    text = (CONFIGS / fixture).read_text()
+    assert load_ds_json(CONFIGS / fixture) == json.loads(json.dumps(hjson.loads(text)))
+
+
+@pytest.mark.parametrize("text, line, fix", [
+    ('{"a": 1,\n', 1, "the file ends inside a block"),
+    ('{"zero_optimization": {"stage": 2\n', 1, "the file ends inside a block"),
+    ('{"a": 1 "b": 2}', 1, "a comma is missing"),
+    ('{\n"a": True,\n}', 2, "True is Python"),
+])
+def test_broken_json_still_names_line_and_fix(text, line, fix):
+    with pytest.raises(ConfigError) as e:
+        parse_ds_json(text)
+    assert f"line {line}," in str(e.value) and fix in str(e.value)
 
 
 def test_seed_template_loads_once_its_placeholders_are_filled():
@@ -188,7 +209,7 @@ def test_comments_are_stripped_but_strings_kept():
     ('[1, 2]', "the top level must be a JSON object"),
     ("{'fp16': {}}", "JSON strings use double quotes"),
     ('{\n  # note\n}', "line 2, column 3"),
-    ('{"train_batch_size": 8,\n}', "line 1, column 23"),
+    ('{"train_batch_size": 8,\n"fp16": {"enabled": None},\n}', "line 2, column 21"),
 ])
 def test_json_syntax_errors(text, expected):
     with pytest.raises(ConfigError) as e:

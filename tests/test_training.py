@@ -11,7 +11,6 @@ from test_e2e import TINY, check, read_metrics, run_training
 from megazero.arguments import load_config
 from megazero.config import ConfigError
 from megazero.train_setup import Batching, get_batch
-from pretrain_gpt import split_entry_flags
 
 DS_CONFIG = """{
   // a DeepSpeed config as pasted from a tutorial
@@ -90,9 +89,8 @@ def test_batching_and_batch_shift():
     batch = get_batch(iter([{"tokens": torch.arange(10).view(2, 5)}]))
     assert batch["tokens"].tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]]
     assert batch["labels"].tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
-    assert split_entry_flags(["--lr", "1", "--log-json", "x.jsonl", "--seed", "3"]) == (
-        ["--lr", "1", "--seed", "3"], "x.jsonl")
-    assert split_entry_flags(["--log-json=y"]) == ([], "y")
+    assert load_config(["--lr", "1", "--log-json", "x.jsonl"], 1).logging.log_json == "x.jsonl"
+    assert load_config(["--log-json=y"], 1).logging.log_json == "y"
 
 
 def test_backend_choice_slurm_env_and_seeds():

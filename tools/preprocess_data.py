@@ -23,7 +23,8 @@ from megazero.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("input")
     g.add_argument("--input", required=True, nargs="+",
                    help="JSON lines files (.json/.jsonl), plain text files, or directories")
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip (and count) malformed lines instead of stopping at the first")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", help="SentencePiece .model file")
+    g.add_argument("--tokenizer-model",
+                   help="SentencePiece .model file, or a Hugging Face tokenizer.json (or its "
+                        "directory) for HuggingFaceTokenizer")
     g.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
     g.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
     g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")

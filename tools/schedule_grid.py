@@ -20,13 +20,17 @@ from megazero.pipeline.schedules import build_all
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pp", type=int, required=True)
-    ap.add_argument("--vpp", type=int, default=1)
-    ap.add_argument("--microbatches", type=int, required=True)
-    ap.add_argument("--forward-only", action="store_true")
-    ap.add_argument("--f-time", type=float, default=1.0)
-    ap.add_argument("--b-time", type=float, default=2.0)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
+    ap.add_argument("--vpp", type=int, default=1,
+                    help="virtual chunks per stage (>1: interleaved 1F1B)")
+    ap.add_argument("--microbatches", type=int, required=True,
+                    help="micro-batches per iteration")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="the evaluation schedule (no backward passes)")
+    ap.add_argument("--f-time", type=float, default=1.0, help="time units of one forward")
+    ap.add_argument("--b-time", type=float, default=2.0, help="time units of one backward")
     ap.add_argument("--steps", action="store_true", help="also print every rank's step list")
     args = ap.parse_args(argv)
     try:

@@ -39,17 +39,24 @@ def iter_texts(inputs: Sequence[str], json_keys: Sequence[str], text_mode: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, nargs="+")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--input", required=True, nargs="+",
+                   help="JSON lines files (.json/.jsonl), plain text files, or directories")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--text-mode", choices=TEXT_MODES, default="file")
-    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--character-coverage", type=float, default=1.0)
+    p.add_argument("--vocab-size", type=int, default=32000, help="pieces in the vocabulary")
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys of the JSON objects whose text is trained on")
+    p.add_argument("--text-mode", choices=TEXT_MODES, default="file",
+                   help="for plain text files: one document per file, line or paragraph")
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
+                   help="SentencePiece model type")
+    p.add_argument("--character-coverage", type=float, default=1.0,
+                   help="share of characters covered by the vocabulary (rest: byte fallback)")
     p.add_argument("--max-documents", type=int, default=None,
                    help="train on the first N documents only")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="SentencePiece trainer threads")
     args = p.parse_args(argv)
     try:
         model = train_sentencepiece(

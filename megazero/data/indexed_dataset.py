@@ -27,6 +27,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from megazero.errors import MegazeroError
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, two counts = 34
@@ -44,7 +46,7 @@ DTYPE_CODES: dict[int, type[np.number]] = {
 _CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
-class IndexFormatError(ValueError):
+class IndexFormatError(MegazeroError, ValueError):
     """An ``.idx``/``.bin`` pair that is not a valid Megatron mmap indexed dataset."""
 
 

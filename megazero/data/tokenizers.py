@@ -18,6 +18,7 @@ __all__ = [
     "Tokenizer",
     "SentencePieceTokenizer",
     "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
     "NullTokenizer",
     "build_tokenizer",
     "train_sentencepiece",
@@ -69,6 +70,47 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+class HuggingFaceTokenizer:
+    """A Hugging Face fast tokenizer read from a local ``tokenizer.json`` (or the directory
+    holding it) with the ``tokenizers`` library: no download, no ``transformers`` needed.
+
+    The end-of-document token is the first of the usual end markers the vocabulary has
+    (``<|endoftext|>`` GPT-2/NeoX, ``</s>`` Llama 2/T5, ``<|end_of_text|>`` Llama 3, ``<eos>``).
+    """
+
+    EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"Hugging Face tokenizer {file!r} not found (pass "
+                                    "--tokenizer-model PATH/tokenizer.json or its directory)")
+        self.model_file = file
+        self._tok = _HFTokenizer.from_file(file)
+        ids = [self._tok.token_to_id(t) for t in self.EOD_TOKENS]
+        found = [i for i in ids if i is not None]
+        if not found:
+            raise ValueError(f"Hugging Face tokenizer {file!r} has none of the end-of-document "
+                             f"tokens {', '.join(self.EOD_TOKENS)}; add one to its vocabulary")
+        self._eod = int(found[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 class NullTokenizer:
     """Megatron's tokenizer for mock data: text is whitespace-separated integer ids.
 
@@ -100,7 +142,7 @@ class NullTokenizer:
 
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "NullTokenizer")
+                   "HuggingFaceTokenizer", "NullTokenizer")
 
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
@@ -117,6 +159,11 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
             raise ValueError("GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file "
                              "(merges.txt)")
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json file "
+                             "or the directory holding it)")
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")

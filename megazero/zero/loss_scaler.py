@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from megazero.config import PrecisionConfig
+from megazero.errors import MegazeroError
 
 
-class LossScaleError(RuntimeError):
+class LossScaleError(MegazeroError, RuntimeError):
     """Gradients still overflow at the minimum loss scale."""
 
 

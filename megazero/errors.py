@@ -1,0 +1,113 @@
+"""The errors megazero raises on purpose, and how a launched job reports them.
+
+Every error that describes a problem the user can fix (a flag, a JSON key, a data file, a
+checkpoint, a diverging fp16 run) derives from :class:`MegazeroError` or is listed in
+:func:`expected_errors`. ``pretrain_gpt.py`` turns those into ONE line per job,
+``pretrain_gpt.py: error: ...``, instead of a Python traceback from every rank. Anything else is
+a bug and keeps its traceback.
+
+Who speaks: before the process group exists (flag and JSON errors) every rank computes the same
+message, so ``RANK`` 0 prints it. Once the group exists an error may be raised by some ranks only
+(a file one node cannot read), so the first failing rank claims the job's error slot in the
+launcher's key-value store; rank 0 is given a short head start so that an error every rank hits is
+reported by rank 0. The other ranks exit with the same code without printing (see
+:func:`report_error` for how they make sure the speaking rank is heard).
+
+``MEGAZERO_DEBUG=1`` in the environment prints the full traceback on every rank as well.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+#: Exit status of a job stopped by an expected error (argparse uses 2 for usage errors too).
+EXIT_CODE = 2
+DEBUG_ENV = "MEGAZERO_DEBUG"
+_ERROR_KEY = "megazero/error-reported-by"
+
+
+class MegazeroError(Exception):
+    """A problem the user can fix; the message names what was given and the fix."""
+
+
+class DataError(MegazeroError, ValueError):
+    """A data file or tokenizer the flags name is missing or unusable."""
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """The classes reported as one clean line. ``CheckpointError`` lives in
+    :mod:`megazero.checkpointing`, which does not import this module, so it is listed here."""
+    classes: list[type[BaseException]] = [MegazeroError]
+    try:
+        from megazero.checkpointing import CheckpointError
+
+        classes.append(CheckpointError)
+    except ImportError:  # pragma: no cover - a checkpointing module without the class
+        pass
+    return tuple(classes)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def env_rank() -> int:
+    """The launcher's global rank (torchrun ``RANK``, Slurm ``SLURM_PROCID``), 0 without one."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _claim_report(rank: int, head_start_s: float) -> bool:
+    """True if this rank is the one that prints the job's error (first claimant wins)."""
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # no store to agree through
+        store = None
+    if store is None:
+        return rank == 0
+    if rank != 0:
+        time.sleep(head_start_s)
+    try:
+        winner = store.compare_set(_ERROR_KEY, "", str(rank))
+        return winner.decode() == str(rank)
+    except Exception:
+        return rank == 0
+
+
+def already_reported() -> bool:
+    """True once a rank of this job has reported an expected error. A rank that then fails in a
+    collective (its peer has left: "Connection closed by peer") is seeing a consequence, not a
+    second problem, and exits without a traceback."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return False
+        return bool(dist.distributed_c10d._get_default_store().check([_ERROR_KEY]))
+    except Exception:
+        return False
+
+
+def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
+                 grace_s: float = 20.0) -> int:
+    """Print ``prog: error: <message>`` once per job; return the exit status for every rank.
+
+    A rank that does not print waits ``grace_s`` before returning: the launcher stops the whole
+    job as soon as one rank exits, which must not happen before the speaking rank has printed.
+    When rank 0 has failed too, torchrun ends the waiting ranks early; a rank still alive after
+    the grace period saw an error rank 0 did not, and says it itself.
+    """
+    rank = env_rank()
+    code = getattr(error, "exit_code", EXIT_CODE)
+    if debug_enabled():
+        traceback.print_exception(error, file=sys.stderr)
+    if _claim_report(rank, head_start_s):
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        return code
+    time.sleep(grace_s)
+    print(f"{prog}: error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    return code

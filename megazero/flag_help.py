@@ -1,0 +1,138 @@
+"""What ``pretrain_gpt.py --help`` says about each flag, and under which heading.
+
+Kept beside :data:`megazero.arguments.FLAGS` rather than inside it so the flag table stays one
+line per flag. Headings follow Megatron's argument groups. A flag's group comes from
+:data:`GROUP_OF_FLAG` when listed there, else from the section of the config field it fills
+(:data:`GROUP_OF_SECTION`), so a new flag lands under a sensible heading without an edit here.
+"""
+
+from __future__ import annotations
+
+GROUPS = ("model", "parallelism", "training", "learning rate", "validation", "data",
+          "checkpointing", "logging", "mixed precision", "ZeRO and DeepSpeed config",
+          "distributed")
+
+GROUP_OF_SECTION = {
+    "model": "model", "parallel": "parallelism", "train": "training", "optimizer": "training",
+    "data": "data", "checkpoint": "checkpointing", "logging": "logging",
+    "precision": "mixed precision", "zero": "ZeRO and DeepSpeed config",
+}
+
+GROUP_OF_FLAG = {
+    "--lr": "learning rate", "--min-lr": "learning rate", "--lr-decay-style": "learning rate",
+    "--lr-warmup-iters": "learning rate", "--lr-decay-iters": "learning rate",
+    "--lr-warmup-fraction": "learning rate", "--lr-warmup-samples": "learning rate",
+    "--lr-decay-samples": "learning rate",
+    "--override-opt_param-scheduler": "learning rate",
+    "--use-checkpoint-opt_param-scheduler": "learning rate",
+    "--eval-interval": "validation", "--eval-iters": "validation",
+    "--distributed-backend": "distributed",
+    "--deepspeed_config": "ZeRO and DeepSpeed config", "--deepspeed": "ZeRO and DeepSpeed config",
+    "--log-json": "logging",
+}
+
+HELP = {
+    # parallelism
+    "--tensor-model-parallel-size": "ranks that split each layer's matrices (TP)",
+    "--pipeline-model-parallel-size": "pipeline stages the layers are divided into (PP)",
+    "--num-layers-per-virtual-pipeline-stage":
+        "layers per virtual chunk: turns on the interleaved 1F1B schedule",
+    "--sequence-parallel": "split LayerNorm/dropout activations along the sequence over TP ranks",
+    "--recompute-granularity": "activation recompute: full layers or the attention core only",
+    "--recompute-method": "with full recompute: every N layers (uniform) or the first N (block)",
+    "--recompute-num-layers": "N for --recompute-method",
+    "--distributed-backend": "torch.distributed backend (default: nccl on GPU, gloo on CPU)",
+    # model
+    "--model-preset": "start the model from a preset; flags given explicitly override it",
+    "--num-layers": "transformer layers",
+    "--hidden-size": "model width",
+    "--num-attention-heads": "attention heads per layer",
+    "--group-query-attention": "grouped-query attention (with --num-query-groups)",
+    "--num-query-groups": "key/value heads for grouped-query attention",
+    "--ffn-hidden-size": "MLP width (default 4 x hidden, 8/3 x hidden with --swiglu)",
+    "--seq-length": "tokens per training sample",
+    "--max-position-embeddings": "learned position table size (default --seq-length)",
+    "--position-embedding-type": "learned absolute positions or rotary (RoPE)",
+    "--rotary-base": "RoPE base frequency",
+    "--normalization": "normalization layer",
+    "--norm-epsilon": "epsilon of the normalization layers",
+    "--swiglu": "SwiGLU MLP instead of GELU",
+    "--disable-bias-linear": "no bias in the linear layers",
+    "--untie-embeddings-and-output-weights": "separate output layer instead of the embedding",
+    "--attention-dropout": "dropout on the attention probabilities",
+    "--hidden-dropout": "dropout on the residual branches",
+    "--init-method-std": "standard deviation of the weight initialisation",
+    "--make-vocab-size-divisible-by": "pad the vocabulary to a multiple of this x TP size",
+    "--vocab-size": "vocabulary size with --mock-data / NullTokenizer",
+    "--use-flash-attn": "use flash-attn when installed and on GPU",
+    "--no-flash-attn": "never use flash-attn",
+    "--kv-channels": "per-head width; must equal --hidden-size / --num-attention-heads",
+    "--attention-softmax-in-fp32": "accepted: the attention softmax always runs in fp32",
+    # training
+    "--micro-batch-size": "samples per rank per forward/backward",
+    "--global-batch-size": "samples per optimizer step over all data-parallel ranks",
+    "--train-iters": "optimizer steps to train",
+    "--train-samples": "samples to train (instead of --train-iters)",
+    "--seed": "random seed",
+    "--exit-interval": "stop (and save) after an iteration that is a multiple of this",
+    "--exit-duration-in-mins": "stop (and save) after this many minutes",
+    "--exit-signal-handler": "accepted: SIGTERM always saves a checkpoint and exits",
+    "--skip-train": "no training: evaluate the loaded model on the validation set only",
+    "--weight-decay": "AdamW weight decay",
+    "--adam-beta1": "Adam beta1",
+    "--adam-beta2": "Adam beta2",
+    "--adam-eps": "Adam epsilon",
+    "--clip-grad": "global gradient-norm clipping (0 disables)",
+    # learning rate
+    "--lr": "peak learning rate",
+    "--min-lr": "learning rate the decay ends at",
+    "--lr-decay-style": "learning-rate decay after warm-up",
+    "--lr-warmup-iters": "linear warm-up steps from 0 to --lr",
+    "--lr-warmup-fraction": "warm-up as a fraction of the decay steps",
+    "--lr-warmup-samples": "warm-up length in samples (a multiple of the global batch)",
+    "--lr-decay-iters": "steps over which the rate decays (default --train-iters)",
+    "--lr-decay-samples": "decay length in samples (a multiple of the global batch)",
+    "--override-opt_param-scheduler":
+        "on resume, use the schedule flags given now instead of refusing a different one",
+    "--use-checkpoint-opt_param-scheduler":
+        "on resume, keep the checkpoint's schedule settings and ignore the flags",
+    # validation
+    "--eval-interval": "iterations between validation runs",
+    "--eval-iters": "global batches per validation run (0 disables)",
+    # mixed precision
+    "--fp16": "fp16 mixed precision with dynamic loss scaling (fp32 master weights)",
+    "--bf16": "bf16 mixed precision (fp32 master weights)",
+    "--loss-scale": "static loss scale (0: dynamic)",
+    "--initial-loss-scale": "initial dynamic loss scale, a power of two (default 65536 = 2**16)",
+    "--min-loss-scale": "smallest dynamic loss scale; overflowing there stops the run",
+    "--loss-scale-window": "clean steps before the dynamic scale doubles",
+    "--hysteresis": "overflows tolerated before the dynamic scale halves",
+    # ZeRO and DeepSpeed
+    "--zero-stage": "ZeRO stage; the same as zero_optimization.stage in the JSON",
+    "--deepspeed_config": "DeepSpeed JSON config (comments, trailing commas allowed; \"auto\" "
+                          "takes the flags)",
+    "--deepspeed": "accepted for Megatron-DeepSpeed scripts; no effect",
+    # data
+    "--data-path": '"PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights for blending)',
+    "--split": "train,valid,test proportions of --data-path",
+    "--mock-data": "random tokens instead of a corpus (no files needed)",
+    "--tokenizer-type": "tokenizer of the corpus",
+    "--tokenizer-model": "SentencePiece .model file, or tokenizer.json / its directory",
+    "--vocab-file": "GPT2BPETokenizer vocab.json",
+    "--merge-file": "GPT2BPETokenizer merges.txt",
+    "--data-cache-path": "where sample indices (and the demo corpus) are cached",
+    "--num-workers": "accepted for Megatron scripts: samples are read from mmap in-process",
+    # checkpointing
+    "--save": "directory to save checkpoints to",
+    "--load": "directory to resume from (must exist unless it is also --save)",
+    "--save-interval": "iterations between checkpoints",
+    "--no-load-optim": "do not load the optimizer state (fresh Adam moments)",
+    "--no-load-rng": "do not load the random-number-generator states",
+    "--finetune": "load weights only: iteration 0, fresh optimizer and schedule",
+    "--use-checkpoint-args": "take the model's shape (layers, widths, heads, positions, norm...) "
+                             "from the --load checkpoint instead of the flags",
+    # logging
+    "--log-interval": "iterations between log lines",
+    "--tensorboard-dir": "write TensorBoard scalars here",
+    "--log-json": "also append every logged iteration's metrics to this file as JSON lines",
+}
