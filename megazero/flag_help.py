@@ -74,6 +74,11 @@ HELP = {
     "--train-iters": "optimizer steps to train",
     "--train-samples": "samples to train (instead of --train-iters)",
     "--seed": "random seed",
+    "--deterministic-mode": "bitwise-reproducible GPU runs: deterministic kernels, fixed cuBLAS "
+                            "workspace (slower)",
+    "--openai-gelu": "tanh-approximated GELU (GPT-2's gelu_new) instead of the exact one",
+    "--log-memory-phases": "log device memory after forward, backward and the optimizer step "
+                           "(TensorBoard mem-after-* tags)",
     "--exit-interval": "stop (and save) after an iteration that is a multiple of this",
     "--exit-duration-in-mins": "stop (and save) after this many minutes",
     "--exit-signal-handler": "accepted: SIGTERM always saves a checkpoint and exits",

@@ -10,7 +10,10 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "3e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1000",
-        "--eval-interval", "1000", "--eval-iters", "0", "--seed", "7"]
+        "--eval-interval", "1000", "--eval-iters", "0", "--seed", "7",
+        # A fixed decay length: runs that resume with a larger --train-iters keep the schedule
+        # (a changed schedule is refused on resume, as in Megatron).
+        "--lr-decay-iters", "100"]
 
 
 def train_in_rank(rank: int, world: int, args: list[str], writer=None, keep_run=False):

@@ -34,7 +34,8 @@ def test_divergence_skips_stops_and_keeps_latest(tmp_path):
     check(run_training([*args, "--save-interval", "4", "--log-json", str(straight)]))
     (ck / "latest_checkpointed_iteration.txt").write_text("4")
     # Resume with an absurd learning rate: the weights blow up, the losses turn NaN.
-    bad = run_training([*args, "--load", str(ck), "--lr", "1e6", "--save-interval", "2",
+    bad = run_training([*args, "--load", str(ck), "--lr", "1e6",
+                            "--override-opt_param-scheduler", "--save-interval", "2",
                         "--train-iters", "14", "--log-json", str(tmp_path / "bad.jsonl")])
     assert bad.returncode == 3, bad.stderr[-3000:]
     assert bad.stderr.count("training diverged at iteration") == 1, bad.stderr[-3000:]

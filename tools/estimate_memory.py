@@ -30,17 +30,24 @@ from megazero.planner.presets import MODEL_PRESETS, hf_config_argv, preset_argv 
 
 
 def tool_parser(description: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description, epilog="Every other flag is "
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 epilog="Every other flag is "
                                  "pretrain_gpt.py's (e.g. --tensor-model-parallel-size, "
                                  "--zero-stage, --bf16, --deepspeed_config ds.json).")
-    ap.add_argument("--world-size", type=int, default=None)
-    ap.add_argument("--num-nodes", type=int, default=1)
-    ap.add_argument("--gpus-per-node", type=int, default=None)
-    ap.add_argument("--model", choices=list(MODEL_PRESETS), default=None)
-    ap.add_argument("--hf-config", default=None)
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="ranks in the job (else --num-nodes x --gpus-per-node)")
+    ap.add_argument("--num-nodes", type=int, default=1, help="nodes in the job")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="GPUs per node (default: the cluster's)")
+    ap.add_argument("--model", choices=list(MODEL_PRESETS), default=None,
+                    help="a well-known model's shape instead of --num-layers/--hidden-size/...")
+    ap.add_argument("--hf-config", default=None,
+                    help="a Hugging Face config.json to take the model's shape from")
     ap.add_argument("--cluster", default="h100-80gb-nvlink",
                     help=f"one of {builtin_clusters()} or a JSON file")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="print the whole estimate as one JSON object (bytes per rank)")
     return ap
 
 
@@ -72,7 +79,8 @@ def gb(x: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = tool_parser(__doc__.split("\n")[0])
-    ap.add_argument("--deepspeed-compat", action="store_true")
+    ap.add_argument("--deepspeed-compat", action="store_true",
+                    help="print what DeepSpeed's estimate_zero2/3_model_states_mem_needs print")
     args, rest = ap.parse_known_args(argv)
     from megazero.planner.estimate import estimate
 

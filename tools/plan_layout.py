@@ -34,11 +34,15 @@ from megazero.planner.search import (  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = tool_parser(__doc__.split("\n")[0])
-    ap.add_argument("--global-batch-size", type=int, default=None)
-    ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--measure", type=int, default=0, metavar="K")
-    ap.add_argument("--measure-iters", type=int, default=4)
+    ap.add_argument("--global-batch-size", type=int, default=None,
+                    help="sequences per iteration (default: the world size)")
+    ap.add_argument("--top", type=int, default=10, help="layouts to print")
+    ap.add_argument("--out-dir", default=None,
+                    help="write the winner's flags and DeepSpeed JSON here")
+    ap.add_argument("--measure", type=int, default=0, metavar="K",
+                    help="run the top K layouts with torchrun here and re-rank by measured time")
+    ap.add_argument("--measure-iters", type=int, default=4,
+                    help="iterations per measured trial")
     ap.add_argument("--zero-stages", default="0,1,2,3",
                     help="ZeRO stages to consider, comma-separated (e.g. 0,1 for Megatron-style)")
     args, rest = ap.parse_known_args(argv)

@@ -7,8 +7,10 @@ import os
 from megazero.checkpoint.files import Writer
 
 
-class SimulatedCrash(RuntimeError):
-    """Raised by :class:`CrashingWriter` in place of the process dying."""
+class SimulatedCrash(BaseException):
+    """Raised by :class:`CrashingWriter` in place of the process dying. A ``BaseException``,
+    like ``SystemExit``: error handlers that turn write failures into messages must not
+    swallow a death."""
 
 
 class CrashingWriter(Writer):
