@@ -34,8 +34,9 @@ _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-#: elements generated per step: bounds the temporaries (a few int64/fp64 buffers of this size)
-CHUNK_ELEMENTS = 1 << 18
+#: elements generated per step: bounds the temporaries (a few int64/fp64 buffers of this size,
+#: small enough that the allocator does not keep megabytes of freed chunks as resident memory)
+CHUNK_ELEMENTS = 1 << 16
 
 
 def _signed(x: int) -> int:
@@ -65,19 +66,20 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 def splitmix64(key: int, index: torch.Tensor) -> torch.Tensor:
     """Vectorised :func:`splitmix64_reference` on an int64 ``index`` tensor (bit patterns as
-    int64)."""
-    z = index * _signed(_GOLDEN) + _signed(key)
-    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
-    return z ^ _shr(z, 31)
+    int64). In-place steps keep the temporaries to two buffers of ``index``'s size."""
+    z = index * _signed(_GOLDEN)
+    z.add_(_signed(key))
+    for shift, mult in ((30, _MIX1), (27, _MIX2)):
+        z.bitwise_xor_(_shr(z, shift)).mul_(_signed(mult))
+    return z.bitwise_xor_(_shr(z, 31))
 
 
 def normal_at(key: int, index: torch.Tensor) -> torch.Tensor:
     """N(0, 1) samples (fp64) at flat positions ``index`` of the stream ``key``."""
     bits = splitmix64(key, index)
-    u1 = (_shr(bits, 32) + 1).double() * 2.0 ** -32  # (0, 1]: log never sees 0
-    u2 = (bits & 0xFFFFFFFF).double() * 2.0 ** -32  # [0, 1)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+    u1 = _shr(bits, 32).add_(1).double().mul_(2.0 ** -32)  # (0, 1]: log never sees 0
+    u2 = bits.bitwise_and_(0xFFFFFFFF).double().mul_(2.0 * math.pi * 2.0 ** -32)
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_())
 
 
 def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
