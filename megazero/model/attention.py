@@ -27,7 +27,11 @@ from megazero.compat import SDPA_HAS_GQA
 from megazero.config import ModelConfig
 from megazero.model.dropout import dropout
 from megazero.model.positional import apply_rotary
-from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megazero.tensor_parallel.layers import (
+    DEFERRED_INIT,
+    ColumnParallelLinear,
+    RowParallelLinear,
+)
 from megazero.tensor_parallel.mappings import Group, group_size
 from megazero.tensor_parallel.random import MODEL_PARALLEL_STREAM, RNGStatesTracker
 
@@ -36,7 +40,7 @@ try:  # optional dependency
 except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_func = None
 
-_NO_INIT = torch.nn.init.zeros_
+_NO_INIT = DEFERRED_INIT
 BACKENDS = ("auto", "unfused", "sdpa", "flash")
 
 

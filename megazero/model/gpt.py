@@ -27,6 +27,7 @@ from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TransformerBlock
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (
+    DEFERRED_INIT,
     VocabParallelEmbedding,
     column_parallel_linear,
     mark_vocab_parallel,
@@ -70,7 +71,7 @@ class Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, topo.tp_group,
             make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-            init_method=torch.nn.init.zeros_, params_dtype=params_dtype)
+            init_method=DEFERRED_INIT, params_dtype=params_dtype)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size,

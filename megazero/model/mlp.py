@@ -7,10 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
-from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megazero.tensor_parallel.layers import (
+    DEFERRED_INIT,
+    ColumnParallelLinear,
+    RowParallelLinear,
+)
 from megazero.tensor_parallel.mappings import Group
 
-_NO_INIT = torch.nn.init.zeros_  # real values come from megazero.model.init
+_NO_INIT = DEFERRED_INIT  # real values come from megazero.model.init
 
 
 class MLP(nn.Module):

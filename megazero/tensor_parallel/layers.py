@@ -61,14 +61,23 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def DEFERRED_INIT(t: torch.Tensor) -> None:  # noqa: N802 - a sentinel, used by identity
+    """``init_method`` meaning "leave the values to :func:`megazero.model.init`": the layer
+    then never builds its full tensor (which would cost full-model memory on every rank)."""
+    raise RuntimeError("DEFERRED_INIT is a marker; megazero.model.init fills the parameter")
+
+
 def _init_shard(param: nn.Parameter, full_shape: tuple[int, ...], init: InitMethod,
                 group: Group) -> None:
     """Initialise the full master tensor on CPU in fp32, keep this rank's slice.
 
     Every TP rank generates the same full tensor (same global RNG state assumed), so the
-    shards are exactly the slices of the tp=1 weight. :func:`megazero.model.init` replaces
-    this with per-name seeding for whole models.
+    shards are exactly the slices of the tp=1 weight. This path is for layers used on their
+    own with an arbitrary ``init_method``; models pass :data:`DEFERRED_INIT` and
+    :func:`megazero.model.init` computes only this rank's shard.
     """
+    if init is DEFERRED_INIT:
+        return
     full = torch.empty(full_shape, dtype=torch.float32)
     init(full)
     shard = shard_tensor(full, param.partition_dim, getattr(param, "partition_stride", 1),
@@ -243,6 +252,8 @@ def mark_vocab_parallel(param: torch.Tensor, vocab_size: int, padded_vocab_size:
 
 def init_vocab_shard(param: nn.Parameter, init: InitMethod, group: Group) -> None:
     """The full table is ``[vocab_size, h]`` (independent of tp); pad rows are zero."""
+    if init is DEFERRED_INIT:
+        return
     full = torch.empty(param.vocab_size, param.shape[1], dtype=torch.float32)
     init(full)
     load_full_into_shard(param, full, group)

@@ -1,0 +1,126 @@
+"""Counter-based, shard-only parameter initialisation (megazero.model.init)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from megazero.config import ModelConfig
+from megazero.model import init as mi
+from megazero.tensor_parallel.layers import (
+    mark_vocab_parallel,
+    set_tensor_model_parallel_attributes,
+)
+from megazero.tensor_parallel.utils import shard_tensor
+
+
+def _config(**kw) -> ModelConfig:
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                seq_length=32, init_method_std=0.02)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_vectorised_hash_matches_plain_python_definition():
+    keys = [0, 1, 123456789, (1 << 63) - 1]
+    idx = [0, 1, 2, 1000, 10**9, (1 << 40) + 3]
+    for key in keys:
+        got = mi.splitmix64(key, torch.tensor(idx, dtype=torch.int64))
+        want = [mi.splitmix64_reference(key, i) for i in idx]
+        assert [int(g) & ((1 << 64) - 1) for g in got] == want
+
+
+def test_distribution_and_scaled_std():
+    cfg = _config()
+    w = mi.full_init_tensor("decoder.layers.0.mlp.linear_fc1.weight", (1024, 1024), cfg, 7)
+    assert abs(w.mean().item()) < 1e-4
+    assert w.std().item() == pytest.approx(0.02, rel=0.01)
+    proj = mi.full_init_tensor("decoder.layers.0.self_attention.linear_proj.weight",
+                               (1024, 256), cfg, 7)
+    assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * 4), rel=0.01)
+    # roughly normal: about 68.3% within one std
+    inside = (w.abs() < 0.02).float().mean().item()
+    assert inside == pytest.approx(0.6827, abs=0.005)
+    assert torch.equal(mi.full_init_tensor("decoder.layers.0.input_layernorm.weight", (8,),
+                                           cfg, 7), torch.ones(8))
+    assert torch.equal(mi.full_init_tensor("decoder.layers.0.mlp.linear_fc1.bias", (8,),
+                                           cfg, 7), torch.zeros(8))
+
+
+def test_parameters_layers_and_seeds_differ():
+    cfg = _config()
+    a = mi.full_init_tensor("decoder.layers.0.mlp.linear_fc1.weight", (16, 16), cfg, 7)
+    assert torch.equal(a, mi.full_init_tensor("decoder.layers.0.mlp.linear_fc1.weight",
+                                              (16, 16), cfg, 7))
+    for name, seed in [("decoder.layers.1.mlp.linear_fc1.weight", 7),
+                       ("decoder.layers.0.mlp.linear_fc2.weight", 7),
+                       ("decoder.layers.0.mlp.linear_fc1.weight", 8)]:
+        b = mi.full_init_tensor(name, (16, 16), cfg, seed)
+        assert (a != b).float().mean() > 0.99
+
+
+def _shard(full: tuple[int, int], dim: int, stride: int, tp: int) -> torch.nn.Parameter:
+    shape = list(full)
+    shape[dim] //= tp
+    p = torch.nn.Parameter(torch.empty(shape))
+    set_tensor_model_parallel_attributes(p, dim, stride)
+    return p
+
+
+@pytest.mark.parametrize("dim,stride", [(0, 1), (0, 2), (1, 1)])
+def test_shards_are_bitwise_slices_of_full_tensor(dim, stride):
+    cfg = _config()
+    name, full_shape = "decoder.layers.2.mlp.linear_fc1.weight", (48, 40)
+    full = mi.full_init_tensor(name, full_shape, cfg, 3)
+    for tp in (2, 4, 8):
+        for rank in range(tp):
+            p = _shard(full_shape, dim, stride, tp)
+            mi.init_parameter_(p, name, cfg, 3, rank, tp)
+            assert torch.equal(p.data, shard_tensor(full, dim, stride, rank, tp)), (tp, rank)
+
+
+def test_vocab_shards_with_padding():
+    cfg = _config()
+    name, vocab, padded, h = "embedding.word_embeddings.weight", 100, 128, 8
+    full = mi.full_init_tensor(name, (vocab, h), cfg, 3)
+    full = torch.cat([full, torch.zeros(padded - vocab, h)])
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            p = torch.nn.Parameter(torch.empty(padded // tp, h))
+            mark_vocab_parallel(p, vocab, padded)
+            mi.init_parameter_(p, name, cfg, 3, rank, tp)
+            assert torch.equal(p.data, full.chunk(tp)[rank])
+
+
+def test_shard_init_costs_only_the_shard():
+    """A tp=8 shard of a large weight is computed much faster than the full tensor: the
+    generator touches only the shard's elements."""
+    cfg = _config()
+    name, full_shape = "decoder.layers.0.mlp.linear_fc1.weight", (2048, 1024)
+
+    def best(tp: int) -> float:
+        p = _shard(full_shape, 0, 1, tp)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            mi.init_parameter_(p, name, cfg, 1, tp - 1, tp)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    assert best(8) < best(1) / 4
+
+
+def test_shard_init_draws_only_shard_elements(monkeypatch):
+    """Count the generator's outputs: a rank computes exactly its shard's elements."""
+    cfg = _config()
+    counted = []
+    real = mi.normal_at
+    monkeypatch.setattr(mi, "normal_at", lambda key, idx: counted.append(idx.numel())
+                        or real(key, idx))
+    p = _shard((4096, 512), 0, 2, 8)
+    mi.init_parameter_(p, "decoder.layers.0.mlp.linear_fc1.weight", cfg, 1, 3, 8)
+    assert sum(counted) == p.numel()
+    assert max(counted) <= mi.CHUNK_ELEMENTS
