@@ -130,7 +130,9 @@ def test_resume_is_exact_fp16_zero2_3d(tmp_path):
     scales = [a[i]["loss-scale"] for i in range(1, 21)]
     assert len(set(scales)) > 2, scales  # the scaler moved: overflows and growth
     assert sum(a[i]["skipped"] for i in range(1, 21)) >= 1
-    assert "lm loss" in a[20]
+    # ...and recovered: most resumed iterations trained (the window of 3 grows the scale into
+    # an occasional overflow, so some skips recur).
+    assert sum("lm loss" in a[i] for i in range(11, 21)) >= 6
 
 
 def test_sigterm_saves_and_exits(tmp_path):
