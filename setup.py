@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megazero", "megazero.*"]),
     py_modules=["pretrain_gpt"],
-    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tensorboard", "hjson"],
+    install_requires=["torch>=2.11", "numpy", "sentencepiece", "tensorboard", "hjson"],
     extras_require={"dev": ["pytest>=7", "ruff", "transformers>=4.40", "safetensors"]},
     license="Apache-2.0",
 )

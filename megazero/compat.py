@@ -1,4 +1,5 @@
-"""Guards for torch APIs newer than the oldest supported torch (see ``setup.py``).
+"""Guards for torch APIs newer than the oldest supported torch (``setup.py``; CI runs the core of
+the suite on it).
 
 Each name here resolves once, at import, to the newest implementation the installed torch has,
 with a fallback that computes the same thing. Code elsewhere calls these instead of probing
@@ -21,6 +22,3 @@ reduce_scatter_tensor: Any = (getattr(dist, "reduce_scatter_single", None)
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
-# ``scaled_dot_product_attention(enable_gqa=...)`` arrived in torch 2.5; before it, KV groups are
-# repeated to the query heads (same result, more memory).
-SDPA_HAS_GQA = TORCH_VERSION >= (2, 5)

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.compat import SDPA_HAS_GQA
 from megazero.config import ModelConfig
 from megazero.model.dropout import dropout
 from megazero.model.positional import apply_rotary
@@ -104,11 +103,8 @@ class CoreAttention(nn.Module):
     def _sdpa(q, k, v, p):
         s, b, n, d = q.shape
         qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        gqa = k.shape[2] != n
-        if gqa and not SDPA_HAS_GQA:  # torch < 2.5: repeat each KV group for its query heads
-            kb, vb = (t.repeat_interleave(n // k.shape[2], dim=1) for t in (kb, vb))
-        extra = {"enable_gqa": True} if gqa and SDPA_HAS_GQA else {}
-        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True, **extra)
+        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True,
+                                             enable_gqa=k.shape[2] != n)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
     @staticmethod

@@ -50,7 +50,7 @@ def _rank_main(fn, rank, world_size, store_path, args, kwargs, results, backend,
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         # Reported first, torn down second: a teardown that waits on peers (a failed rank's,
-        # or torch < 2.6's gloo teardown in a CUDA build without GPUs) cannot hide the result;
+        # or an older torch's gloo teardown waiting on pending work) cannot hide the result;
         # the parent ends every process once all results are in. No barrier: a failed rank
         # must not wait for ranks that will never arrive.
         if dist.is_initialized():
