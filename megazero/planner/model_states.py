@@ -20,6 +20,7 @@ from torch import nn
 from megazero.config import PrecisionConfig, ZeroConfig
 from megazero.zero.accounting import MemoryReport
 from megazero.zero.optimizer import _DTYPES
+from megazero.zero.stage3 import unit_param_groups
 
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq: fp32, one each per master element
 STEP_BYTES = 4  # torch AdamW keeps a float32 scalar ``step`` tensor per parameter
@@ -76,8 +77,6 @@ def _buffer(params: list[nn.Parameter], stage: int, dp: int, dp_rank: int, bucke
 def _units(chunk: nn.Module, dp: int, dp_rank: int, threshold: int
            ) -> list[tuple[int, int, bool, list[_Piece]]]:
     """Stage3Params: per unit (padded numel, numel, persistent, owned pieces)."""
-    tied = getattr(chunk, "shared_embedding_or_output_weight", None)
-    tied = tied() if callable(tied) else None
     out = []
 
     def add(params: list[nn.Parameter]) -> None:
@@ -93,15 +92,8 @@ def _units(chunk: nn.Module, dp: int, dp_rank: int, threshold: int
             start += p.numel()
         out.append((padded, n, n < threshold, pieces))
 
-    for module in chunk.modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        ext = [p for p in own if p is tied or getattr(p, "shared_embedding", False)
-               or getattr(p, "zero_external", False)]
-        rest = [p for p in own if all(p is not e for e in ext)]
-        if rest:
-            add(rest)
-        for p in ext:
-            add([p])
+    for params, _ in unit_param_groups(chunk):
+        add(params)
     return out
 
 

@@ -39,6 +39,26 @@ from megazero.zero.offload import OffloadPlan, host_empty
 from megazero.zero.units import Unit, wrap_outputs
 
 
+def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Module]]:
+    """The parameter groups stage 3 partitions and gathers as one unit each, with the module whose
+    forward gathers it: a module's own parameters together, except those used outside it (the
+    tied word embedding, shared embedding copies, parameters marked ``zero_external``), which
+    are units of their own gathered around the whole chunk. The planner replays the same
+    grouping (:mod:`megazero.planner.model_states`)."""
+    tied = getattr(chunk, "shared_embedding_or_output_weight", None)
+    tied = tied() if callable(tied) else None
+    groups: list[tuple[list[nn.Parameter], nn.Module]] = []
+    for module in chunk.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        ext = [p for p in own if p is tied or getattr(p, "shared_embedding", False)
+               or getattr(p, "zero_external", False)]
+        rest = [p for p in own if all(p is not e for e in ext)]
+        if rest:
+            groups.append((rest, module))
+        groups.extend(([p], chunk) for p in ext)
+    return groups
+
+
 class Stage3Params:
     """Sharded parameters of one model chunk, with the hooks that gather and release them."""
 
@@ -57,17 +77,8 @@ class Stage3Params:
         self.owner: dict[Unit, nn.Module] = {}  # the module whose forward gathers the unit
         self.root = chunk
         self.parent = {c: m for m in chunk.modules() for c in m.children()}
-        tied = getattr(chunk, "shared_embedding_or_output_weight", None)
-        tied = tied() if callable(tied) else None
-        for module in chunk.modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            ext = [p for p in own if p is tied or getattr(p, "shared_embedding", False)
-                   or getattr(p, "zero_external", False)]
-            rest = [p for p in own if all(p is not e for e in ext)]
-            if rest:
-                self.owner[self._add_unit(rest, kinds)] = module
-            for p in ext:
-                self.owner[self._add_unit([p], kinds)] = chunk
+        for params, owner in unit_param_groups(chunk):
+            self.owner[self._add_unit(params, kinds)] = owner
         self.units_of: dict[nn.Module, list[Unit]] = {}
         self.order: list[Unit] = []
         self._pos: dict[Unit, int] = {}
