@@ -262,7 +262,8 @@ def run_entry(name: str, case: dict[str, Any], steps: int, warmup: int, port: in
         with open(log) as f:
             lines = [json.loads(ln) for ln in f]
     its = [x for x in lines if "iteration-time" in x and x["iteration"] > warmup]
-    phases = {k[5:-3]: [x[k] for x in its] for k in its[0] if k.startswith("time/")}
+    phases = {k[5:-3]: [x[k] for x in its] for k in its[0]
+              if k.startswith("time/") and k.endswith("_ms")}
     return {"ms": [1000 * x["iteration-time"] for x in its], "phases": phases,
             "launch_s": launch_s}
 

@@ -14,8 +14,11 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,33 +32,99 @@ TB_TAGS = ("lm loss", "lm loss validation", "learning-rate", "grad-norm", "loss-
 
 
 class Timers:
-    """Named wall-clock timers (``wall_clock_breakdown``). On GPU a timer synchronises the
-    device at start and stop, so the time covers the kernels it launched."""
+    """Exclusive wall-clock regions (``wall_clock_breakdown``).
+
+    A region started inside another pauses it, so every second of an iteration is charged to
+    exactly one region (the innermost open one) and the regions add up to the time they cover
+    without double counting: ``backward`` wrapping the whole pipeline schedule ends up holding
+    only what its ``forward``, ``data`` and collective regions did not take. On GPU a region
+    boundary synchronises the device, so a region covers the kernels it launched.
+
+    Asynchronous collectives also report their *in-flight* time (launch to completion, measured
+    on the backend's completion callback) through :meth:`add_overlapped`: that time runs beside
+    the regions and is reported apart from them (it is the transfer time; the ``wait`` regions
+    are what the rank actually lost to it).
+    """
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._start: dict[str, float] = {}
+        self._stack: list[list[Any]] = []  # [name, start of the current stretch]
         self._total: dict[str, float] = {}
+        self._overlapped: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     @staticmethod
     def _sync() -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
+    def _charge(self, name: str, seconds: float) -> None:
+        self._total[name] = self._total.get(name, 0.0) + seconds
+
     def start(self, name: str) -> None:
-        if self.enabled:
-            self._sync()
-            self._start[name] = time.perf_counter()
+        if not self.enabled:
+            return
+        self._sync()
+        now = time.perf_counter()
+        if self._stack:  # the enclosing region pauses here
+            top = self._stack[-1]
+            self._charge(top[0], now - top[1])
+            top[1] = now
+        self._stack.append([name, now])
 
     def stop(self, name: str) -> None:
-        if self.enabled and name in self._start:
-            self._sync()
-            elapsed = time.perf_counter() - self._start.pop(name)
-            self._total[name] = self._total.get(name, 0.0) + elapsed
+        """Close ``name`` (and any region left open inside it); the enclosing region resumes."""
+        if not self.enabled:
+            return
+        idx = next((i for i in range(len(self._stack) - 1, -1, -1)
+                    if self._stack[i][0] == name), None)
+        if idx is None:
+            return
+        self._sync()
+        now = time.perf_counter()
+        while len(self._stack) > idx:
+            n, t0 = self._stack.pop()
+            self._charge(n, now - t0)
+            if self._stack:  # the enclosing region resumes here
+                self._stack[-1][1] = now
+
+    @contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside, no region starts or stops: the enclosing region takes all the time (an
+        evaluation or a save is one line of the breakdown, not its forwards and collectives)."""
+        old, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = old
+
+    def add_overlapped(self, name: str, seconds: float) -> None:
+        """In-flight time of an asynchronous operation (may be called from another thread)."""
+        with self._lock:
+            self._overlapped[name] = self._overlapped.get(name, 0.0) + seconds
 
     def pop_all(self) -> dict[str, float]:
-        """Accumulated seconds per timer since the last call; resets them."""
+        """Exclusive seconds per region since the last call; resets them. Regions still open
+        are charged up to now and go on from here."""
+        if self._stack:
+            now = time.perf_counter()
+            for entry in self._stack[-1:]:
+                self._charge(entry[0], now - entry[1])
+                entry[1] = now
         out, self._total = self._total, {}
+        return out
+
+    def pop_overlapped(self) -> dict[str, float]:
+        with self._lock:
+            out, self._overlapped = self._overlapped, {}
         return out
 
 
@@ -118,6 +187,35 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, ms_
     return " | ".join(parts) + " |"
 
 
+def breakdown_scalars(breakdown_ms: dict[str, float], loop_ms: float,
+                      overlapped_ms: dict[str, float]) -> dict[str, float]:
+    """JSON/wandb keys of the breakdown: ``time/<region>_ms``, ``time/loop_ms``,
+    ``time/accounted`` (the regions' sum over the loop time) and ``overlapped/<op>_ms``."""
+    if not breakdown_ms:
+        return {}
+    out = {f"time/{k}_ms": v for k, v in breakdown_ms.items()}
+    out["time/loop_ms"] = loop_ms
+    out["time/accounted"] = sum(breakdown_ms.values()) / loop_ms if loop_ms > 0 else 0.0
+    out.update({f"overlapped/{k}_ms": v for k, v in overlapped_ms.items()})
+    return out
+
+
+def format_breakdown(breakdown_ms: dict[str, float], loop_ms: float,
+                     overlapped_ms: dict[str, float] | None = None) -> str:
+    """`` time breakdown (ms per iteration): loop 227.0 = forward 40.1 + ... (99.1% accounted)
+    | in flight beside them: comm dp/all_reduce 12.0``: largest region first."""
+    total = sum(breakdown_ms.values())
+    parts = " + ".join(f"{k} {v:.1f}" for k, v in
+                       sorted(breakdown_ms.items(), key=lambda kv: -kv[1]))
+    share = 100.0 * total / loop_ms if loop_ms > 0 else 0.0
+    line = (f" time breakdown (ms per iteration): loop {loop_ms:.1f} = {parts} "
+            f"({share:.1f}% accounted)")
+    if overlapped_ms:
+        line += " | in flight beside them: " + ", ".join(
+            f"{k.removesuffix(' in flight')} {v:.1f}" for k, v in sorted(overlapped_ms.items()))
+    return line
+
+
 class Monitor:
     """Log line + TensorBoard + wandb + csv + JSON lines for the reporting process."""
 
@@ -127,6 +225,7 @@ class Monitor:
         self.enabled = enabled
         self.stats = IntervalStats()
         self.memory_phases: dict[str, float] = {}
+        self._interval_start = time.perf_counter()
         self._tb: Any = None
         self._wandb: Any = None
         self._csv_dir: str | None = None
@@ -146,6 +245,10 @@ class Monitor:
             self._json = open(log_json, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
     # --- per iteration -------------------------------------------------------------------------
+
+    def start_interval(self) -> None:
+        """The training loop starts: the first log interval's wall time counts from here."""
+        self._interval_start = time.perf_counter()
 
     def record(self, loss: float | None, skipped: bool, seconds: float,
                breakdown: dict[str, float] | None = None, nonfinite: bool = False) -> None:
@@ -173,9 +276,17 @@ class Monitor:
     def report(self, iteration: int, train_iters: int, consumed_samples: int, lr: float,
                global_batch_size: int, seq_length: int, loss_scale: float | None,
                grad_norm: float | None, flops_per_iteration: float, world_size: int,
-               peak_flops: float | None = None) -> None:
-        """Print the interval's log line and write every scalar sink; reset the interval."""
+               peak_flops: float | None = None,
+               overlapped: dict[str, float] | None = None) -> None:
+        """Print the interval's log line and write every scalar sink; reset the interval.
+
+        With ``wall_clock_breakdown`` the iterations' regions (:class:`Timers`) are printed on
+        a second line, per iteration, against the loop time (the interval's wall time over its
+        iterations, logging included), with the share of it they account for; ``overlapped``
+        (asynchronous collectives' in-flight seconds) is printed apart."""
         s, self.stats = self.stats, IntervalStats()
+        now = time.perf_counter()
+        wall, self._interval_start = now - self._interval_start, now
         if not self.enabled or s.iterations == 0:
             return
         sec = s.seconds / s.iterations
@@ -185,9 +296,13 @@ class Monitor:
         mfu = tflops * 1e12 / peak_flops if (peak_flops and sec > 0) else None
         mem = peak_memory()
         breakdown_ms = {k: 1000.0 * v / s.iterations for k, v in s.breakdown.items()}
+        overlapped_ms = {k: 1000.0 * v / s.iterations for k, v in (overlapped or {}).items()}
+        loop_ms = 1000.0 * wall / s.iterations
         print(format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
                               global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
-                              tokens, tflops, mem, breakdown_ms, mfu), flush=True)
+                              tokens, tflops, mem, None, mfu), flush=True)
+        if breakdown_ms:
+            print(format_breakdown(breakdown_ms, loop_ms, overlapped_ms), flush=True)
         scalars: dict[str, float] = {"learning-rate": lr, "batch-size": global_batch_size,
                                      "iteration-time": sec}
         if loss is not None:
@@ -197,11 +312,12 @@ class Monitor:
         if grad_norm is not None:
             scalars["grad-norm"] = grad_norm
         scalars.update(self.memory_phases)
+        scalars.update(breakdown_scalars(breakdown_ms, loop_ms, overlapped_ms))
         self.memory_phases = {}
         self.write_scalars(iteration, scalars, extra={
             "consumed_samples": consumed_samples, "tokens_per_second": tokens,
             "tflops_per_device": tflops, "mfu": mfu, "skipped": s.skipped, "nan": s.nan,
-            "memory_mb": mem[1], **{f"time/{k}_ms": v for k, v in breakdown_ms.items()}})
+            "memory_mb": mem[1]})
 
     def report_validation(self, iteration: int, loss: float, label: str = "validation") -> None:
         if not self.enabled:

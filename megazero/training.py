@@ -127,9 +127,21 @@ def _schedule(run: Run, data_iter, forward_only: bool, stats: dict | None = None
         run.chunks, data_iter, run.topo, run.batching.num_microbatches, m.seq_length,
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
-        get_batch=functools.partial(get_batch, device=run.env.device),
+        get_batch=_timed_get_batch(run),
         grad_sync=None if forward_only else run.engine, stats=stats)
     return [x / scale for x in losses]
+
+
+def _timed_get_batch(run: Run):
+    fetch = functools.partial(get_batch, device=run.env.device)
+    if not run.timers.enabled:
+        return fetch
+
+    def timed(data_iterator):
+        with run.timers.region("data"):
+            return fetch(data_iterator)
+
+    return timed
 
 
 def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) -> float:
@@ -140,49 +152,36 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
 
 
 def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
-    """One iteration; returns (global mean loss, StepResult, seconds per phase)."""
+    """One iteration; returns (global mean loss, StepResult, seconds per breakdown region since
+    the last call, see :func:`breakdown`)."""
     t, it = run.timers, run.state.iteration + 1
     mem = None
     if run.cfg.logging.log_memory_phases:
         from megazero.planner.memory_phases import MemoryPhases
 
         mem = MemoryPhases(run.engine, run.env.device)
-    t.start("forward-backward")
-    with run.phase(f"iteration {it}: forward-backward (pipeline schedule)", "mp"):
+    with t.region("backward"), run.phase(f"iteration {it}: forward-backward (pipeline "
+                                         "schedule)", "mp"):
         losses = _schedule(run, data_iter, forward_only=False,
                            stats=mem.stats if mem is not None else None)
-    t.stop("forward-backward")
-    t.start("grad-sync")
-    with run.phase(f"iteration {it}: gradient sync", "dp"):
+    with t.region("grad sync (local)"), run.phase(f"iteration {it}: gradient sync", "dp"):
         run.engine.finish_grad_sync()
-    t.stop("grad-sync")
     if mem is not None:
         mem.after_backward()
-    t.start("optimizer")
     finite = all(math.isfinite(x) for x in losses)
-    with run.phase(f"iteration {it}: optimizer step (non-finite check, grad norm)", "world"):
+    with t.region("optimizer"), run.phase(f"iteration {it}: optimizer step (non-finite "
+                                          "check, grad norm)", "world"):
         result = run.engine.step(loss_is_finite=finite,
                                  skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
-    t.stop("optimizer")
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
-    if result.updated:
-        run.scheduler.step()
-    with run.phase(f"iteration {it}: loss all-reduce", "dp"):
+    with t.region("scheduler"):
+        if result.updated:
+            run.scheduler.step()
+    with t.region("comm dp/loss all_reduce"), run.phase(f"iteration {it}: loss all-reduce",
+                                                         "dp"):
         loss = _dp_mean(losses, run.topo, run.env.device)
-    return loss, result, _phases(t.pop_all())
-
-
-def _phases(times: dict[str, float]) -> dict[str, float]:
-    """``wall_clock_breakdown`` columns. Forward time comes from hooks on the model chunks;
-    backward is the rest of the schedule (it includes waiting on pipeline sends/receives);
-    communication is the data-parallel gradient reduction with the TP/embedding sums."""
-    if not times:
-        return {}
-    fwd = times.get("forward", 0.0)
-    return {"forward": fwd, "backward": times.get("forward-backward", 0.0) - fwd,
-            "communication": times.get("grad-sync", 0.0),
-            "optimizer": times.get("optimizer", 0.0)}
+    return loss, result, t.pop_all()
 
 
 def _time_forwards(chunks: list[torch.nn.Module], timers: Timers) -> None:
@@ -205,7 +204,6 @@ def evaluate(run: Run) -> float | None:
             losses += _schedule(run, it, forward_only=True)
     for c in run.chunks:
         c.train()
-    run.timers.pop_all()  # evaluation forwards are not part of the next iteration's breakdown
     return _dp_mean(losses, run.topo, run.env.device)
 
 
@@ -284,36 +282,46 @@ def train(run: Run) -> TrainState:
     flags.install()
     start = time.time()
     saved_at = st.iteration if cfg.checkpoint.load else None
+    run.timers.pop_all()
+    run.timers.pop_overlapped()
+    run.monitor.start_interval()
     try:
         while st.iteration < b.train_iters:
             t0 = time.perf_counter()
             loss, result, phases = train_step(run, data_iter)
             st.iteration += 1
             st.consumed_samples += b.global_batch_size
-            run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases,
-                               nonfinite=result.nonfinite)
-            st.history.append({"iteration": st.iteration, "loss": loss,
-                               "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
-                               "skipped": float(result.skipped)})
-            if st.iteration % log_interval == 0:
-                norm = None if result.skipped or math.isnan(result.grad_norm) else (
-                    result.grad_norm)
-                run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
-                                   run.scheduler.get_lr(), b.global_batch_size,
-                                   cfg.model.seq_length, result.loss_scale, norm, flops,
-                                   run.topo.world_size, peak)
+            t = run.timers
+            with t.region("logging"):
+                run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases,
+                                   nonfinite=result.nonfinite)
+                st.history.append({"iteration": st.iteration, "loss": loss,
+                                   "grad_norm": result.grad_norm,
+                                   "loss_scale": result.loss_scale,
+                                   "skipped": float(result.skipped)})
+                if st.iteration % log_interval == 0:
+                    norm = None if result.skipped or math.isnan(result.grad_norm) else (
+                        result.grad_norm)
+                    run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
+                                       run.scheduler.get_lr(), b.global_batch_size,
+                                       cfg.model.seq_length, result.loss_scale, norm, flops,
+                                       run.topo.world_size, peak,
+                                       overlapped=t.pop_overlapped())
             note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save)
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
-                with run.phase(f"evaluation at iteration {st.iteration}", "mp"):
+                with t.region("evaluation"), t.paused(), run.phase(
+                        f"evaluation at iteration {st.iteration}", "mp"):
                     val = evaluate(run)
                 if val is not None:
                     run.monitor.report_validation(st.iteration, val)
             if (cfg.checkpoint.save_interval
                     and st.iteration % cfg.checkpoint.save_interval == 0):
-                with run.phase(f"checkpoint save at iteration {st.iteration}", "world"):
+                with t.region("checkpoint save"), t.paused(), run.phase(
+                        f"checkpoint save at iteration {st.iteration}", "world"):
                     if _save_if_sound(run, "interval"):
                         saved_at = st.iteration
-            with run.phase(f"exit check after iteration {st.iteration}", "world"):
+            with t.region("exit check"), run.phase(f"exit check after iteration "
+                                                   f"{st.iteration}", "world"):
                 stop, why = should_exit(cfg.train, st.iteration, flags, start, run.topo,
                                         run.env.device)
             if stop:
@@ -357,6 +365,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     timers = Timers(enabled=logging.wall_clock_breakdown)
     if timers.enabled:
         _time_forwards(chunks, timers)
+        engine.comms.set_timers(timers)
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
     _describe(run)

@@ -16,7 +16,15 @@ from megazero.flops import (
     peak_flops,
     tflops_per_device,
 )
-from megazero.monitor import TB_TAGS, Monitor, Timers, format_log_line, peak_memory
+from megazero.monitor import (
+    TB_TAGS,
+    Monitor,
+    Timers,
+    breakdown_scalars,
+    format_breakdown,
+    format_log_line,
+    peak_memory,
+)
 
 
 def test_log_line_format():
@@ -107,7 +115,57 @@ def test_timers_and_nan_counting(capsys):
     mon.report(3, 3, 3, 1e-3, 1, 4, 8.0, 1.0, 0.0, 1)
     out = capsys.readouterr().out
     assert "number of skipped iterations:   1" in out and "number of nan iterations:   1" in out
-    assert "lm loss: 2.000000E+00" in out and "optimizer (ms): 16.7" in out
+    assert "lm loss: 2.000000E+00" in out
+    assert re.search(r"time breakdown \(ms per iteration\): loop [\d.]+ = optimizer 16\.7 ", out)
+
+
+def test_timer_regions_are_exclusive_and_add_up():
+    """A region opened inside another pauses it: each second is charged to the innermost open
+    region, and the parts add up to the outer wall time."""
+    t = Timers()
+    marks = []
+
+    def work(seconds: float) -> None:
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        marks.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    with t.region("backward"):
+        work(0.02)
+        with t.region("forward"):
+            work(0.03)
+            with t.region("comm dp/all_reduce"):
+                work(0.01)
+        work(0.02)
+        t.start("left open")  # closed by its enclosing region's stop
+        work(0.01)
+    with t.paused(), t.region("ignored"):
+        time.sleep(0.01)
+    got = t.pop_all()
+    wall = time.perf_counter() - t0
+    assert set(got) == {"backward", "forward", "comm dp/all_reduce", "left open"}
+    slack = 0.004  # clock reads between the marks and the region boundaries
+    assert got["backward"] == pytest.approx(marks[0] + marks[3], abs=slack)
+    assert got["forward"] == pytest.approx(marks[1], abs=slack)
+    assert got["comm dp/all_reduce"] == pytest.approx(marks[2], abs=slack)
+    assert got["left open"] == pytest.approx(marks[4], abs=slack)
+    assert sum(got.values()) == pytest.approx(sum(marks), abs=slack)
+    assert sum(got.values()) < wall - 0.009  # the paused stretch is nobody's
+    t.add_overlapped("comm dp/all_gather in flight", 0.5)
+    assert t.pop_overlapped() == {"comm dp/all_gather in flight": 0.5}
+    assert t.pop_overlapped() == {} and t.pop_all() == {}
+
+
+def test_breakdown_line_and_scalars():
+    line = format_breakdown({"forward": 40.0, "backward": 80.0, "comm dp/all_reduce wait": 5.0},
+                            130.0, {"comm dp/all_reduce in flight": 30.0})
+    assert line == (" time breakdown (ms per iteration): loop 130.0 = backward 80.0 + forward "
+                    "40.0 + comm dp/all_reduce wait 5.0 (96.2% accounted) | in flight beside "
+                    "them: comm dp/all_reduce 30.0")
+    sc = breakdown_scalars({"forward": 40.0, "backward": 80.0}, 125.0, {})
+    assert sc == {"time/forward_ms": 40.0, "time/backward_ms": 80.0, "time/loop_ms": 125.0,
+                  "time/accounted": 0.96}
 
 
 def test_flops_formula_hand_computed():

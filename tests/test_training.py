@@ -50,11 +50,21 @@ def test_deepspeed_json_monitors_scheduler_and_breakdown(tmp_path):
     # steps_per_print drives the log line when --log-interval is not given
     its = [int(x) for x in re.findall(r"iteration\s+(\d+)/", out)]
     assert its == [2, 4, 6]
-    for name in ("forward", "backward", "communication", "optimizer"):
-        assert f"| {name} (ms): " in out
+    lines = [ln for ln in out.splitlines() if "time breakdown (ms per iteration)" in ln]
+    assert len(lines) == 3
+    for name in ("forward", "backward", "optimizer", "data", "comm dp/loss all_reduce",
+                 "exit check", "logging", "scheduler"):
+        assert f" {name}" in lines[-1], name
     # WarmupLR, linear, stepped after each update: after k updates lr = 1e-3 * (k - 1) / 4
     m = read_metrics(tmp_path / "m.jsonl")
     assert [m[i]["learning-rate"] for i in (2, 4, 6)] == pytest.approx([2.5e-4, 7.5e-4, 1e-3])
+    # The breakdown's regions add up to the loop time (interval wall time / iterations).
+    for i in (4, 6):
+        parts = sum(v for k, v in m[i].items() if k.startswith("time/") and k.endswith("_ms")
+                    and k != "time/loop_ms")
+        assert parts == pytest.approx(m[i]["time/loop_ms"], rel=0.05)
+        assert m[i]["time/accounted"] == pytest.approx(parts / m[i]["time/loop_ms"])
+        assert m[i]["time/forward_ms"] > 0 and m[i]["time/backward_ms"] > 0
     assert "wandb package is not installed" in proc.stderr
     rows = (tmp_path / "csv" / "job1" / "lm_loss.csv").read_text().splitlines()
     assert rows[0] == "step,lm loss" and [r.split(",")[0] for r in rows[1:]] == ["2", "4", "6"]
@@ -63,6 +73,7 @@ def test_deepspeed_json_monitors_scheduler_and_breakdown(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb" / "job1"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("learning-rate")] == [2, 4, 6]
+    assert [e.step for e in acc.Scalars("time/loop_ms")] == [2, 4, 6]
 
 
 def test_exit_duration_and_train_samples(tmp_path):

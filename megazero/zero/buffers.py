@@ -277,9 +277,15 @@ class GradBuffer:
         """Refresh every rank's full parameters from the owners' updated shards."""
         if self.stage == 0 or self.dp.size == 1:
             return
-        for b in self.buckets:
-            shard = b.param_data[b.own_lo:b.own_hi].clone()
-            self.dp.all_gather(b.param_data, shard, chunk=chunk, use_broadcast=use_broadcast)
+        handles = []
+        for b in self.buckets:  # every bucket in flight at once, then wait
+            shard = b.param_data[b.own_lo:b.own_hi]
+            if not self.dp.inplace_all_gather:
+                shard = shard.clone()
+            handles.append(self.dp.all_gather(b.param_data, shard, async_op=True, chunk=chunk,
+                                              use_broadcast=use_broadcast))
+        for h in handles:
+            h.wait()
 
     def held_grads(self) -> list[torch.Tensor]:
         out = [self.grad_flat, self.shard_grad_flat]

@@ -77,7 +77,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                          optimizer_config: OptimizerConfig, zero_config: ZeroConfig,
                          precision_config: PrecisionConfig, topo: Any, *,
                          sequence_parallel: bool = False,
-                         reduce_scatter_impl: str = "native") -> ZeroOptimizer:
+                         reduce_scatter_impl: str = "auto") -> ZeroOptimizer:
     """Cast the chunks to the training dtype, lay their parameters into flat buffers (stages
     0-2) or shard them (stage 3), and wrap AdamW around this rank's fp32 master shard.
 

@@ -16,8 +16,11 @@ so the fallbacks are kept (and can be forced for testing).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,39 +64,93 @@ class CommLog:
 
 
 class Handle:
-    """An in-flight collective plus the local work to finish it (copy, sum, free)."""
+    """An in-flight collective plus the local work to finish it (copy, sum, free).
 
-    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None) -> None:
+    ``label`` and ``timers`` (a :class:`megazero.monitor.Timers`): the wait is charged to the
+    region ``"<label> wait"``."""
+
+    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None,
+                 label: str | None = None, timers: Any = None) -> None:
         self._work = work
         self._finish = finish
+        self._label = label
+        self._timers = timers
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        if self._work is not None:
-            self._work.wait()
-        if self._finish is not None:
-            self._finish()
+        timed = self._timers is not None and self._label is not None
+        if timed:
+            self._timers.start(f"{self._label} wait")
+        try:
+            if self._work is not None:
+                self._work.wait()
+            if self._finish is not None:
+                self._finish()
+        finally:
+            if timed:
+                self._timers.stop(f"{self._label} wait")
         self.done = True
 
 
 class GroupComm:
     """Collectives over one process group (``group=None`` with ``size == 1`` is a no-op world).
 
-    ``reduce_scatter_impl`` is ``"native"``, ``"all_to_all"`` or ``"all_reduce"``; ``native``
-    falls back to ``all_to_all`` automatically when the backend lacks it.
+    ``reduce_scatter_impl`` is ``"auto"`` (``all_to_all`` on gloo, else ``native``),
+    ``"native"``, ``"all_to_all"`` or ``"all_reduce"``; ``native`` falls back to ``all_to_all``
+    automatically when the backend lacks it.
     """
 
     def __init__(self, group: Any, name: str, log: CommLog,
-                 reduce_scatter_impl: str = "native") -> None:
+                 reduce_scatter_impl: str = "auto") -> None:
         self.group = group
         self.name = name
         self.log = log
         initialized = dist.is_available() and dist.is_initialized()
         self.size = dist.get_world_size(group) if initialized and group is not None else 1
         self.rank = dist.get_rank(group) if initialized and group is not None else 0
+        backend = dist.get_backend(group) if initialized and group is not None else ""
+        if reduce_scatter_impl == "auto":
+            # gloo's reduce-scatter is built from slower primitives; its all-to-all moves the
+            # same bytes and the local sum is cheap (measured in bench/zero_speed.py).
+            reduce_scatter_impl = "all_to_all" if backend == "gloo" else "native"
         self.rs_impl = reduce_scatter_impl
+        # Backends whose all-gather accepts this rank's shard as a view of the output.
+        self.inplace_all_gather = backend in ("gloo", "nccl")
+        self.timers: Any = None  # a megazero.monitor.Timers when wall_clock_breakdown is on
+
+    def _label(self, op: str) -> str:
+        return f"comm {self.name}/{op}"
+
+    @contextmanager
+    def _issue(self, op: str, async_op: bool) -> Iterator[None]:
+        """Time the call that issues a collective: the whole collective when blocking, the
+        launch when asynchronous (its wait is timed by the returned :class:`Handle`)."""
+        t = self.timers
+        if t is None or not t.enabled:
+            yield
+            return
+        name = self._label(op) + (" launch" if async_op else "")
+        t.start(name)
+        try:
+            yield
+        finally:
+            t.stop(name)
+
+    def _handle(self, work: Any, op: str, finish: Callable[[], None] | None = None) -> Handle:
+        """The :class:`Handle` of an asynchronous collective; with timers on, its in-flight time
+        (launch to the backend's completion) is recorded as overlapped time."""
+        t = self.timers
+        if t is None or not t.enabled:
+            return Handle(work, finish)
+        label = self._label(op)
+        if work is not None and hasattr(work, "get_future"):
+            t0 = time.perf_counter()
+            with contextlib.suppress(RuntimeError):
+                work.get_future().add_done_callback(
+                    lambda _f: t.add_overlapped(f"{label} in flight", time.perf_counter() - t0))
+        return Handle(work, finish, label, t)
 
     def _frac(self) -> float:
         return (self.size - 1) / self.size
@@ -104,9 +161,10 @@ class GroupComm:
             return Handle()
         b = t.numel() * t.element_size()
         self.log.record(self.name, what, 2 * self._frac() * b, what, 2 * self._frac() * b)
-        work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
-                               async_op=async_op)
-        return Handle(work) if async_op else _done()
+        with self._issue(what, async_op):
+            work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
+                                   async_op=async_op)
+        return self._handle(work, what) if async_op else _done()
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
                        async_op: bool = False) -> Handle:
@@ -116,33 +174,38 @@ class GroupComm:
             return _done()
         b = inp.numel() * inp.element_size()
         logical = self._frac() * b
+        op = "reduce_scatter"
         if self.rs_impl == "native" and hasattr(dist, "reduce_scatter_single"):
             try:
-                work = dist.reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
-                self.log.record(self.name, "reduce_scatter", logical, "reduce_scatter", logical)
-                return Handle(work) if async_op else _done()
+                with self._issue(op, async_op):
+                    work = dist.reduce_scatter_single(out, inp, group=self.group,
+                                                      async_op=async_op)
+                self.log.record(self.name, op, logical, "reduce_scatter", logical)
+                return self._handle(work, op) if async_op else _done()
             except (RuntimeError, NotImplementedError):
                 self.rs_impl = "all_to_all"
         if self.rs_impl in ("native", "all_to_all"):
             # Each rank sends chunk r to rank r and sums what it receives: the bytes on the wire
             # equal a ring reduce-scatter's; the price is one extra B-sized receive buffer.
             recv = torch.empty_like(inp)
-            work = dist.all_to_all_single(recv, inp, group=self.group, async_op=async_op)
-            self.log.record(self.name, "reduce_scatter", logical, "all_to_all", logical)
+            with self._issue(op, async_op):
+                work = dist.all_to_all_single(recv, inp, group=self.group, async_op=async_op)
+            self.log.record(self.name, op, logical, "all_to_all", logical)
 
             def finish() -> None:
                 torch.sum(recv.view(self.size, -1), dim=0, out=out)
 
-            h = Handle(work, finish)
+            h = self._handle(work, op, finish)
             if not async_op:
                 h.wait()
             return h
         # all_reduce + slice: correct, moves 2x the bytes.
         tmp = inp.clone()
-        work = dist.all_reduce(tmp, group=self.group, async_op=async_op)
-        self.log.record(self.name, "reduce_scatter", logical, "all_reduce", 2 * logical)
+        with self._issue(op, async_op):
+            work = dist.all_reduce(tmp, group=self.group, async_op=async_op)
+        self.log.record(self.name, op, logical, "all_reduce", 2 * logical)
         n = out.numel()
-        h = Handle(work, lambda: out.copy_(tmp[self.rank * n:(self.rank + 1) * n]))
+        h = self._handle(work, op, lambda: out.copy_(tmp[self.rank * n:(self.rank + 1) * n]))
         if not async_op:
             h.wait()
         return h
@@ -164,25 +227,27 @@ class GroupComm:
         views = out.view(self.size, n)
         step = n if not chunk or chunk >= n else max(1, chunk)
         works = []
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            if use_broadcast:
-                for r in range(self.size):
-                    piece = views[r, lo:hi]
-                    if r == self.rank:
-                        piece.copy_(shard[lo:hi])
-                    src = dist.get_global_rank(self.group, r)
-                    works.append(dist.broadcast(piece, src, group=self.group, async_op=True))
-            elif step == n:
-                works.append(all_gather_into_tensor(out, shard, group=self.group,
-                                                    async_op=True))
-            else:
-                outs = [views[r, lo:hi] for r in range(self.size)]
-                works.append(dist.all_gather(outs, shard[lo:hi].clone(), group=self.group,
-                                             async_op=True))
         op = "broadcast" if use_broadcast else "all_gather"
+        with self._issue("all_gather", True):
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                if use_broadcast:
+                    for r in range(self.size):
+                        piece = views[r, lo:hi]
+                        if r == self.rank:
+                            piece.copy_(shard[lo:hi])
+                        src = dist.get_global_rank(self.group, r)
+                        works.append(dist.broadcast(piece, src, group=self.group,
+                                                    async_op=True))
+                elif step == n:
+                    works.append(all_gather_into_tensor(out, shard, group=self.group,
+                                                        async_op=True))
+                else:
+                    outs = [views[r, lo:hi] for r in range(self.size)]
+                    works.append(dist.all_gather(outs, shard[lo:hi].clone(), group=self.group,
+                                                 async_op=True))
         self.log.record(self.name, "all_gather", logical, op, logical)
-        h = Handle(_Many(works))
+        h = self._handle(_Many(works), "all_gather")
         if not async_op:
             h.wait()
         return h
@@ -196,6 +261,9 @@ class _Many:
         for w in self.works:
             if w is not None:
                 w.wait()
+
+    def get_future(self) -> Any:
+        return torch.futures.collect_all([w.get_future() for w in self.works if w is not None])
 
 
 def _done() -> Handle:

@@ -55,13 +55,18 @@ class Comms:
     world: GroupComm
 
     @classmethod
-    def from_topology(cls, topo: Any, rs_impl: str = "native") -> Comms:
+    def from_topology(cls, topo: Any, rs_impl: str = "auto") -> Comms:
         log = CommLog()
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         emb = topo.embedding_group if topo.pp_size > 1 and topo.in_embedding_group else None
         return cls(log, GroupComm(topo.dp_group, "dp", log, rs_impl),
                    GroupComm(topo.tp_group, "tp", log), GroupComm(topo.mp_group, "mp", log),
                    GroupComm(emb, "embedding", log), GroupComm(world, "world", log))
+
+    def set_timers(self, timers: Any) -> None:
+        """Charge every collective's issue and wait to ``timers`` (``wall_clock_breakdown``)."""
+        for g in (self.dp, self.tp, self.mp, self.emb, self.world):
+            g.timers = timers
 
 
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
