@@ -1,7 +1,8 @@
 """Exit conditions of a training run: SIGTERM, ``--exit-duration-in-mins``, ``--exit-interval``.
 
-They are agreed by every rank through one small all-reduce per iteration, so all ranks stop
-after the same iteration and save the same checkpoint.
+They are agreed by every rank through the iteration's one scalar all-reduce (with the loss, see
+:func:`megazero.training.train_step`), so all ranks stop after the same iteration and save the
+same checkpoint.
 """
 
 from __future__ import annotations
@@ -33,19 +34,31 @@ class ExitFlags:
             signal.signal(signal.SIGTERM, self.previous)
 
 
-def should_exit(train_cfg: Any, iteration: int, flags: ExitFlags, start: float, topo: Any,
-                device: torch.device) -> tuple[bool, str]:
-    """All ranks agree (MAX all-reduce) on SIGTERM, the duration limit and the exit interval."""
+def exit_votes(train_cfg: Any, flags: ExitFlags, start: float) -> list[float]:
+    """This rank's ``[SIGTERM received, over --exit-duration-in-mins]``, as 0/1; summed over
+    every rank (alone or inside the iteration's one scalar all-reduce) they decide for all."""
     t = train_cfg
     over_time = (t.exit_duration_in_mins is not None
                  and (time.time() - start) / 60.0 > t.exit_duration_in_mins)
-    v = torch.tensor([float(flags.sigterm), float(over_time)], device=device)
-    if topo.world_size > 1:
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
-    if v[0] > 0:
+    return [float(flags.sigterm), float(over_time)]
+
+
+def exit_decision(train_cfg: Any, iteration: int, votes: list[float]) -> tuple[bool, str]:
+    """Whether to stop after ``iteration``, from the votes summed over every rank."""
+    t = train_cfg
+    if votes[0] > 0:
         return True, "received SIGTERM"
-    if v[1] > 0:
+    if votes[1] > 0:
         return True, f"exceeded --exit-duration-in-mins {t.exit_duration_in_mins}"
     if t.exit_interval and iteration % t.exit_interval == 0:
         return True, f"reached --exit-interval {t.exit_interval}"
     return False, ""
+
+
+def should_exit(train_cfg: Any, iteration: int, flags: ExitFlags, start: float, topo: Any,
+                device: torch.device) -> tuple[bool, str]:
+    """All ranks agree (one all-reduce) on SIGTERM, the duration limit and the exit interval."""
+    v = torch.tensor(exit_votes(train_cfg, flags, start), device=device)
+    if topo.world_size > 1:
+        dist.all_reduce(v)
+    return exit_decision(train_cfg, iteration, v.tolist())

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
-from megazero.exit_conditions import ExitFlags, should_exit
+from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes
 from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.initialize import (
     DistEnv,
@@ -151,9 +152,11 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
     return (t[0] / t[1]).item()
 
 
-def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
-    """One iteration; returns (global mean loss, StepResult, seconds per breakdown region since
-    the last call, see :func:`breakdown`)."""
+def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lambda: []
+               ) -> tuple[float, Any, list[float], dict[str, float]]:
+    """One iteration; returns (global mean loss, StepResult, this rank's ``exit_votes()``
+    (taken after the update) summed over every rank, seconds per ``wall_clock_breakdown``
+    region since the last call)."""
     t, it = run.timers, run.state.iteration + 1
     mem = None
     if run.cfg.logging.log_memory_phases:
@@ -178,10 +181,24 @@ def train_step(run: Run, data_iter) -> tuple[float, Any, dict[str, float]]:
     with t.region("scheduler"):
         if result.updated:
             run.scheduler.step()
-    with t.region("comm dp/loss all_reduce"), run.phase(f"iteration {it}: loss all-reduce",
-                                                         "dp"):
-        loss = _dp_mean(losses, run.topo, run.env.device)
-    return loss, result, t.pop_all()
+    with t.region("comm world/loss and exit all_reduce"), run.phase(
+            f"iteration {it}: loss and exit-flag all-reduce", "world"):
+        loss, votes = _loss_and_votes(losses, exit_votes(), run.topo, run.env.device)
+    return loss, result, votes, t.pop_all()
+
+
+def _loss_and_votes(losses: list[float], votes: list[float], topo: ParallelTopology,
+                    device: torch.device) -> tuple[float, list[float]]:
+    """The global mean loss and the exit votes summed over every rank, in one all-reduce.
+    Every tp x pp rank of a data-parallel replica holds the replica's losses (the executor
+    hands them to every pipeline stage), so only its tp 0, pp 0 rank counts them."""
+    owner = topo.tp_rank == 0 and topo.pp_rank == 0
+    t = torch.tensor([sum(losses) if owner else 0.0, float(len(losses)) if owner else 0.0,
+                      *votes], dtype=torch.float64, device=device)
+    if topo.world_size > 1:
+        dist.all_reduce(t)
+    out = t.tolist()
+    return out[0] / out[1], out[2:]
 
 
 def _time_forwards(chunks: list[torch.nn.Module], timers: Timers) -> None:
@@ -288,7 +305,8 @@ def train(run: Run) -> TrainState:
     try:
         while st.iteration < b.train_iters:
             t0 = time.perf_counter()
-            loss, result, phases = train_step(run, data_iter)
+            loss, result, votes, phases = train_step(
+                run, data_iter, lambda: exit_votes(cfg.train, flags, start))
             st.iteration += 1
             st.consumed_samples += b.global_batch_size
             t = run.timers
@@ -320,10 +338,7 @@ def train(run: Run) -> TrainState:
                         f"checkpoint save at iteration {st.iteration}", "world"):
                     if _save_if_sound(run, "interval"):
                         saved_at = st.iteration
-            with t.region("exit check"), run.phase(f"exit check after iteration "
-                                                   f"{st.iteration}", "world"):
-                stop, why = should_exit(cfg.train, st.iteration, flags, start, run.topo,
-                                        run.env.device)
+            stop, why = exit_decision(cfg.train, st.iteration, votes)
             if stop:
                 run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
                 st.exit_reason = why

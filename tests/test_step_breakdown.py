@@ -47,7 +47,7 @@ def test_every_collective_has_a_region_and_the_parts_add_up():
               1: {"comm dp/reduce_scatter launch", "comm dp/reduce_scatter wait",
                   "comm dp/all_gather launch", "comm dp/all_gather wait"},
               2: {"comm dp/reduce_scatter launch", "comm dp/reduce_scatter wait",
-                  "comm dp/all_gather launch", "comm dp/all_gather wait", "comm dp/scalar"},
+                  "comm dp/all_gather launch", "comm dp/all_gather wait", "comm world/scalar"},
               3: {"comm dp/reduce_scatter launch", "comm dp/all_gather launch",
                   "comm dp/all_gather wait"}}
     for stage, (regions, wall, overlapped) in got.items():

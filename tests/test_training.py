@@ -52,8 +52,8 @@ def test_deepspeed_json_monitors_scheduler_and_breakdown(tmp_path):
     assert its == [2, 4, 6]
     lines = [ln for ln in out.splitlines() if "time breakdown (ms per iteration)" in ln]
     assert len(lines) == 3
-    for name in ("forward", "backward", "optimizer", "data", "comm dp/loss all_reduce",
-                 "exit check", "logging", "scheduler"):
+    for name in ("forward", "backward", "optimizer", "data",
+                 "comm world/loss and exit all_reduce", "logging", "scheduler"):
         assert f" {name}" in lines[-1], name
     # WarmupLR, linear, stepped after each update: after k updates lr = 1e-3 * (k - 1) / 4
     m = read_metrics(tmp_path / "m.jsonl")

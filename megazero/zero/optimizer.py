@@ -190,24 +190,30 @@ class ZeroOptimizer:
         self.finish_grad_sync()
         pieces = self.masters.pieces
         scale = self.scaler.scale if self.precision.fp16 else 1.0
-        if self.precision.fp16 or skip_nonfinite:
-            local = torch.tensor([float(clip_grads.has_inf_or_nan(p.grad for p in pieces)),
-                                  float(not loss_is_finite)], dtype=torch.float32,
-                                 device=self.device)
-            self.comms.world.all_reduce(local, op=dist.ReduceOp.MAX, what="scalar")
-            bad_grad, bad_loss = bool(local[0] > 0), bool(local[1] > 0)
-            if bad_grad or bad_loss:
-                self._end_step()
-                if self.precision.fp16:
-                    self.scaler.update(overflow=True)
-                nonfinite = bad_loss or not self.precision.fp16
-                return StepResult(False, float("nan"), scale, True, nonfinite)
+        # One blocking collective per step: the squared gradient norm and the non-finite loss
+        # flag, summed over every rank. A rank's norm part is its shard's; at stage 0 every
+        # data-parallel replica holds the same full gradients, so only replica 0 contributes
+        # its value (the others contribute their finiteness).
+        # A NaN/inf gradient anywhere makes the sum non-finite: that is the overflow check
+        # (as Megatron's --check-for-nan-in-loss-and-grad and DeepSpeed's fp16 check on the
+        # norm), with no separate pass over the gradients.
         tp_rank = self.topo.tp_rank
         sq = clip_grads.sum_of_squares(
             p.grad for p in pieces if clip_grads.counts_in_norm(p.param, tp_rank))
-        groups = [self.comms.mp] if self.zero.stage == 0 else [self.comms.dp, self.comms.mp]
-        norm = math.sqrt(max(clip_grads.all_reduce_scalar(sq, groups, device=self.device),
-                             0.0)) / scale
+        if self.zero.stage == 0 and self.topo.dp_rank != 0:
+            sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
+        scalars = torch.stack([sq.to(self.device, torch.float32).reshape(()),
+                               torch.tensor(float(not loss_is_finite), device=self.device)])
+        self.comms.world.all_reduce(scalars, what="scalar")
+        total_sq, bad_loss_count = scalars.tolist()
+        bad_grad, bad_loss = not math.isfinite(total_sq), bad_loss_count > 0
+        if (self.precision.fp16 or skip_nonfinite) and (bad_grad or bad_loss):
+            self._end_step()
+            if self.precision.fp16:
+                self.scaler.update(overflow=True)
+            nonfinite = bad_loss or not self.precision.fp16
+            return StepResult(False, float("nan"), scale, True, nonfinite)
+        norm = math.sqrt(max(total_sq, 0.0)) / scale
         coef = clip_grads.clip_coefficient(norm, self.clip_grad)
         self.masters.step(coef / scale)
         chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
