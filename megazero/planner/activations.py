@@ -55,13 +55,13 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
 
 
 def inflight_chunk_forwards(pp: int, vpp: int | None, num_microbatches: int,
-                            pp_rank: int) -> int:
+                            pp_rank: int, group_size: int | None = None) -> int:
     """Peak number of (chunk, micro-batch) forwards whose backward has not run, from the
     schedule this rank executes."""
     from megazero.pipeline.schedules import build_schedule
 
     live = peak = 0
-    for step in build_schedule(pp, vpp, num_microbatches, pp_rank):
+    for step in build_schedule(pp, vpp, num_microbatches, pp_rank, group_size=group_size):
         for act in step:
             if act.kind == "F":
                 live += 1
