@@ -218,6 +218,21 @@ def test_checker_bounds_receive_buffers():
         check_schedules(early, 2, 3, group_size=3)
 
 
+def test_checker_matches_messages_without_tags():
+    """pp = 2 with interleaving: activations and grads share a pair of ranks. Posting a grad send
+    in its own exchange before the activation send is right with tags (gloo) but would swap the
+    two tensors on a backend that matches per peer in posting order (NCCL)."""
+    scheds = build_all(2, 2, 4)
+    step = scheds[0][10]
+    assert sorted(a.kind for a in step) == ["RECV_B", "SEND_B", "SEND_F"]
+    grad_first = [list(s) for s in scheds]
+    grad_first[0][10:11] = [tuple(a for a in step if a.kind == "SEND_B"),
+                            tuple(a for a in step if a.kind != "SEND_B")]
+    with pytest.raises(ScheduleError, match=r"ranks 0->1 without tags, message 4: rank 0 sends "
+                                            r"sB0.1>1 \(step 10\) but rank 1 receives rF2.0<0"):
+        check_schedules(grad_first, 2, 4)
+
+
 def test_no_pipelining_and_dispatch():
     steps = build_schedule(1, None, 3, 0)
     assert [str(s[0]) for s in steps] == ["F0.0", "B0.0", "F1.0", "B1.0", "F2.0", "B2.0"]
@@ -350,3 +365,4 @@ def test_schedule_grid_tool(capsys):
     assert tool.main(["--pp", "4", "--vpp", "2", "--microbatches", "6", "--group-size", "6"]) == 0
     out = capsys.readouterr().out
     assert "rank 0: busy 36, idle 9 (bubble 0.250)" in out and "F5.1" in out
+    assert "peak in-flight 12 chunk-micro-batches, receive buffers 3 activations 1 grads" in out

@@ -11,7 +11,10 @@ and verifies, raising :class:`ScheduleError` with a readable reason otherwise:
 3. **Matching**: messages on each channel (source rank, destination rank, forward or backward
    direction) are matched first-in first-out, as point-to-point messages with one tag are; the
    i-th send and the i-th receive must carry the same slot (direction, producing virtual stage,
-   micro-batch), so the receiver gets the tensor it thinks it gets.
+   micro-batch), so the receiver gets the tensor it thinks it gets. The same must hold per pair
+   of ranks with both directions in one queue, in the executor's posting order
+   (:data:`~megazero.pipeline.schedules.POST_ORDER` within a step), so a backend that ignores
+   tags (NCCL) pairs the same messages.
 4. **No deadlock**, under the communication model of :class:`megazero.pipeline.p2p.P2P`, which
    the executor uses for every communication step: the step's sends and receives are posted
    together (one ``batch_isend_irecv``, as Megatron's ``p2p_communication`` batches
@@ -46,7 +49,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megazero.pipeline.schedules import Action, Step, virtual_stage
+from megazero.pipeline.schedules import POST_ORDER, Action, Step, virtual_stage
 
 
 class ScheduleError(RuntimeError):
@@ -198,6 +201,29 @@ def _match(schedules: list[list[Step]]) -> dict[tuple[int, int, int], tuple[int,
     return partner
 
 
+def _match_untagged(schedules: list[list[Step]]) -> None:
+    """Per (source, destination) pair, sends and receives in posting order carry the same
+    slots, whatever their direction (tag)."""
+    pp = len(schedules)
+    sends: dict[tuple[int, int], list] = defaultdict(list)
+    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    for rank, steps in enumerate(schedules):
+        for i, step in enumerate(steps):
+            for a in sorted((a for a in step if not a.is_compute),
+                            key=lambda a: POST_ORDER[a.kind]):
+                src, dst, _ = _channel(rank, a)
+                side = sends if a.kind.startswith("SEND") else recvs
+                side[(src, dst)].append((_slot(rank, a, pp), rank, i, a))
+    for pair in sorted(set(sends) | set(recvs)):
+        for k, (snd, rcv) in enumerate(zip(sends[pair], recvs[pair])):
+            if snd[0] != rcv[0]:
+                raise ScheduleError(
+                    f"ranks {pair[0]}->{pair[1]} without tags, message {k}: rank {snd[1]} "
+                    f"sends {snd[3]} (step {snd[2]}) but rank {rcv[1]} receives {rcv[3]} "
+                    f"(step {rcv[2]}) in that place; a backend matching per peer in posting "
+                    f"order would swap them")
+
+
 def inflight_bound(pp: int, vpp: int | None, num_microbatches: int, rank: int,
                    group_size: int | None = None) -> int:
     """Most chunk-micro-batches rank ``rank`` may hold in a 1F1B training schedule: its
@@ -281,6 +307,7 @@ def check_schedules(
     if any(ptr[r] < len(schedules[r]) for r in range(pp)):
         raise ScheduleError("deadlock: no rank can make progress\n" + _stuck(schedules, ptr,
                                                                               partner, posted))
+    _match_untagged(schedules)
     res.makespan = max(clock) if clock else 0.0
     res.peak_recv_buffers = [(p[0], p[1]) for p in peak_pending]
     if memory_bound:
@@ -332,7 +359,9 @@ def render_grid(res: SimResult, cell: int = 6) -> str:
     for r, row in enumerate(rows):
         lines.append(f"{r:>4} | " + "".join(f"{c:<{cell}}" for c in row))
     for r in range(res.pp):
+        recv = (f", receive buffers {res.peak_recv_buffers[r][0]} activations "
+                f"{res.peak_recv_buffers[r][1]} grads" if res.peak_recv_buffers else "")
         lines.append(f"rank {r}: busy {res.busy[r]:g}, idle {res.idle[r]:g} "
                      f"(bubble {res.bubble_fraction[r]:.3f}), peak in-flight "
-                     f"{res.peak_inflight[r]} chunk-micro-batches")
+                     f"{res.peak_inflight[r]} chunk-micro-batches{recv}")
     return "\n".join(lines)

@@ -35,6 +35,9 @@ from megazero.config import ConfigError, check_microbatch_groups
 
 COMPUTE_KINDS = ("F", "B")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+# The order in which the executor posts the actions of one communication step (see
+# megazero.pipeline.p2p); the checker proves message matching in this order too.
+POST_ORDER = {kind: i for i, kind in enumerate(COMM_KINDS)}
 _SHORT = {"SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
 
 

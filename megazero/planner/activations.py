@@ -25,7 +25,8 @@ rematerialises one segment at a time in backward.
 How many micro-batches a rank holds comes from the schedule itself
 (:func:`megazero.pipeline.schedules.build_schedule`): the peak count of forwards whose backward
 has not run, per chunk. For 1F1B the first stage holds ``min(pp, m)``; interleaved holds
-``pv + p - 1`` chunk-forwards, i.e. ``p (1 + (p-1)/(pv))`` micro-batches of its layers.
+``2(p-1) + (v-1)N + 1`` chunk-forwards (N the micro-batch group size, default p: ``pv + p - 1``,
+i.e. ``p (1 + (p-1)/(pv))`` micro-batches of its layers), at most all ``v m`` of them.
 """
 
 from __future__ import annotations
