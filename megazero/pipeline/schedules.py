@@ -208,13 +208,19 @@ def interleaved_one_f_one_b(
 
     Order: :func:`interleaved_order` for forwards (backwards mirror the chunks);
     :func:`interleaved_warmup` chunk-forwards first, then one forward and one backward followed
-    by a single batched exchange of up to four tensors, then the remaining backwards. This is
-    megatron-core 0.16's order (``forward_backward_pipelining_with_interleaving`` without p2p
-    overlap, which batches each iteration's sends and receives the same way), warm-up counts
-    included. It differs from older Megatron, and from this module before the group size
-    existed, in one case: ``M == pp`` used to put every chunk-forward of every rank in warm-up;
-    the formula (as in megatron-core) gives the later ranks fewer, so the last rank holds
-    ``(vpp - 1) pp + 1`` chunk-micro-batches instead of ``vpp pp``.
+    by a single batched exchange of up to four tensors, then the remaining backwards.
+
+    Compared with megatron-core 0.16 (``forward_backward_pipelining_with_interleaving``) for the
+    same (pp, vpp, M, N): the compute order, warm-up counts included, is the same on every rank.
+    The communication is that of its ``batch_p2p_comm`` path (the library default: each
+    iteration's sends and receives in one batch, all waited for). Megatron-LM's training script
+    defaults to ``overlap_p2p_comm`` instead, which posts the same messages as separate
+    asynchronous sends and receives and waits for each just before its tensor is used; the
+    executor blocks on every exchange, so that variant is not reproduced. Older Megatron
+    (megatron-core up to 0.9) differs for ``M == pp``: every rank ran all ``vpp pp``
+    chunk-forwards as warm-up; the formula used here (and by megatron-core since the group
+    size exists) gives later ranks fewer, so the last rank holds ``(vpp - 1) pp + 1``
+    chunk-micro-batches instead of ``vpp pp``, with the same bubble.
 
     Who receives what, and when. A rank that is not the *leading* one for a direction (rank 0
     for activations, rank ``pp - 1`` for grads) receives, in the exchange after computing item
