@@ -107,6 +107,24 @@ GROUP_GRID = [(pp, vpp, m, n) for pp in (2, 3, 4) for vpp in (2, 3)
               for m in range(pp, 3 * pp + 1) for n in valid_microbatch_group_sizes(pp, m)]
 
 
+def _megatron_core_computes(pp, vpp, m, n, rank):
+    """Rank ``rank``'s compute order as megatron-core 0.16 runs it: its schedule table (groups of
+    n micro-batches through every chunk, the last group whatever is left), warm-up forwards,
+    then one forward and one backward per iteration, then the remaining backwards."""
+    table = []
+    for start in range(0, m, n):
+        end = m if start + n >= m else start + n
+        table += [(mb, c) for c in range(vpp) for mb in range(start, end)]
+    total = len(table)
+    warmup = min(2 * (pp - rank - 1) + (vpp - 1) * n, total)
+    fwd = [f"F{mb}.{c}" for mb, c in table]
+    bwd = [f"B{mb}.{vpp - 1 - c}" for mb, c in table]
+    out = fwd[:warmup]
+    for k in range(total - warmup):
+        out += [fwd[warmup + k], bwd[k]]
+    return out + bwd[total - warmup:]
+
+
 def _forwards_before_first_backward(steps) -> int:
     computes = [a.kind for s in steps for a in s if a.is_compute]
     return computes.index("B")
@@ -125,6 +143,8 @@ def test_group_grid_is_proved_with_megatron_core_counts():
         check_schedules(build_all(pp, vpp, m, True, n), vpp, m, True, group_size=n)
         for r in range(pp):
             warmup = min(2 * (pp - r - 1) + (vpp - 1) * n, vpp * m)
+            computes = [str(a) for st in scheds[r] for a in st if a.is_compute]
+            assert computes == _megatron_core_computes(pp, vpp, m, n, r), (pp, vpp, m, n, r)
             # the warm-up, then (if any is left) the steady state's first forward
             assert _forwards_before_first_backward(scheds[r]) == min(warmup + 1, vpp * m)
             assert res.peak_inflight[r] == min(warmup + 1, vpp * m), (pp, vpp, m, n, r)
