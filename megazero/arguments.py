@@ -62,6 +62,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size", **_I),
     _f("--num-layers-per-virtual-pipeline-stage",
        "parallel.num_layers_per_virtual_pipeline_stage", **_I),
+    _f("--microbatch-group-size-per-virtual-pipeline-stage",
+       "parallel.microbatch_group_size_per_vp_stage", **_I),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
     _f("--recompute-granularity", "parallel.recompute_granularity", choices=("full", "selective")),
     _f("--recompute-method", "parallel.recompute_method", choices=("uniform", "block")),

@@ -117,6 +117,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
+    # Interleaved schedule: micro-batches pass each model chunk in groups of this many
+    # (Megatron's --microbatch-group-size-per-virtual-pipeline-stage); None means pp.
+    microbatch_group_size_per_vp_stage: int | None = None
     sequence_parallel: bool = False
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
@@ -386,6 +389,63 @@ def check_tensor_parallel_split(m: ModelConfig, tp: int, sequence_parallel: bool
                f"use a multiple of {tp}")
 
 
+_GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def valid_microbatch_group_sizes(pp: int, num_microbatches: int) -> list[int]:
+    """Group sizes N the interleaved schedule accepts for M micro-batches on pp stages:
+    ``pp <= N <= M`` and a last group (``M mod N``) that is empty or at least pp."""
+    m = num_microbatches
+    return [n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp]
+
+
+def check_microbatch_groups(pp: int, num_microbatches: int | None, group_size: int | None,
+                            samples_per_microbatch: int | None = None) -> int:
+    """The one rule for the interleaved schedule's micro-batch groups; returns the group size N
+    (``group_size``, or pp when None). ``num_microbatches=None`` checks only what N alone can;
+    ``samples_per_microbatch`` (micro-batch size x data-parallel size), when known, lets the
+    messages name global batch sizes that work.
+
+    Micro-batches go through each model chunk N at a time (Megatron's
+    ``--microbatch-group-size-per-virtual-pipeline-stage``). N < pp leaves the ring of virtual
+    stages short of work; a last group of 1..pp-1 micro-batches would need the first stage to
+    receive an activation before the last stage has produced it.
+    """
+    n = pp if group_size is None else group_size
+    where = f"{_GROUP_FLAG} {n}" if group_size is not None else f"the default group size pp={pp}"
+    _check(isinstance(n, int) and n >= pp,
+           f"{_GROUP_FLAG} {n} is smaller than --pipeline-model-parallel-size {pp}: each model "
+           f"chunk must see at least pp={pp} micro-batches in a row; use a value >= {pp} "
+           f"(or leave it out: the default is pp)")
+    if num_microbatches is None:
+        return n
+    m = num_microbatches
+    per = samples_per_microbatch
+    gbs = f"--global-batch-size {m * per}" if per else "--global-batch-size"
+    count = (f"{m} (--global-batch-size / (--micro-batch-size x data-parallel size)"
+             f"{f' = {m * per} / {per}' if per else ''})")
+    _check(m >= pp,
+           f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) needs "
+           f"at least --pipeline-model-parallel-size {pp} micro-batches per iteration, got "
+           f"{count}; raise --global-batch-size to "
+           f"{pp * per if per else f'{pp} micro-batches'} or more, or drop "
+           f"--num-layers-per-virtual-pipeline-stage to use 1F1B")
+    valid = ", ".join(map(str, valid_microbatch_group_sizes(pp, m)))
+    _check(n <= m,
+           f"{_GROUP_FLAG} {n} is larger than the {count} micro-batches per iteration; use a "
+           f"value from {pp} to {m} whose last group is empty or >= {pp}: {valid}")
+    last = m % n
+    fits = (f"{gbs} rounded to a multiple of {n * per} (e.g. {m // n * n * per} or "
+            f"{(m // n + 1) * n * per})" if per else
+            f"a number of micro-batches that is a multiple of {n}")
+    _check(last == 0 or last >= pp,
+           f"{count} micro-batches in groups of {n} ({where}) leave a last group of {last}, "
+           f"but the interleaved pipeline schedule needs the last group to be empty or at "
+           f"least --pipeline-model-parallel-size {pp}; set {_GROUP_FLAG} to one of {valid}, "
+           f"or use {fits}")
+    return n
+
+
 def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -401,6 +461,12 @@ def validate(cfg: MegazeroConfig) -> None:
                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk} = {pp * per_chunk}; "
                f"use a multiple of {pp * per_chunk} layers or layers-per-virtual-stage in "
                f"{_divisors(m.num_layers // pp) if m.num_layers % pp == 0 else []}")
+        num_microbatches = step = None
+        if p.world_size is not None and t.global_batch_size is not None:
+            step = t.micro_batch_size * p.dp
+            if step > 0 and t.global_batch_size % step == 0:
+                num_microbatches = t.global_batch_size // step
+        check_microbatch_groups(pp, num_microbatches, p.microbatch_group_size_per_vp_stage, step)
     _check(p.recompute_num_layers is None or p.recompute_num_layers >= 1,
            f"--recompute-num-layers must be >= 1, got {p.recompute_num_layers}")
     _check(t.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1 (non-finite "

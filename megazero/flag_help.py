@@ -37,6 +37,9 @@ HELP = {
     "--pipeline-model-parallel-size": "pipeline stages the layers are divided into (PP)",
     "--num-layers-per-virtual-pipeline-stage":
         "layers per virtual chunk: turns on the interleaved 1F1B schedule",
+    "--microbatch-group-size-per-virtual-pipeline-stage":
+        "interleaved schedule: micro-batches that pass each model chunk in a row, N with "
+        "pp <= N <= micro-batches per iteration and a last group empty or >= pp (default pp)",
     "--sequence-parallel": "split LayerNorm/dropout activations along the sequence over TP ranks",
     "--recompute-granularity": "activation recompute: full layers or the attention core only",
     "--recompute-method": "with full recompute: every N layers (uniform) or the first N (block)",

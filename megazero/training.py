@@ -129,7 +129,8 @@ def _schedule(run: Run, data_iter, forward_only: bool, stats: dict | None = None
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=_timed_get_batch(run),
-        grad_sync=None if forward_only else run.engine, stats=stats)
+        grad_sync=None if forward_only else run.engine, stats=stats,
+        microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage)
     return [x / scale for x in losses]
 
 

@@ -23,6 +23,7 @@ from megazero.ds_config import DS_CONFIG_KEYS, SCHEDULER_TYPES
 
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
+--microbatch-group-size-per-virtual-pipeline-stage
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
 --distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
 --num-attention-heads
@@ -142,6 +143,7 @@ def test_bad_command_lines(argv, part):
 
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]
+VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 
 
 def error(argv, world_size) -> str:
@@ -167,6 +169,24 @@ def error(argv, world_size) -> str:
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2",
       "--num-layers-per-virtual-pipeline-stage", "3"], 2, ["= 6", "[1, 2, 4]"]),
     (["--num-layers-per-virtual-pipeline-stage", "2"], 1, ["needs --pipeline-model-parallel-size"]),
+    (VPP2 + ["--global-batch-size", "3"], 2,
+     ["3 (--global-batch-size / (--micro-batch-size x data-parallel size) = 3 / 1) micro-batches "
+      "in groups of 2 (the default group size pp=2) leave a last group of 1",
+      "set --microbatch-group-size-per-virtual-pipeline-stage to one of 3,",
+      "--global-batch-size 3 rounded to a multiple of 2 (e.g. 2 or 4)"]),
+    (VPP2 + ["--global-batch-size", "4", "--micro-batch-size", "2", "--pipeline-model-parallel-"
+             "size", "4", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"], 8,
+     ["needs at least --pipeline-model-parallel-size 4 micro-batches", "got 1 (",
+      "= 4 / 4)", "raise --global-batch-size to 16 or more"]),
+    (VPP2 + ["--global-batch-size", "4", "--microbatch-group-size-per-virtual-pipeline-stage",
+             "1"], 2, ["--microbatch-group-size-per-virtual-pipeline-stage 1 is smaller than "
+                       "--pipeline-model-parallel-size 2", "use a value >= 2"]),
+    (VPP2 + ["--global-batch-size", "3", "--microbatch-group-size-per-virtual-pipeline-stage",
+             "4"], 2, ["--microbatch-group-size-per-virtual-pipeline-stage 4 is larger than the 3",
+                       "use a value from 2 to 3 whose last group is empty or >= 2: 3"]),
+    (VPP2 + ["--global-batch-size", "7", "--microbatch-group-size-per-virtual-pipeline-stage",
+             "3"], 2, ["leave a last group of 1", "(--microbatch-group-size-per-virtual-"
+                       "pipeline-stage 3)", "one of 4, 5, 7,", "(e.g. 6 or 9)"]),
     (["--recompute-granularity", "full"], 1, ["--recompute-method uniform or block"]),
     (["--group-query-attention"], 1, ["--num-query-groups"]),
     (["--initial-loss-scale", "1000"], 1, ["--initial-loss-scale 1000", "power of two"]),
@@ -186,12 +206,27 @@ def test_both_precision_flags():
 def test_interleaving_layout_and_flags():
     argv = ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
             "--num-layers-per-virtual-pipeline-stage", "2", "--initial-loss-scale", "65536",
-            "--disable-bias-linear", "--no-flash-attn"]
+            "--disable-bias-linear", "--no-flash-attn", "--global-batch-size", "4"]
     cfg = load_config(MODEL + argv, world_size=4)
     layout = cfg.layout()
     assert (cfg.vpp, layout.vpp, layout.dp, layout.pp) == (2, 2, 2, 2)
+    assert cfg.parallel.microbatch_group_size_per_vp_stage is None  # default: pp
     assert cfg.precision.initial_scale_power == 16
     assert (cfg.model.add_bias_linear, cfg.model.use_flash_attn) == (False, False)
+
+
+@pytest.mark.parametrize("pp, gbs, group", [(2, 3, 3), (4, 6, 6), (4, 10, 5), (4, 9, 5)])
+def test_microbatch_group_size_admits_counts_megatron_core_runs(pp, gbs, group):
+    """M micro-batches that are no multiple of pp run with a group size N (pp <= N <= M, last
+    group empty or >= pp), as in megatron-core."""
+    argv = ["--num-layers", "8", "--pipeline-model-parallel-size", str(pp),
+            "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", str(gbs),
+            "--microbatch-group-size-per-virtual-pipeline-stage", str(group)]
+    cfg = load_config(MODEL[2:] + argv, world_size=pp)
+    assert cfg.parallel.microbatch_group_size_per_vp_stage == group
+    assert cfg.train.gradient_accumulation_steps == gbs
+    msg = error(argv[:-2] + ["--micro-batch-size", "1"], pp)  # the default N = pp refuses it
+    assert f"leave a last group of {gbs % pp}" in msg and f"{group}" in msg
 
 
 def test_sequence_parallel_turned_off_at_tp1():

@@ -110,12 +110,19 @@ class RecordingSync:
         self.events.append("finish")
 
 
+# interleaved micro-batch counts that are no multiple of pp, with group sizes that admit them:
+# one group (N = M), two full groups, and a last group shorter than N but >= pp
+GROUP_CASES = {2: [(3, 3), (5, 3)], 4: [(6, 6), (10, 5), (9, 5)]}
+
+
 def _equivalence_world(rank, world_size):
     results = []
     for pp in (2, 4):
         for vpp in (1, 2):
             topo = ParallelTopology.build(pp=pp, vpp=vpp if vpp > 1 else None)
-            for m in (pp, 2 * pp):
+            # (m, group size): pp and 2pp in groups of pp, and counts only a group size admits
+            counts = [(pp, None), (2 * pp, None)] + (GROUP_CASES[pp] if vpp > 1 else [])
+            for m, group in counts:
                 for tied in (True, False):
                     batches = make_batches(m, seed=m + topo.dp_rank)
                     ref_losses, ref_grads = reference(batches, tied)
@@ -123,14 +130,14 @@ def _equivalence_world(rank, world_size):
                     sync_tied_embeddings(chunks, topo)
                     stats = {}
                     losses = forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN,
-                                              stats=stats)
+                                              stats=stats, microbatch_group_size=group)
                     finalize_model_grads(chunks, topo)
                     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
                     for chunk in chunks:
                         for name, p in chunk.named_parameters():
                             err = (p.grad - ref_grads[name]).abs().max().item()
                             worst = max(worst, err)
-                    results.append(dict(pp=pp, vpp=vpp, m=m, tied=tied, err=worst,
+                    results.append(dict(pp=pp, vpp=vpp, m=m, group=group, tied=tied, err=worst,
                                         peak=stats["peak_inflight"],
                                         bytes=stats["peak_saved_bytes"],
                                         per_fwd=stats["saved_bytes_per_forward"],
@@ -186,7 +193,7 @@ def _equivalence_world(rank, world_size):
 def test_pipeline_matches_single_process_model():
     out = run_distributed(_equivalence_world, 4, timeout=300)
     for rank, (results, fo, hooks, refused) in enumerate(out):
-        assert len(results) == 16
+        assert len(results) == 16 + 2 * 5
         for r in results:
             assert r["err"] < 1e-5, (rank, r)
         assert fo["err"] < 1e-5 and not fo["grads"] and fo["per_chunk_iter_err"] == 0.0
@@ -196,11 +203,13 @@ def test_pipeline_matches_single_process_model():
         assert hooks["shared"] == ["start"]
         n_params = {0: 3, 1: 2, 2: 2, 3: 3}[rank]  # layer weights + embedding / output copy
         assert hooks["outside"] == n_params and hooks["inside"] == 7 * n_params
-        assert "multiple of pp=4" in refused and "valid: 4, 8, 12" in refused
+        assert "6 (--global-batch-size" in refused and "leave a last group of 2" in refused
+        assert "--microbatch-group-size-per-virtual-pipeline-stage to one of 6" in refused
     tied = [o[1]["tied_sum"] for o in out]  # first (rank 0) and last (rank 3) stage copies
     assert tied[1] is None and tied[2] is None and tied[0] == tied[3]
     # activation memory on the first stage (pp rank 0 is global rank 0 in every layout)
-    first = {(r["pp"], r["vpp"], r["m"], r["tied"]): r for r in out[0][0]}
+    first = {(r["pp"], r["vpp"], r["m"], r["tied"]): r for r in out[0][0] if r["group"] is None}
+    grouped = {(r["pp"], r["m"], r["group"]): r for r in out[0][0] if r["group"] and r["tied"]}
     for pp in (2, 4):
         for m in (pp, 2 * pp):
             # 1F1B: pp micro-batches in flight, not m
@@ -214,6 +223,9 @@ def test_pipeline_matches_single_process_model():
             assert 0 < r["held"] <= r["peak"], r  # without deallocation: peak * s*b*h
         # interleaved with m = 2pp: 2(p-1) + (v-1)p + 1 chunk-forwards
         assert first[(pp, 2, 2 * pp, True)]["peak"] == 2 * (pp - 1) + pp + 1
+        # in groups of N: megatron-core's 2(p-1) + (v-1)N warm-up, plus one (capped at v m)
+        for m, n in GROUP_CASES[pp]:
+            assert grouped[(pp, m, n)]["peak"] == min(2 * (pp - 1) + n + 1, 2 * m), (pp, m, n)
 
 
 @pytest.mark.parametrize("layers,pp,lpvs,expected", [

@@ -173,3 +173,70 @@ def test_gpt_activation_memory_on_first_stage(gpt_results):
     assert inter["peak"] == 11  # chunk-micro-batches: 2(p-1) + (v-1)p + 1
     factor = inter["peak_bytes"] / one_f1b["peak_bytes"]
     assert abs(factor - (1 + 3 / 8)) < 0.03, factor
+
+
+# --- micro-batch counts that only a group size makes valid, trained end to end ----------------
+
+GROUPS_TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+               "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "12",
+               "--lr", "3e-3", "--lr-warmup-iters", "1", "--attention-dropout", "0",
+               "--hidden-dropout", "0", "--log-interval", "1000", "--eval-interval", "1000",
+               "--eval-iters", "0", "--seed", "11", "--train-iters", "3"]
+# pp2 x dp2: 3 micro-batches per replica; pp4: 6. Neither is a multiple of pp, so the default
+# group size (pp) refuses both; N = M runs them, as in megatron-core.
+GROUP_LAYOUTS = {
+    "pp2 x dp2 x vpp2, M=3, N=3": ["--pipeline-model-parallel-size", "2",
+                                   "--num-layers-per-virtual-pipeline-stage", "2",
+                                   "--microbatch-group-size-per-virtual-pipeline-stage", "3"],
+    "pp4 x vpp2, M=6, N=6": ["--pipeline-model-parallel-size", "4",
+                             "--num-layers-per-virtual-pipeline-stage", "1",
+                             "--microbatch-group-size-per-virtual-pipeline-stage", "6"],
+}
+# fp32, 3 AdamW steps: only the summation order differs from the one-process run.
+TRAIN_LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-6
+
+
+def _trained(rank, world, layouts):
+    from ckpt_runs import train_in_rank
+
+    from megazero.tensor_parallel import full_model_state_dict
+
+    out = {}
+    for name, flags in layouts.items():
+        losses, run = train_in_rank(rank, world, [*GROUPS_TINY, *flags], keep_run=True)
+        weights = {}
+        for chunk in run.chunks:
+            for n, t in full_model_state_dict(chunk, run.topo).items():
+                weights[n] = t.detach().numpy().copy()
+        out[name] = dict(losses=losses, weights=weights, m=run.batching.num_microbatches,
+                         group=run.cfg.parallel.microbatch_group_size_per_vp_stage)
+    return out
+
+
+@pytest.fixture(scope="module")
+def grouped_runs():
+    [ref] = run_distributed(_trained, 1, {"single": []}, timeout=200)
+    ranks = run_distributed(_trained, 4, GROUP_LAYOUTS, timeout=300)
+    return ref["single"], ranks
+
+
+def test_group_size_runs_train_like_one_process(grouped_runs):
+    import numpy as np
+
+    ref, ranks = grouped_runs
+    assert sorted(ref["losses"]) == [1, 2, 3] and ref["m"] == 6
+    assert ref["losses"][3] < ref["losses"][1]  # it learns
+    for name in GROUP_LAYOUTS:
+        seen = set()
+        for rank in ranks:
+            r = rank[name]
+            assert (r["m"], r["group"]) in ((3, 3), (6, 6)), name
+            for it, loss in ref["losses"].items():
+                assert r["losses"][it] == pytest.approx(loss, rel=TRAIN_LOSS_RTOL, abs=0), name
+            for n, w in r["weights"].items():
+                ref_name = "embedding.word_embeddings.weight" if n == "output_layer.weight" else n
+                err = float(np.abs(w - ref["weights"][ref_name]).max())
+                assert err < WEIGHT_ATOL, (name, n, err)
+                seen.add(n)
+        assert {n for n in ref["weights"]} <= seen, name

@@ -2,9 +2,15 @@
 
 import pytest
 
-from megazero.config import ConfigError
+from megazero.config import ConfigError, valid_microbatch_group_sizes
 from megazero.pipeline.checker import ScheduleError, check_schedules, render_grid
-from megazero.pipeline.schedules import Action, build_all, build_schedule, one_f_one_b
+from megazero.pipeline.schedules import (
+    Action,
+    build_all,
+    build_schedule,
+    interleaved_order,
+    one_f_one_b,
+)
 
 
 def counts(pp):
@@ -18,12 +24,13 @@ CASES = [(pp, vpp, m) for pp in range(1, 9) for vpp in (1, 2, 4) for m in counts
 
 @pytest.mark.parametrize("pp,vpp,m", CASES)
 def test_schedules_are_correct(pp, vpp, m):
-    if vpp > 1 and m % pp:
+    if vpp > 1 and m % pp:  # 2pp + 1 in groups of pp leaves a last group of one
         with pytest.raises(ConfigError) as err:
             build_all(pp, vpp, m)
         msg = str(err.value)
-        assert f"multiple of pp={pp}" in msg and f"got num_microbatches={m}" in msg
-        assert f"valid: {pp}, {2 * pp}, {3 * pp}" in msg
+        assert f"{m} (--global-batch-size" in msg and "leave a last group of 1" in msg
+        valid = ", ".join(map(str, valid_microbatch_group_sizes(pp, m)))
+        assert f"--microbatch-group-size-per-virtual-pipeline-stage to one of {valid}" in msg
         return
     for forward_only in (False, True):
         scheds = build_all(pp, vpp, m, forward_only)
@@ -92,6 +99,158 @@ def test_peak_inflight_interleaved_matches_megatron_factor(pp, vpp):
     # in units of a full stage's micro-batch, relative to 1F1B's p: 1 + (p-1)/(p v)
     factor = res.peak_inflight_stage_equivalents[0] / pp
     assert factor == pytest.approx(1 + (pp - 1) / (pp * vpp))
+
+
+# --- interleaved micro-batch groups (megatron-core's microbatch_group_size_per_vp_stage) -------
+
+GROUP_GRID = [(pp, vpp, m, n) for pp in (2, 3, 4) for vpp in (2, 3)
+              for m in range(pp, 3 * pp + 1) for n in valid_microbatch_group_sizes(pp, m)]
+
+
+def _megatron_core_computes(pp, vpp, m, n, rank):
+    """Rank ``rank``'s compute order as megatron-core 0.16 runs it: its schedule table (groups of
+    n micro-batches through every chunk, the last group whatever is left), warm-up forwards,
+    then one forward and one backward per iteration, then the remaining backwards."""
+    table = []
+    for start in range(0, m, n):
+        end = m if start + n >= m else start + n
+        table += [(mb, c) for c in range(vpp) for mb in range(start, end)]
+    total = len(table)
+    warmup = min(2 * (pp - rank - 1) + (vpp - 1) * n, total)
+    fwd = [f"F{mb}.{c}" for mb, c in table]
+    bwd = [f"B{mb}.{vpp - 1 - c}" for mb, c in table]
+    out = fwd[:warmup]
+    for k in range(total - warmup):
+        out += [fwd[warmup + k], bwd[k]]
+    return out + bwd[total - warmup:]
+
+
+def _forwards_before_first_backward(steps) -> int:
+    computes = [a.kind for s in steps for a in s if a.is_compute]
+    return computes.index("B")
+
+
+def test_group_grid_is_proved_with_megatron_core_counts():
+    """Every valid (pp, vpp, M, N) with pp 2..4, vpp 2..3, M pp..3pp: the checker proves the
+    training and the forward-only schedule (work, matching, no deadlock under batched
+    rendezvous exchanges, in-flight and receive-buffer bounds); the warm-up is megatron-core's
+    ``2(pp - r - 1) + (vpp - 1)N`` capped at vpp M; the bubble is (p-1)/(v m)."""
+    assert len(GROUP_GRID) == 86
+    assert (4, 2, 6, 6) in GROUP_GRID and (4, 2, 10, 5) in GROUP_GRID and (2, 2, 3, 3) in GROUP_GRID
+    for pp, vpp, m, n in GROUP_GRID:
+        scheds = build_all(pp, vpp, m, group_size=n)
+        res = check_schedules(scheds, vpp, m, f_time=1.0 / vpp, b_time=2.0 / vpp, group_size=n)
+        check_schedules(build_all(pp, vpp, m, True, n), vpp, m, True, group_size=n)
+        for r in range(pp):
+            warmup = min(2 * (pp - r - 1) + (vpp - 1) * n, vpp * m)
+            computes = [str(a) for st in scheds[r] for a in st if a.is_compute]
+            assert computes == _megatron_core_computes(pp, vpp, m, n, r), (pp, vpp, m, n, r)
+            # the warm-up, then (if any is left) the steady state's first forward
+            assert _forwards_before_first_backward(scheds[r]) == min(warmup + 1, vpp * m)
+            assert res.peak_inflight[r] == min(warmup + 1, vpp * m), (pp, vpp, m, n, r)
+            assert res.bubble_fraction[r] == pytest.approx((pp - 1) / (vpp * m))
+        # the first rank keeps up to N - pp + 1 activations that came round the ring, the last
+        # rank as many grads; the others one of each
+        assert res.peak_recv_buffers[0][0] == n - pp + 1
+        assert res.peak_recv_buffers[pp - 1][1] == n - pp + 1
+        assert all(res.peak_recv_buffers[r] == (1, 1) for r in range(1, pp - 1))
+
+
+def test_invalid_group_sizes_are_refused():
+    for pp in (2, 3, 4):
+        for m in range(1, 3 * pp + 1):
+            for n in range(1, 3 * pp + 2):
+                # megatron-core's two checks: pp <= N <= M; last group 0 or >= pp
+                if pp <= n <= m and (m % n == 0 or m % n >= pp):
+                    assert n in valid_microbatch_group_sizes(pp, m)
+                    build_all(pp, 2, m, group_size=n)
+                    continue
+                with pytest.raises(ConfigError, match="interleaved|microbatch-group-size"):
+                    build_all(pp, 2, m, group_size=n)
+    assert valid_microbatch_group_sizes(4, 6) == [6]
+    assert valid_microbatch_group_sizes(4, 10) == [5, 6, 10]
+    assert valid_microbatch_group_sizes(4, 8) == [4, 8]
+
+
+def test_group_order_matches_megatron_core_table():
+    """megatron-core's documented table for PP2 N3 M5 VP2 (get_schedule_table)."""
+    order = interleaved_order(2, 2, 5, 3)
+    assert [mb for mb, _ in order] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for _, c in order] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_one_group_keeps_fewer_in_flight_on_later_ranks():
+    """M == pp: rank r runs min(2(pp-r-1) + (vpp-1)pp, vpp pp) warm-up forwards (megatron-core),
+    not all vpp pp of them as older Megatron did; the last rank holds (vpp-1)pp + 1."""
+    res = check_schedules(build_all(4, 2, 4), 2, 4)
+    assert res.peak_inflight == [8, 8, 7, 5]
+
+
+def _receive_just_in_time(scheds, pp):
+    """The leading rank posts each activation receive in the exchange right before the forward
+    that consumes it, instead of aligned with the last rank's send."""
+    r0 = [tuple(a for a in s if a.kind != "RECV_F") for s in scheds[0]]
+    out: list = []
+    for step in r0:
+        if step and step[0].kind == "F" and step[0].chunk > 0:
+            recv = Action("RECV_F", step[0].chunk, step[0].microbatch, pp - 1)
+            out[-1] = out[-1] + (recv,)
+        if step:
+            out.append(step)
+    return [out] + scheds[1:]
+
+
+def test_leading_rank_receives_must_be_aligned():
+    """Why rank 0 receives round-the-ring activations early: just in time, the last rank's
+    send waits for it (longer makespan) and, for N >= 2pp, the ring deadlocks."""
+    pp, vpp = 2, 2
+    good = check_schedules(build_all(pp, vpp, 3, group_size=3), vpp, 3, group_size=3)
+    late = check_schedules(_receive_just_in_time(build_all(pp, vpp, 3, group_size=3), pp),
+                           vpp, 3, group_size=3)
+    assert (good.makespan, late.makespan) == (21.0, 24.0)
+    # with N = pp it is the same schedule
+    same = build_all(pp, vpp, 4)
+
+    def as_sets(scheds):  # a step's actions are posted together: their order is immaterial
+        return [[frozenset(s) for s in steps] for steps in scheds]
+
+    assert as_sets(_receive_just_in_time(same, pp)) == as_sets(same)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedules(_receive_just_in_time(build_all(pp, vpp, 4, group_size=4), pp), vpp, 4,
+                        group_size=4)
+
+
+def test_checker_bounds_receive_buffers():
+    """Posting each of rank 0's activation receives one exchange earlier is still correct and
+    deadlock-free, but needs one more receive buffer than the group size allows."""
+    scheds = build_all(2, 2, 3, group_size=3)
+    r0 = [list(s) for s in scheds[0]]
+    comm = [i for i, s in enumerate(r0) if not s[0].is_compute]
+    for before, at in zip(comm, comm[1:]):
+        for a in [a for a in r0[at] if a.kind == "RECV_F"]:
+            r0[at].remove(a)
+            r0[before].append(a)
+    early = [[tuple(s) for s in r0 if s]] + scheds[1:]
+    res = check_schedules(early, 2, 3, memory_bound=False)
+    assert res.peak_recv_buffers == [(3, 1), (1, 2)]
+    with pytest.raises(ScheduleError, match="rank 0 holds 3 received activations before their "
+                                            "compute, more than the 2 receive buffer"):
+        check_schedules(early, 2, 3, group_size=3)
+
+
+def test_checker_matches_messages_without_tags():
+    """pp = 2 with interleaving: activations and grads share a pair of ranks. Posting a grad send
+    in its own exchange before the activation send is right with tags (gloo) but would swap the
+    two tensors on a backend that matches per peer in posting order (NCCL)."""
+    scheds = build_all(2, 2, 4)
+    step = scheds[0][10]
+    assert sorted(a.kind for a in step) == ["RECV_B", "SEND_B", "SEND_F"]
+    grad_first = [list(s) for s in scheds]
+    grad_first[0][10:11] = [tuple(a for a in step if a.kind == "SEND_B"),
+                            tuple(a for a in step if a.kind != "SEND_B")]
+    with pytest.raises(ScheduleError, match=r"ranks 0->1 without tags, message 4: rank 0 sends "
+                                            r"sB0.1>1 \(step 10\) but rank 1 receives rF2.0<0"):
+        check_schedules(grad_first, 2, 4)
 
 
 def test_no_pipelining_and_dispatch():
@@ -221,4 +380,9 @@ def test_schedule_grid_tool(capsys):
     assert "F3.1" in out and "rank 0: busy 48, idle 9 (bubble 0.188)" in out
     assert "formula bubble (p-1)/(v*m) = 0.188" in out
     assert tool.main(["--pp", "4", "--vpp", "2", "--microbatches", "6"]) == 1
-    assert "multiple of pp=4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "leave a last group of 2" in err and "to one of 6," in err
+    assert tool.main(["--pp", "4", "--vpp", "2", "--microbatches", "6", "--group-size", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: busy 36, idle 9 (bubble 0.250)" in out and "F5.1" in out
+    assert "peak in-flight 12 chunk-micro-batches, receive buffers 3 activations 1 grads" in out

@@ -1,6 +1,7 @@
 """Print a pipeline schedule as a rank x time grid, after checking it.
 
     python tools/schedule_grid.py --pp 4 --vpp 2 --microbatches 8
+    python tools/schedule_grid.py --pp 4 --vpp 2 --microbatches 10 --group-size 5
 
 ``F3.1`` is the forward of micro-batch 3 through model chunk 1; ``B`` a backward; ``.`` an idle
 slot; ``~`` the continuation of a longer action (backward costs ``--b-time`` units, forward
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="virtual chunks per stage (>1: interleaved 1F1B)")
     ap.add_argument("--microbatches", type=int, required=True,
                     help="micro-batches per iteration")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="interleaved: micro-batches per group (megatron-core's "
+                         "--microbatch-group-size-per-virtual-pipeline-stage; default pp)")
     ap.add_argument("--forward-only", action="store_true",
                     help="the evaluation schedule (no backward passes)")
     ap.add_argument("--f-time", type=float, default=1.0, help="time units of one forward")
@@ -34,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", action="store_true", help="also print every rank's step list")
     args = ap.parse_args(argv)
     try:
-        schedules = build_all(args.pp, args.vpp, args.microbatches, args.forward_only)
+        schedules = build_all(args.pp, args.vpp, args.microbatches, args.forward_only,
+                              args.group_size)
         res = check_schedules(schedules, args.vpp, args.microbatches, args.forward_only,
-                              args.f_time, args.b_time)
+                              args.f_time, args.b_time, group_size=args.group_size)
     except (ConfigError, ScheduleError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -11,18 +11,33 @@ and verifies, raising :class:`ScheduleError` with a readable reason otherwise:
 3. **Matching**: messages on each channel (source rank, destination rank, forward or backward
    direction) are matched first-in first-out, as point-to-point messages with one tag are; the
    i-th send and the i-th receive must carry the same slot (direction, producing virtual stage,
-   micro-batch), so the receiver gets the tensor it thinks it gets.
-4. **No deadlock**: ranks are advanced with blocking semantics. A communication step posts all
-   its sends and receives at once and completes only when every one of them has been posted by
-   the peer (rendezvous: a send is treated as blocking until its receive is posted, the strict
-   NCCL-like assumption). If no rank can advance before all are done, the schedule deadlocks;
-   the error lists what each stuck rank waits for.
-
+   micro-batch), so the receiver gets the tensor it thinks it gets. The same must hold per pair
+   of ranks with both directions in one queue, in the executor's posting order
+   (:data:`~megazero.pipeline.schedules.POST_ORDER` within a step), so a backend that ignores
+   tags (NCCL) pairs the same messages.
+4. **No deadlock**, under the communication model of :class:`megazero.pipeline.p2p.P2P`, which
+   the executor uses for every communication step: the step's sends and receives are posted
+   together (one ``batch_isend_irecv``, as Megatron's ``p2p_communication`` batches
+   ``send_forward_backward_recv_forward_backward`` and friends) and all of them are waited for
+   before the rank moves on. So a step completes exactly when every one of its messages has
+   been posted by the peer (rendezvous: a send is treated as blocking until its receive is
+   posted, as gloo does and NCCL may). Ranks are advanced with these semantics; if no rank can
+   advance before all are done, the schedule deadlocks and the error lists what each stuck rank
+   waits for.
 5. **Memory bound** (training schedules, unless ``memory_bound=False``): no rank holds more
    micro-batches in flight than 1F1B's warm-up allows (:func:`inflight_bound`: ``pp - rank``
-   without interleaving, Megatron's ``2(pp - rank - 1) + (vpp - 1)pp`` warm-up plus one with
-   it). A schedule with one extra warm-up forward is still correct and deadlock-free, but
-   holds one more micro-batch's activations than the memory estimates promise.
+   without interleaving, megatron-core's ``2(pp - rank - 1) + (vpp - 1)N`` warm-up plus one
+   with it, N the micro-batch group size). A schedule with one extra warm-up forward is still
+   correct and deadlock-free, but holds one more micro-batch's activations than the memory
+   estimates promise.
+6. **Receive buffers** (with the memory bound): a received tensor lives in its own buffer from
+   the step that posts its receive until the forward or backward that consumes it (the executor
+   allocates one per receive and drops it there). No rank may hold more of them per direction
+   than :func:`recv_buffer_bound`: one, except on the rank that receives from the other end of
+   the ring (rank 0 for activations, the last rank for grads), which takes an input up to
+   ``N - pp`` items before its turn and so needs ``N - pp + 1`` (megatron-core's receive ring of
+   that size). The count is checked at posting time, so a buffer is never reused while a
+   tensor it holds is still waiting for its compute.
 
 The same simulation gives a timeline (forward cost ``f_time``, backward ``b_time``,
 communication free), hence each rank's idle time (the bubble) and its peak number of
@@ -34,7 +49,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megazero.pipeline.schedules import Action, Step, virtual_stage
+from megazero.pipeline.schedules import POST_ORDER, Action, Step, virtual_stage
 
 
 class ScheduleError(RuntimeError):
@@ -60,6 +75,8 @@ class SimResult:
     makespan: float = 0.0
     busy: list[float] = field(default_factory=list)
     peak_inflight: list[int] = field(default_factory=list)  # in chunk-micro-batches
+    # most received-but-not-yet-consumed tensors per rank: activations, grads
+    peak_recv_buffers: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def idle(self) -> list[float]:
@@ -184,33 +201,72 @@ def _match(schedules: list[list[Step]]) -> dict[tuple[int, int, int], tuple[int,
     return partner
 
 
-def inflight_bound(pp: int, vpp: int | None, num_microbatches: int, rank: int) -> int:
+def _match_untagged(schedules: list[list[Step]]) -> None:
+    """Per (source, destination) pair, sends and receives in posting order carry the same
+    slots, whatever their direction (tag)."""
+    pp = len(schedules)
+    sends: dict[tuple[int, int], list] = defaultdict(list)
+    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    for rank, steps in enumerate(schedules):
+        for i, step in enumerate(steps):
+            for a in sorted((a for a in step if not a.is_compute),
+                            key=lambda a: POST_ORDER[a.kind]):
+                src, dst, _ = _channel(rank, a)
+                side = sends if a.kind.startswith("SEND") else recvs
+                side[(src, dst)].append((_slot(rank, a, pp), rank, i, a))
+    for pair in sorted(set(sends) | set(recvs)):
+        for k, (snd, rcv) in enumerate(zip(sends[pair], recvs[pair])):
+            if snd[0] != rcv[0]:
+                raise ScheduleError(
+                    f"ranks {pair[0]}->{pair[1]} without tags, message {k}: rank {snd[1]} "
+                    f"sends {snd[3]} (step {snd[2]}) but rank {rcv[1]} receives {rcv[3]} "
+                    f"(step {rcv[2]}) in that place; a backend matching per peer in posting "
+                    f"order would swap them")
+
+
+def inflight_bound(pp: int, vpp: int | None, num_microbatches: int, rank: int,
+                   group_size: int | None = None) -> int:
     """Most chunk-micro-batches rank ``rank`` may hold in a 1F1B training schedule: its
-    warm-up forwards plus the one forward of the steady state."""
+    warm-up forwards plus the one forward of the steady state (N = ``group_size``, default
+    pp, sets the interleaved warm-up)."""
     vpp = vpp or 1
     total = num_microbatches * vpp
     if vpp == 1:
         return min(pp - rank, total)
-    if num_microbatches == pp:  # one group of micro-batches: all warm-up
-        return total
-    return min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, total)
+    return min(2 * (pp - rank - 1) + (vpp - 1) * (group_size or pp) + 1, total)
+
+
+def recv_buffer_bound(pp: int, vpp: int | None, rank: int, group_size: int | None = None
+                      ) -> tuple[int, int]:
+    """Most received tensors (activations, grads) rank ``rank`` may hold before their compute:
+    ``N - pp + 1`` for the rank fed round the ring (rank 0's activations, the last rank's
+    grads) of an interleaved schedule, one otherwise."""
+    ring = (group_size or pp) - pp + 1 if (vpp or 1) > 1 else 1
+    return (ring if rank == 0 else 1, ring if rank == pp - 1 else 1)
 
 
 def check_schedules(
     schedules: list[list[Step]], vpp: int | None, num_microbatches: int,
     forward_only: bool = False, f_time: float = 1.0, b_time: float = 2.0,
-    memory_bound: bool = True,
+    memory_bound: bool = True, group_size: int | None = None,
 ) -> SimResult:
     """Verify the schedules of all ``len(schedules)`` pipeline ranks; return the simulation.
-    ``memory_bound=False`` accepts schedules that hold more than 1F1B's in-flight bound
-    (such as all-forward-all-backward)."""
+    ``memory_bound=False`` accepts schedules that hold more than 1F1B's in-flight and
+    receive-buffer bounds (such as all-forward-all-backward); ``group_size`` is the interleaved
+    schedule's micro-batch group size N those bounds use (default pp)."""
     pp, vpp = len(schedules), vpp or 1
     _check_work(schedules, vpp, num_microbatches, forward_only)
     partner = _match(schedules)
+    # the compute that consumes each received tensor: direction index 0 (F) or 1 (B)
+    consumes = {(r, Action(b.kind[-1], b.chunk, b.microbatch)): int(b.kind == "RECV_B")
+                for r, steps in enumerate(schedules) for s in steps for b in s
+                if b.kind in ("RECV_F", "RECV_B")}
     ptr = [0] * pp
     clock = [0.0] * pp
     posted: dict[tuple[int, int], float] = {}
     inflight = [0] * pp
+    pending = [[0, 0] for _ in range(pp)]  # received, not yet consumed: activations, grads
+    peak_pending = [[0, 0] for _ in range(pp)]
     res = SimResult(pp, vpp, num_microbatches, busy=[0.0] * pp, peak_inflight=[0] * pp)
     progress = True
     while progress:
@@ -227,6 +283,8 @@ def check_schedules(
                         res.peak_inflight[r] = max(res.peak_inflight[r], inflight[r])
                     else:
                         inflight[r] -= 1
+                    if (r, a) in consumes:
+                        pending[r][consumes[(r, a)]] -= 1
                     clock[r] += dur
                     res.busy[r] += dur
                     ptr[r] += 1
@@ -235,6 +293,11 @@ def check_schedules(
                 if (r, ptr[r]) not in posted:
                     posted[(r, ptr[r])] = clock[r]
                     progress = True
+                    for b in step:
+                        if b.kind in ("RECV_F", "RECV_B"):
+                            d = 0 if b.kind == "RECV_F" else 1
+                            pending[r][d] += 1
+                            peak_pending[r][d] = max(peak_pending[r][d], pending[r][d])
                 peers = [partner[(r, ptr[r], j)] for j in range(len(step))]
                 if not all(pr in posted for pr in peers):
                     break
@@ -244,10 +307,21 @@ def check_schedules(
     if any(ptr[r] < len(schedules[r]) for r in range(pp)):
         raise ScheduleError("deadlock: no rank can make progress\n" + _stuck(schedules, ptr,
                                                                               partner, posted))
+    _match_untagged(schedules)
     res.makespan = max(clock) if clock else 0.0
+    res.peak_recv_buffers = [(p[0], p[1]) for p in peak_pending]
+    if memory_bound:
+        for r in range(pp):
+            bounds = recv_buffer_bound(pp, vpp, r, group_size)
+            for d, what in enumerate(("activations", "grads")):
+                if peak_pending[r][d] > bounds[d]:
+                    raise ScheduleError(
+                        f"rank {r} holds {peak_pending[r][d]} received {what} before their "
+                        f"compute, more than the {bounds[d]} receive buffer(s) the schedule "
+                        f"allows (group size {group_size or pp})")
     if memory_bound and not forward_only:
         for r in range(pp):
-            bound = inflight_bound(pp, vpp, num_microbatches, r)
+            bound = inflight_bound(pp, vpp, num_microbatches, r, group_size)
             if res.peak_inflight[r] > bound:
                 raise ScheduleError(
                     f"rank {r} holds {res.peak_inflight[r]} chunk-micro-batches in flight, more "
@@ -285,7 +359,9 @@ def render_grid(res: SimResult, cell: int = 6) -> str:
     for r, row in enumerate(rows):
         lines.append(f"{r:>4} | " + "".join(f"{c:<{cell}}" for c in row))
     for r in range(res.pp):
+        recv = (f", receive buffers {res.peak_recv_buffers[r][0]} activations "
+                f"{res.peak_recv_buffers[r][1]} grads" if res.peak_recv_buffers else "")
         lines.append(f"rank {r}: busy {res.busy[r]:g}, idle {res.idle[r]:g} "
                      f"(bubble {res.bubble_fraction[r]:.3f}), peak in-flight "
-                     f"{res.peak_inflight[r]} chunk-micro-batches")
+                     f"{res.peak_inflight[r]} chunk-micro-batches{recv}")
     return "\n".join(lines)

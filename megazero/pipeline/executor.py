@@ -152,6 +152,7 @@ def forward_backward(
     grad_sync: Any = None,
     finalize: bool = False,
     stats: dict[str, Any] | None = None,
+    microbatch_group_size: int | None = None,
 ) -> list[float]:
     """Run one iteration of the pipeline schedule on this rank; return per-micro-batch losses.
 
@@ -167,6 +168,9 @@ def forward_backward(
     early-finished chunks overlaps with the rest of the cool-down), a single shared object once
     after the schedule. With ``finalize=True`` :func:`finalize_model_grads` runs at the end
     (with the same ``grad_sync``).
+    ``microbatch_group_size``: the interleaved schedule's group size N (micro-batches that go
+    through a model chunk in a row; default pp), see
+    :func:`megazero.pipeline.schedules.interleaved_one_f_one_b`.
     ``stats``, if given, receives ``peak_inflight``, ``peak_saved_bytes``,
     ``saved_bytes_per_forward`` and ``peak_output_elements`` (see :class:`_ActivationMeter`).
     """
@@ -175,7 +179,7 @@ def forward_backward(
         raise ValueError(f"{vpp} model chunks but the topology has vpp={topo.vpp_size}")
     params = [p for c in model_chunks for p in c.parameters()]
     device = params[0].device if params else torch.device("cpu")
-    steps = build_schedule(pp, vpp, m, topo.pp_rank, forward_only)
+    steps = build_schedule(pp, vpp, m, topo.pp_rank, forward_only, microbatch_group_size)
     p2p = P2P(topo, tensor_shape(seq_length, micro_batch_size, hidden_size, topo.tp_size,
                                  sequence_parallel), dtype, device)
     vstages = [virtual_stage(topo.pp_rank, c, pp) for c in range(vpp)]

@@ -11,8 +11,9 @@ and grads with tag 1; gloo matches messages per (source, tag) in posting order, 
 two directions independent FIFO channels, exactly what :mod:`megazero.pipeline.checker` proves
 the schedules against. The ops of a step are posted in one fixed order (activation send,
 activation receive, grad send, grad receive) so that a backend that ignores tags and matches
-per peer in posting order (NCCL) pairs them the same way; NCCL runs a batch as one group, so
-both directions between the same two ranks then proceed together.
+per peer in posting order (NCCL) pairs them the same way (the checker proves that too, for
+every schedule); NCCL runs a batch as one group, so both directions between the same two ranks
+then proceed together.
 
 Shapes are not sent: every tensor has the shape the config implies, ``(seq_length / tp if
 sequence parallel else seq_length, micro_batch_size, hidden_size)``, and the dtype given.
@@ -25,12 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megazero.pipeline.schedules import Action, Step
+from megazero.pipeline.schedules import POST_ORDER, Action, Step
 from megazero.topology import ParallelTopology
 
 TAG_ACTIVATION = 0
 TAG_GRAD = 1
-_ORDER = {"SEND_F": 0, "RECV_F": 1, "SEND_B": 2, "RECV_B": 3}
 
 Key = tuple[int, int]  # (chunk, microbatch)
 
@@ -72,7 +72,7 @@ class P2P:
         """
         ops: list[dist.P2POp] = []
         received: dict[tuple[str, int, int], torch.Tensor] = {}
-        for a in sorted(step, key=lambda a: _ORDER[a.kind]):
+        for a in sorted(step, key=lambda a: POST_ORDER[a.kind]):
             ops.append(self._op(a, outgoing, received))
         if ops:
             for req in dist.batch_isend_irecv(ops):

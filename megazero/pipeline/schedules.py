@@ -19,22 +19,25 @@ Schedules:
 * :func:`one_f_one_b` (vpp = 1): ``pp - rank - 1`` warm-up forwards, then one forward / one
   backward in steady state, then the remaining backwards. At most ``pp - rank`` micro-batches
   are in flight on a rank, whatever the number of micro-batches.
-* :func:`interleaved_one_f_one_b` (vpp > 1): Megatron's interleaved order. Micro-batches go
-  through the chunks in groups of ``pp``, so the number of micro-batches must be a multiple of
-  ``pp`` (classic Megatron). Other counts are rejected with the valid ones: the checker shows
-  that the obvious generalisations deadlock when a send blocks until its receive is posted
-  (a group larger than ``pp`` overfills the ring of virtual stages; a smaller last group breaks
-  the warm-up/steady-state pairing), so they are not offered.
+* :func:`interleaved_one_f_one_b` (vpp > 1): megatron-core's interleaved order.
+  Micro-batches go through the chunks in groups of N
+  (``--microbatch-group-size-per-virtual-pipeline-stage``, ``pp <= N <= M``, default pp); any
+  number of micro-batches M >= pp runs whose last group (``M mod N``) is empty or at least pp
+  (:func:`megazero.config.check_microbatch_groups` owns that rule). Others are refused with
+  the group sizes that would work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megazero.config import ConfigError
+from megazero.config import ConfigError, check_microbatch_groups
 
 COMPUTE_KINDS = ("F", "B")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+# The order in which the executor posts the actions of one communication step (see
+# megazero.pipeline.p2p); the checker proves message matching in this order too.
+POST_ORDER = {kind: i for i, kind in enumerate(COMM_KINDS)}
 _SHORT = {"SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
 
 
@@ -171,92 +174,133 @@ def one_f_one_b(
     return steps
 
 
-def interleaved_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, int]]:
+def interleaved_order(
+    pp: int, vpp: int, num_microbatches: int, group_size: int | None = None
+) -> list[tuple[int, int]]:
     """The forward order of (microbatch, chunk) pairs, the same on every rank.
 
-    Micro-batches go ``pp`` at a time through all chunks: chunk 0 for mb 0..pp-1, then chunk 1
-    for the same micro-batches, ..., then the next group. The backward order is the same list
-    with chunk ``c`` replaced by ``vpp - 1 - c``.
+    Micro-batches go ``group_size`` (N, default ``pp``) at a time through all chunks: chunk 0
+    for mb 0..N-1, then chunk 1 for the same micro-batches, ..., then the next group; the last
+    group takes whatever is left (Megatron-core's ``get_schedule_table``). The backward order is
+    the same list with chunk ``c`` replaced by ``vpp - 1 - c``.
     """
-    return [(start + i, c) for start in range(0, num_microbatches, pp)
-            for c in range(vpp) for i in range(pp)]
+    n = group_size or pp
+    order: list[tuple[int, int]] = []
+    for start in range(0, num_microbatches, n):
+        group = range(start, min(start + n, num_microbatches))
+        order += [(mb, c) for c in range(vpp) for mb in group]
+    return order
 
 
-def interleaved_valid_counts(pp: int, up_to: int = 4) -> list[int]:
-    """Micro-batch counts the interleaved schedule accepts: the multiples of ``pp``."""
-    return [pp * k for k in range(1, up_to + 1)]
+def interleaved_warmup(pp: int, vpp: int, num_microbatches: int, pp_rank: int,
+                       group_size: int | None = None) -> int:
+    """Chunk-forwards rank ``pp_rank`` runs before its first backward (megatron-core's count):
+    ``2 (pp - rank - 1) + (vpp - 1) N``, or all ``vpp M`` of them when that is not fewer."""
+    n = group_size or pp
+    return min(2 * (pp - pp_rank - 1) + (vpp - 1) * n, vpp * num_microbatches)
 
 
 def interleaved_one_f_one_b(
-    pp: int, vpp: int, num_microbatches: int, pp_rank: int, forward_only: bool = False
+    pp: int, vpp: int, num_microbatches: int, pp_rank: int, forward_only: bool = False,
+    group_size: int | None = None,
 ) -> list[Step]:
-    """Megatron's interleaved 1F1B: ``vpp`` model chunks per rank, smaller pipeline bubble.
+    """Interleaved 1F1B: ``vpp`` model chunks per rank, micro-batches in groups of N.
 
-    Warm-up runs ``2 (pp - rank - 1) + (vpp - 1) pp`` chunk-forwards (all of them when
-    ``m == pp``); steady state does one chunk-forward and one chunk-backward then a single
-    batched exchange of up to four tensors; cool-down drains the backwards.
+    Order: :func:`interleaved_order` for forwards (backwards mirror the chunks);
+    :func:`interleaved_warmup` chunk-forwards first, then one forward and one backward followed
+    by a single batched exchange of up to four tensors, then the remaining backwards.
+
+    Compared with megatron-core 0.16 (``forward_backward_pipelining_with_interleaving``) for the
+    same (pp, vpp, M, N): the compute order, warm-up counts included, is the same on every rank.
+    The communication is that of its ``batch_p2p_comm`` path (the library default: each
+    iteration's sends and receives in one batch, all waited for). Megatron-LM's training script
+    defaults to ``overlap_p2p_comm`` instead, which posts the same messages as separate
+    asynchronous sends and receives and waits for each just before its tensor is used; the
+    executor blocks on every exchange, so that variant is not reproduced. Older Megatron
+    (megatron-core up to 0.9) differs for ``M == pp``: every rank ran all ``vpp pp``
+    chunk-forwards as warm-up; the formula used here (and by megatron-core since the group
+    size exists) gives later ranks fewer, so the last rank holds ``(vpp - 1) pp + 1``
+    chunk-micro-batches instead of ``vpp pp``, with the same bubble.
+
+    Who receives what, and when. A rank that is not the *leading* one for a direction (rank 0
+    for activations, rank ``pp - 1`` for grads) receives, in the exchange after computing item
+    ``k``, the input of item ``k + 1``. The leading rank's input for chunk ``c + 1`` comes round
+    the ring from the last rank's chunk ``c``; the leading rank runs ``pp - 1`` items ahead of
+    it, so it receives, after item ``k``, what the other end produced at item ``k - (pp - 1)``,
+    and keeps it until its turn comes (up to ``N - pp + 1`` of them at once: the receive
+    buffers the checker counts). With ``N == pp`` that is again the next item's input. Posting
+    the leading rank's receive just before its turn instead makes the last rank's send wait
+    ``N - pp`` items for it (the checker finds a longer makespan), and once the stalled sends
+    back up the whole ring (``N >= 2 pp`` or so) nobody can move: a deadlock. The last group
+    must be empty or at least pp long for the same alignment: the last rank's final sends round
+    the ring come at least ``pp - 1`` items before the end.
     """
     _check_counts(pp, vpp, num_microbatches, pp_rank)
-    if num_microbatches % pp != 0:
-        valid = ", ".join(map(str, interleaved_valid_counts(pp)))
-        raise ConfigError(
-            f"the interleaved pipeline schedule (pp={pp}, vpp={vpp}) needs the number of "
-            f"micro-batches to be a multiple of pp={pp}, got num_microbatches="
-            f"{num_microbatches}; valid: {valid}, ... (set --global-batch-size to a multiple of "
-            f"micro-batch-size x data-parallel-size x {pp}), or drop "
-            f"--num-layers-per-virtual-pipeline-stage to use 1F1B, which accepts any count"
-        )
+    n = check_microbatch_groups(pp, num_microbatches, group_size)
     lay = _Layout(pp, vpp, pp_rank)
-    order = interleaved_order(pp, vpp, num_microbatches)
-    fwd = order
-    bwd = [(mb, vpp - 1 - c) for mb, c in order]
-    total = len(order)
-    if forward_only or num_microbatches == pp:  # one group: nothing to overlap, all warm-up
-        warmup = total
-    else:
-        warmup = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp, total)
+    fwd = interleaved_order(pp, vpp, num_microbatches, n)
+    bwd = [(mb, vpp - 1 - c) for mb, c in fwd]
+    total = len(fwd)
+    warmup = total if forward_only else interleaved_warmup(pp, vpp, num_microbatches, pp_rank, n)
     remaining = total - warmup
-
-    def rf(k: int) -> list[Action]:
-        return lay.recv_f(fwd[k][1], fwd[k][0]) if k < total else []
 
     def sf(k: int) -> list[Action]:
         return lay.send_f(fwd[k][1], fwd[k][0])
 
-    def rb(k: int) -> list[Action]:
-        return lay.recv_b(bwd[k][1], bwd[k][0]) if k < total else []
-
     def sb(k: int) -> list[Action]:
         return lay.send_b(bwd[k][1], bwd[k][0])
 
+    def rf_after(k: int) -> list[Action]:
+        """The activation received in the exchange after forward ``k``."""
+        if pp_rank == 0:
+            j = k - (pp - 1)
+            if j < 0 or fwd[j][1] == vpp - 1:
+                return []
+            return lay.recv_f(fwd[j][1] + 1, fwd[j][0])
+        return lay.recv_f(fwd[k + 1][1], fwd[k + 1][0]) if k + 1 < total else []
+
+    def rb_after(k: int) -> list[Action]:
+        """The grad received in the exchange after backward ``k`` (``k = -1``: before the
+        first backward)."""
+        if pp_rank == pp - 1:
+            j = k - (pp - 1)
+            if j < 0 or bwd[j][1] == 0:
+                return []
+            return lay.recv_b(bwd[j][1] - 1, bwd[j][0])
+        return lay.recv_b(bwd[k + 1][1], bwd[k + 1][0]) if k + 1 < total else []
+
     steps: list[Step] = []
-    _append_comm(steps, rf(0))
+    _append_comm(steps, lay.recv_f(fwd[0][1], fwd[0][0]))
     for k in range(warmup):
         mb, c = fwd[k]
         steps.append((Action("F", c, mb),))
         # The last warm-up exchange also posts the receive of the first backward's grad, so the
         # steady state starts with it already in hand (Megatron does the same).
-        first_grad = rb(0) if (k == warmup - 1 and not forward_only) else []
-        _append_comm(steps, sf(k) + rf(k + 1) + first_grad)
+        first_grad = rb_after(-1) if (k == warmup - 1 and remaining) else []
+        _append_comm(steps, sf(k) + rf_after(k) + first_grad)
+    if not forward_only and not remaining:
+        _append_comm(steps, rb_after(-1))
     for i in range(remaining):
         k = warmup + i
         mb, c = fwd[k]
         steps.append((Action("F", c, mb),))
         bmb, bc = bwd[i]
         steps.append((Action("B", bc, bmb),))
-        _append_comm(steps, sf(k) + sb(i) + rf(k + 1) + rb(i + 1))
+        _append_comm(steps, sf(k) + sb(i) + rf_after(k) + rb_after(i))
     if not forward_only:
         for k in range(remaining, total):
             mb, c = bwd[k]
             steps.append((Action("B", c, mb),))
-            _append_comm(steps, sb(k) + rb(k + 1))
+            _append_comm(steps, sb(k) + rb_after(k))
     return steps
 
 
 def build_schedule(
-    pp: int, vpp: int | None, num_microbatches: int, pp_rank: int, forward_only: bool = False
+    pp: int, vpp: int | None, num_microbatches: int, pp_rank: int, forward_only: bool = False,
+    group_size: int | None = None,
 ) -> list[Step]:
-    """The steps of one pipeline rank: picks the schedule from (pp, vpp)."""
+    """The steps of one pipeline rank: picks the schedule from (pp, vpp). ``group_size`` is
+    the interleaved schedule's micro-batch group size N (default pp); 1F1B ignores it."""
     vpp = vpp or 1
     if pp == 1:
         if vpp != 1:
@@ -264,11 +308,13 @@ def build_schedule(
         return no_pipelining(num_microbatches, forward_only)
     if vpp == 1:
         return one_f_one_b(pp, num_microbatches, pp_rank, forward_only)
-    return interleaved_one_f_one_b(pp, vpp, num_microbatches, pp_rank, forward_only)
+    return interleaved_one_f_one_b(pp, vpp, num_microbatches, pp_rank, forward_only, group_size)
 
 
 def build_all(
-    pp: int, vpp: int | None, num_microbatches: int, forward_only: bool = False
+    pp: int, vpp: int | None, num_microbatches: int, forward_only: bool = False,
+    group_size: int | None = None,
 ) -> list[list[Step]]:
     """Every rank's schedule, indexed by pipeline rank."""
-    return [build_schedule(pp, vpp, num_microbatches, r, forward_only) for r in range(pp)]
+    return [build_schedule(pp, vpp, num_microbatches, r, forward_only, group_size)
+            for r in range(pp)]

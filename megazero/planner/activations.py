@@ -25,7 +25,8 @@ rematerialises one segment at a time in backward.
 How many micro-batches a rank holds comes from the schedule itself
 (:func:`megazero.pipeline.schedules.build_schedule`): the peak count of forwards whose backward
 has not run, per chunk. For 1F1B the first stage holds ``min(pp, m)``; interleaved holds
-``pv + p - 1`` chunk-forwards, i.e. ``p (1 + (p-1)/(pv))`` micro-batches of its layers.
+``2(p-1) + (v-1)N + 1`` chunk-forwards (N the micro-batch group size, default p: ``pv + p - 1``,
+i.e. ``p (1 + (p-1)/(pv))`` micro-batches of its layers), at most all ``v m`` of them.
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
 
 
 def inflight_chunk_forwards(pp: int, vpp: int | None, num_microbatches: int,
-                            pp_rank: int) -> int:
+                            pp_rank: int, group_size: int | None = None) -> int:
     """Peak number of (chunk, micro-batch) forwards whose backward has not run, from the
     schedule this rank executes."""
     from megazero.pipeline.schedules import build_schedule
 
     live = peak = 0
-    for step in build_schedule(pp, vpp, num_microbatches, pp_rank):
+    for step in build_schedule(pp, vpp, num_microbatches, pp_rank, group_size=group_size):
         for act in step:
             if act.kind == "F":
                 live += 1

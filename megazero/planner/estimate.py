@@ -54,7 +54,8 @@ def _peak_activation_bytes(cfg: MegazeroConfig, pp_rank: int, m: int, flash: boo
         chunk_bytes.append(recompute_layer_bytes(cfg, b, tp, layers, flash=flash)
                            + embedding_logits_bytes(cfg, b, tp, v == 0, v == pp * vpp - 1))
     live = peak = 0.0
-    for step in build_schedule(pp, cfg.vpp, m, pp_rank):
+    for step in build_schedule(pp, cfg.vpp, m, pp_rank,
+                               group_size=p.microbatch_group_size_per_vp_stage):
         for a in step:
             if a.kind == "F":
                 live += chunk_bytes[a.chunk]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megazero.arguments import load_config
-from megazero.config import ConfigError
+from megazero.config import ConfigError, valid_microbatch_group_sizes
 from megazero.planner.cluster import Cluster
 from megazero.planner.estimate import Estimate, estimate
 
@@ -59,7 +59,7 @@ def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
                         (False, True)):
                     if (sp and tp == 1) or (stage == 3 and pp > 1) or (off and stage == 0):
                         continue
-                    if vl is not None and m % pp:
+                    if vl is not None and pp not in valid_microbatch_group_sizes(pp, m):
                         continue
                     f = [f"--tensor-model-parallel-size={tp}",
                          f"--pipeline-model-parallel-size={pp}", f"--zero-stage={stage}",
