@@ -135,8 +135,70 @@ def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: in
                 t0 = time.perf_counter()
                 fns[name](batch)
                 times[name].append(1000 * (time.perf_counter() - t0))
+    times.update(collective_times(topo, sum(p.numel() for p in GPTModel(cfg, topo).parameters()),
+                                  rounds * steps))
     dist.barrier()
     return times
+
+
+BUCKET = int(ZERO_COMMON["reduce_bucket_size"])
+
+
+def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, list[float]]:
+    """ms per step of each collective the stages need, over the model's fp32 parameter count in
+    buckets of ``reduce_bucket_size`` all in flight at once (as the engine issues them):
+    ``all_reduce`` (stage 0; also a reduce-scatter that keeps its own half), ``reduce_scatter``
+    (the backend's own), ``reduce_scatter_a2a`` (all-to-all + local sum, what megazero uses on
+    gloo), ``all_gather``. Rounds alternate the collectives."""
+    sizes = [min(BUCKET, numel - lo) for lo in range(0, numel, BUCKET)]
+    sizes = [-(-k // DP) * DP for k in sizes]
+    bufs = [torch.randn(k) for k in sizes]
+    outs = [torch.empty(k // DP) for k in sizes]
+    recv = [torch.empty(k) for k in sizes]
+
+    def all_reduce() -> None:
+        for w in [dist.all_reduce(b, async_op=True) for b in bufs]:
+            w.wait()
+
+    def reduce_scatter() -> None:
+        for w in [dist.reduce_scatter_single(o, b, async_op=True) for o, b in zip(outs, bufs)]:
+            w.wait()
+
+    def reduce_scatter_a2a() -> None:
+        works = [dist.all_to_all_single(r, b, async_op=True) for r, b in zip(recv, bufs)]
+        for w, r, o in zip(works, recv, outs):
+            w.wait()
+            torch.sum(r.view(DP, -1), dim=0, out=o)
+
+    def all_gather() -> None:
+        for w in [dist.all_gather_into_tensor(b, o, async_op=True) for o, b in zip(outs, bufs)]:
+            w.wait()
+
+    fns = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter,
+           "reduce_scatter_a2a": reduce_scatter_a2a, "all_gather": all_gather}
+    out: dict[str, list[float]] = {f"coll:{k}": [] for k in fns}
+    for f in fns.values():  # warm-up
+        f()
+    for _ in range(n):
+        for k, f in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            f()
+            out[f"coll:{k}"].append(1000 * (time.perf_counter() - t0))
+    return out
+
+
+def floor_ms(plain: float, coll: dict[str, float], stage: int) -> tuple[float, str]:
+    """Compute + the stage's minimal collectives (the fastest way this backend offers for each):
+    stage 0 one all-reduce; 1 and 2 a reduce-scatter (or an all-reduce keeping one's half) and
+    an all-gather of the parameters; 3 that plus a second all-gather (forward and backward)."""
+    rs = min(coll["reduce_scatter"], coll["reduce_scatter_a2a"], coll["all_reduce"])
+    ag = coll["all_gather"]
+    if stage == 0:
+        return plain + coll["all_reduce"], "all_reduce"
+    if stage in (1, 2):
+        return plain + rs + ag, "reduce_scatter + all_gather"
+    return plain + rs + 2 * ag, "reduce_scatter + 2 all_gather"
 
 
 DS_SCRIPT = r'''
@@ -328,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         names = ("plain",) if args.driver == "entry" else None
         got = run_distributed(_speed_world, DP, 1, args.steps, r, names, timeout=1800)[0]
         for k, v in got.items():
-            times[k] += v
+            times.setdefault(k, []).extend(v)
         if args.driver == "entry":
             k = r % len(zero_cases)
             for i, (name, case) in enumerate(zero_cases[k:] + zero_cases[:k]):
@@ -352,38 +414,64 @@ def main(argv: list[str] | None = None) -> None:
         commands["deepspeed"] = (f"torchrun --nproc_per_node {DP} ds_step.py <stage> "
                                  f"<offload 0|1> {args.steps}  (DS_SCRIPT in this file)")
     med = {k: statistics.median(v) for k, v in times.items()}
-    low = {k: min(v) for k, v in times.items()}
     ds = {k: statistics.median(v) if isinstance(v, list) and v else v for k, v in raw.items()}
     ds_low = {k: min(v) for k, v in raw.items() if isinstance(v, list) and v}
     plain = med["plain"]
+    coll = {k[5:]: v for k, v in med.items() if k.startswith("coll:")}
+    spread = {k: (min(v), max(v)) for k, v in times.items()}
+    print("collectives per step (ms, median [min-max]), buckets of "
+          f"{BUCKET:.0e} elements all in flight: " + ", ".join(
+              f"{k} {v:.1f} [{spread['coll:' + k][0]:.1f}-{spread['coll:' + k][1]:.1f}]"
+              for k, v in coll.items()))
     print(f"GPT 4.2M (V4096 h256 L4 a4 s128 mb{MBS}) fp32 AdamW clip 1.0, dp {DP} on gloo, "
-          f"megazero via {args.driver}, median of {args.rounds}x{args.steps} steps")
-    print(f"{'case':>10} {'median':>8} {'vs plain':>8} {'min':>7} {'vs plain':>8} "
-          f"{'DeepSpeed median':>16} {'DS min':>7} {'vs DS':>6}")
+          f"megazero via {args.driver}, median of {args.rounds}x{args.steps} steps "
+          "[min-max]; floor = plain loop (both ranks at once) + the stage's minimal "
+          "collectives")
+    print(f"{'case':>10} {'megazero':>22} {'floor':>7} {'vs floor':>8} "
+          f"{'DeepSpeed':>22} {'vs DS':>6}")
     rows = []
-    for name, _ in CASES:
+    for name, case in CASES:
         d = ds.get(name, "n/a" if name == "plain" else
                    "not run: set MEGAZERO_DEEPSPEED_PYTHON" if not ds_python else "missing")
         vs_ds = med[name] / d if isinstance(d, float) else None
-        d_txt = (f"{d:16.1f} {ds_low[name]:7.1f} {vs_ds:6.3f}" if isinstance(d, float)
-                 else f" {str(d)[:60]}")
-        print(f"{name:>10} {med[name]:8.1f} {med[name] / plain:8.3f} {low[name]:7.1f} "
-              f"{low[name] / low['plain']:8.3f}{d_txt}")
+        lo, hi = spread[name]
+        d_txt = (f"{d:7.1f} [{ds_low[name]:5.1f}-{max(raw[name]):5.1f}] {vs_ds:6.3f}"
+                 if isinstance(d, float) else f" {str(d)[:40]}")
+        if case is None:
+            fl, fl_ops = plain, "none"
+        else:
+            fl, fl_ops = floor_ms(plain, coll, case["stage"])
+        print(f"{name:>10} {med[name]:7.1f} [{lo:5.1f}-{hi:5.1f}] {fl:7.1f} "
+              f"{med[name] / fl:8.3f} {d_txt}")
         row = dict(case=name, ms_per_step=med[name], ratio_to_plain=med[name] / plain,
-                   min_ms=low[name], min_ratio_to_plain=low[name] / low["plain"],
+                   min_ms=lo, max_ms=hi, floor_ms=fl, floor_collectives=fl_ops,
+                   ratio_to_floor=med[name] / fl,
                    deepspeed_ms_per_step=d, deepspeed_min_ms=ds_low.get(name),
+                   deepspeed_max_ms=max(raw[name]) if isinstance(raw.get(name), list) else None,
                    ratio_to_deepspeed=vs_ds, samples=times[name],
                    deepspeed_samples=raw.get(name))
         if name in phases:
             row["phase_median_ms"] = {k: statistics.median(v) for k, v in phases[name].items()}
             row["launch_s"] = launch_s[name]
         rows.append(row)
+    if phases:
+        print("wall_clock_breakdown, median ms per iteration (loop = interval wall time per "
+              "iteration, logging included):")
+        for row in rows:
+            ph = row.get("phase_median_ms")
+            if ph:
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in
+                                  sorted(ph.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+                print(f"{row['case']:>10}: {parts}")
     log_ms = log_cost_ms() if args.driver == "entry" else None
     if log_ms is not None:
         print(f"--log-interval 1 report: {log_ms:.3f} ms per iteration (outside the step time)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "driver": args.driver, "rounds": args.rounds,
+        json.dump({"rows": rows, "collectives_ms": coll,
+                   "collective_samples": {k[5:]: v for k, v in times.items()
+                                          if k.startswith("coll:")},
+                   "driver": args.driver, "rounds": args.rounds,
                    "steps_per_round": args.steps,
                    "warmup_iterations": args.warmup if args.driver == "entry" else 1,
                    "machine": machine(),

@@ -176,6 +176,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),
     _f("--log-memory-phases", "logging.log_memory_phases", **_ON),
+    _f("--wall-clock-breakdown", "logging.wall_clock_breakdown", **_ON),
     _f("--log-json", "logging.log_json", metavar="PATH"),
 )
 

@@ -37,6 +37,7 @@ EQUIVALENT_FLAGS: dict[str, tuple[str, ...]] = {
     "--attention-softmax-in-fp32": (),
     "--exit-signal-handler": (),
     "--log-throughput": (),
+    "--log-timers-to-tensorboard": ("--wall-clock-breakdown",),
     "--log-validation-ppl-to-tensorboard": (),
 }
 
@@ -88,8 +89,6 @@ RENAMED_FLAGS: dict[str, str] = {
                      "--no-load-rng to drop them",
     "--log-params-norm": "nothing: the parameter norm is not logged (the log line has the "
                          "gradient norm)",
-    "--log-timers-to-tensorboard": 'the DeepSpeed JSON: "wall_clock_breakdown": true (phase '
-                                   'times in the log and TensorBoard)',
     "--fp32-residual-connection": "nothing: residuals follow --fp16/--bf16 (not implemented)",
     "--apply-query-key-layer-scaling": "nothing: attention scores are scaled by 1/sqrt(head "
                                        "dim) in fp32",

@@ -29,6 +29,7 @@ GROUP_OF_FLAG = {
     "--distributed-backend": "distributed",
     "--deepspeed_config": "ZeRO and DeepSpeed config", "--deepspeed": "ZeRO and DeepSpeed config",
     "--log-json": "logging",
+    "--wall-clock-breakdown": "logging",
 }
 
 HELP = {
@@ -143,4 +144,7 @@ HELP = {
     "--log-interval": "iterations between log lines",
     "--tensorboard-dir": "write TensorBoard scalars here",
     "--log-json": "also append every logged iteration's metrics to this file as JSON lines",
+    "--wall-clock-breakdown": "print where each iteration's time goes (forward, backward, each "
+                              "collective's launch and wait, optimizer, data, logging), "
+                              "adding up to the loop time (the JSON's wall_clock_breakdown)",
 }

@@ -43,7 +43,7 @@ GOLDEN_FLAGS = """
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
 --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --lr-warmup-fraction
 --lr-warmup-samples --lr-decay-samples --kv-channels --use-checkpoint-args
---tensorboard-dir --log-json --log-memory-phases
+--tensorboard-dir --log-json --log-memory-phases --wall-clock-breakdown
 """.split()
 
 CHOICES = {
