@@ -1,7 +1,8 @@
 """The ZeRO engine driving the real GPTModel on gloo equals single-process AdamW on the full
 batch: dp 4 (stages 0-3, offload, overlap), tp 2 x dp 2 with and without sequence parallelism
-(stages 0-3), and pp 2 x dp 2 through the pipeline executor (stages 0-2, tied embeddings,
-interleaving, micro-batch accumulation).
+(stages 0-3), and pp 2 x dp 2 through the pipeline executor (stages 0-3, tied embeddings,
+interleaving, micro-batch accumulation; stage 3 with every unit released between a micro-batch's
+forward and its backward).
 
 Tolerance: fp32, dropout 0; only summation orders differ (TP partial sums, dp reduction, the
 sharded norm). Losses agree to ~1e-6; weights to ~2e-5 of each tensor's largest entry after
@@ -127,7 +128,7 @@ def _run_pipeline(topo, cfg, zkw, vpp, micro):
         assert res.updated
         losses.append(_dp_mean(sum(out) / micro, topo))
         norms.append(res.grad_norm)
-    return losses, chunks, norms
+    return losses, chunks, norms, engine
 
 
 class _nullcontext:
@@ -159,6 +160,17 @@ def _cases():
         kw = dict(stage=stage, overlap_comm=overlap, reduce_bucket_size=4000)
         out.append((f"pp2 dp2 stage {stage} vpp={vpp} overlap={overlap}", 1, 2, vpp, kw, False,
                     2))
+    # Stage 3 under 1F1B: several micro-batches' forwards run before their backwards. Reuse
+    # distance 0 releases every unit after each forward, so each backward gathers it again;
+    # a small prefetch bucket and live-parameter cap exercise the recorded order.
+    for vpp, overlap, micro, extra in [
+            (None, False, 4, dict(stage3_max_reuse_distance=0)),
+            (2, True, 2, dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=2000,
+                              stage3_max_live_parameters=6000)),
+            (2, False, 4, dict(offload_optimizer=CPU, offload_param=CPU))]:
+        kw = dict(stage=3, overlap_comm=overlap, stage3_param_persistence_threshold=0, **extra)
+        out.append((f"pp2 dp2 stage 3 vpp={vpp} overlap={overlap} micro={micro} {extra}", 1, 2,
+                    vpp, kw, False, micro))
     return out
 
 
@@ -172,8 +184,9 @@ def _gpt_world(rank, world_size):
         cfg = cfg4 if vpp else cfg2
         ref_losses, ref_w, ref_norms = refs[layers]
         if pp > 1:
-            losses, chunks, norms = _run_pipeline(topo, cfg, zkw, vpp, micro)
-            werr = _compare(chunks, topo, ref_w)
+            losses, chunks, norms, engine = _run_pipeline(topo, cfg, zkw, vpp, micro)
+            with engine.gathered_parameters():  # stage 3: full weights for the comparison
+                werr = _compare(chunks, topo, ref_w)
         else:
             losses, werr, norms = _run_flat(topo, cfg, zkw, sp, micro, ref_w)
         lerr = max(abs(a - b) for a, b in zip(losses, ref_losses))
