@@ -33,6 +33,11 @@ and lists). ``metadata.json`` holds every file's size and SHA-256, checked befor
 that cannot load reports its error and every rank raises the same :class:`CheckpointError`
 (errors are gathered before anything is applied), so no rank goes on with half a checkpoint.
 
+**Refused whole.** ``metadata.json`` names the format and its version; an index of another
+version (older or newer), another format, or a directory another tool wrote (Megatron-LM's
+``mp_rank_00/model_optim_rng.pt``, DeepSpeed's ``latest`` tag) is refused in one line naming the
+file and what to do, before anything is read (:func:`megazero.checkpoint.reader.check_format`).
+
 **Crash-safe.** Files are written under temporary names and renamed; every rank meets at a
 barrier; only then rank 0 writes ``metadata.json`` and the ``latest`` pointer, and removes
 temporaries left by earlier crashed saves. A crash at any point leaves ``latest`` naming the
