@@ -20,6 +20,14 @@ Parameters used outside the module that owns them (a tied embedding used by the 
 are gathered for the whole forward of the model
 chunk instead, and released after their gradients arrive.
 
+Under pipeline parallelism each stage's chunks are partitioned over that stage's dp group, and
+the hooks fire per call, so a 1F1B schedule (several micro-batches' forwards before their
+backwards, forwards and backwards interleaved) needs nothing else: every forward gathers the
+units it runs, every backward's pre-backward gathers them again, and gradients of all but each
+chunk's last micro-batch accumulate under ``no_sync``. The recorded order is one forward's; in
+the backward it is walked in reverse, which is each backward's own order. The dp ranks of one
+stage run the same schedule, so they issue the same gathers in the same order.
+
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
 references held by autograd see the gathered storage again at backward time. Every gather
 allocates a fresh buffer: a reused one would be overwritten under tensors autograd saved.
