@@ -107,6 +107,10 @@ class Stage3Params:
         kind = next((kinds[id(p)] for p in params if id(p) in kinds), None)
         u = Unit(len(self.units), params, self.dp.size, self.dp.rank,
                  n < self.zero.stage3_param_persistence_threshold, kind)
+        # Which elements the deferred sum covers: a row-parallel linear's unit holds its
+        # TP-split weight and its sequence-parallel bias; only the bias is summed over TP.
+        u.deferred = [(s, p.numel(), kinds[id(p)]) for p, s in zip(params, u.starts)
+                      if id(p) in kinds]
         flat = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
         for p, s in zip(params, u.starts):
             flat[s:s + p.numel()].copy_(p.data.reshape(-1))
@@ -337,7 +341,10 @@ class Stage3Params:
                 self._release(u)
 
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:
-        return [u.grad_full for u in self.units if u.kind == kind and not u.reduced]
+        """The gradient slices of this kind's parameters (not the whole unit: its other
+        parameters' gradients must not be summed)."""
+        return [u.grad_full[s:s + n] for u in self.units if not u.reduced
+                for s, n, k in u.deferred if k == kind]
 
     def reduce_deferred(self) -> None:
         for u in self.units:
