@@ -116,9 +116,9 @@ def check_resume(cfg: MegazeroConfig) -> MegazeroConfig:
     """All the checks above; the config to train with."""
     check_load_path(cfg)
     if cfg.checkpoint.load and os.path.isdir(cfg.checkpoint.load):
-        from megazero.checkpoint.reader import read_meta
+        from megazero.checkpoint.reader import refuse_foreign
 
-        read_meta(cfg.checkpoint.load, None)  # a foreign or unknown format: refused first
+        refuse_foreign(cfg.checkpoint.load)  # a foreign or unknown format: refused first
     saved = saved_config(cfg.checkpoint.load) if cfg.checkpoint.load else None
     cfg = use_checkpoint_args(cfg, saved)
     if not cfg.checkpoint.load:

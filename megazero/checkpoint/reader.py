@@ -116,6 +116,27 @@ def check_format(marker: str, meta: Any) -> None:
                               "version that wrote it and save it again with this one")
 
 
+def _refuse_megatron(directory: str) -> None:
+    found = _megatron_files(directory)
+    if found:
+        raise CheckpointError(f"{found} belongs to a Megatron-LM checkpoint ({directory} has "
+                              f"no {MARKER}): {IMPORT_HINT}")
+
+
+def refuse_foreign(root: str) -> None:
+    """The checks of :func:`read_meta` that need no complete checkpoint: a directory another
+    tool wrote, or an index of another format or version (run before the process group)."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return
+    directory = iteration_dir(root, iteration)
+    marker = os.path.join(directory, MARKER)
+    if os.path.isfile(marker):
+        check_format(marker, read_json(marker))
+        return
+    _refuse_megatron(directory)
+
+
 def read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any]] | None:
     if iteration is None:
         iteration = read_tracker(root)
@@ -124,10 +145,7 @@ def read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any
     directory = iteration_dir(root, iteration)
     marker = os.path.join(directory, MARKER)
     if not os.path.isfile(marker):
-        found = _megatron_files(directory)
-        if found:
-            raise CheckpointError(f"{found} belongs to a Megatron-LM checkpoint ({directory} has "
-                                  f"no {MARKER}): {IMPORT_HINT}")
+        _refuse_megatron(directory)
         raise CheckpointError(f"{directory} has no {MARKER}: the save of iteration {iteration} "
                               "did not complete; point --load at a complete checkpoint")
     meta = read_json(marker)
