@@ -1,10 +1,12 @@
 """Peak host memory a rank adds while loading a checkpoint saved at another layout.
 
-Saves at tp2 (ZeRO-1, 2 ranks), then loads into tp1 x dp2 at ZeRO-3 and ZeRO-1, and into
-tp2 ZeRO-1 (same layout), and reports per rank: the bytes of model state it holds (params +
-optimizer, from the engine's memory report) and the rise of its peak RSS during
-``load_checkpoint`` (``ru_maxrss``; the build before it has already set a high-water mark, so
-the rise is what loading needs beyond that). Run: ``python bench/checkpoint_load_memory.py``.
+Saves at tp2 (ZeRO-1, 2 ranks), then loads into tp1 x dp2 at ZeRO-3 and ZeRO-1, into tp1 x pp2,
+and into tp2 ZeRO-1 (same layout), and reports per rank: its shard (the bytes of params and
+fp32 optimizer state it holds after the load, from the engine's memory report; Adam's moments
+exist only once loaded) and the rise of its peak RSS during ``load_checkpoint`` (``ru_maxrss``;
+the build before it has already set a high-water mark, so the rise is what loading needs beyond
+that; pages of the mmap-read checkpoint files count while resident).
+Run: ``python bench/checkpoint_load_memory.py``; writes bench/results/checkpoint_load_memory.json.
 """
 
 from __future__ import annotations
@@ -38,15 +40,14 @@ def _rank(rank, world, tmp, layout, save):
         return None
     run = setup(load_config([*MODEL, *layout, "--train-iters", "1"], world))
     run.monitor.close()
-    rep = run.engine.memory_report()
-    held = sum(v for k, v in rep.items() if k.endswith("bytes") and isinstance(v, int)
-               and k.split("_")[0] in ("params", "optimizer"))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     load_checkpoint(tmp, run.topo, models=run.chunks, optimizer=run.engine,
                     scheduler=run.scheduler, zero_stage=run.cfg.zero.stage,
                     rng_tracker=ChunkTrackers(run.chunks))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"held_bytes": held, "report": rep, "peak_rise_bytes": after - before}
+    rep = run.engine.memory_report()["bytes"]
+    held = sum(sum(rep[k].values()) for k in ("params", "optimizer"))
+    return {"shard_bytes": held, "report": rep, "peak_rise_bytes": after - before}
 
 
 def main() -> None:
@@ -57,17 +58,25 @@ def main() -> None:
                     True, timeout=600)
     total = sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(tmp) for f in fs)
     print(f"checkpoint on disk: {total / 2**20:.1f} MiB")
-    results = {}
+    results: dict = {"checkpoint_bytes": total, "layouts": {}}
+    print(f"{'load at':18s} {'rank':>4s} {'shard MiB':>10s} {'peak RSS rise MiB':>18s} "
+          f"{'rise / shard':>12s}")
     for name, layout in [("tp2 zero1 (same)", ["--tensor-model-parallel-size", "2",
                                                "--zero-stage", "1"]),
                          ("dp2 zero1", ["--zero-stage", "1"]),
-                         ("dp2 zero3", ["--zero-stage", "3"])]:
+                         ("dp2 zero3", ["--zero-stage", "3"]),
+                         ("pp2 zero1", ["--pipeline-model-parallel-size", "2",
+                                        "--zero-stage", "1"])]:
         out = run_distributed(_rank, 2, tmp, layout, False, timeout=600)
-        results[name] = out
+        results["layouts"][name] = out
         for r, o in enumerate(out):
-            print(f"{name:18s} rank {r}: report {json.dumps(o['report'])[:160]} | "
-                  f"peak RSS rise while loading {o['peak_rise_bytes'] / 2**20:.1f} MiB")
-
+            print(f"{name:18s} {r:4d} {o['shard_bytes'] / 2**20:10.1f} "
+                  f"{o['peak_rise_bytes'] / 2**20:18.1f} "
+                  f"{o['peak_rise_bytes'] / o['shard_bytes']:12.2f}")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        "checkpoint_load_memory.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 if __name__ == "__main__":
     main()

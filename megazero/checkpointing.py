@@ -20,7 +20,8 @@ gathered at save into per-parameter tensors, so nothing in the files depends on 
 stage, bucket sizes or offload. A loading rank computes the tensors it needs and reads only
 those (``torch.load(mmap=True)``). Weights, masters, Adam moments and step, the loss scaler,
 the scheduler and consumed samples load at any tp / pp / vpp / dp / ZeRO stage / offload.
-RNG states are per rank and restored only at the saved layout.
+Random states are saved per rank and restored at the same tp, pp and vpp, whatever dp or the
+ZeRO stage (see :func:`_rng_source` for why that is well defined and where it stops).
 
 Why our own index rather than ``torch.distributed.checkpoint``: DCP's planner resolves
 overlapping reads collectively and needs a process group to read, while this format must also
@@ -32,6 +33,11 @@ is one JSON file a person can read.
 and lists). ``metadata.json`` holds every file's size and SHA-256, checked before use. A rank
 that cannot load reports its error and every rank raises the same :class:`CheckpointError`
 (errors are gathered before anything is applied), so no rank goes on with half a checkpoint.
+
+**Refused whole.** ``metadata.json`` names the format and its version; an index of another
+version (older or newer), another format, or a directory another tool wrote (Megatron-LM's
+``mp_rank_00/model_optim_rng.pt``, DeepSpeed's ``latest`` tag) is refused in one line naming the
+file and what to do, before anything is read (:func:`megazero.checkpoint.reader.check_format`).
 
 **Crash-safe.** Files are written under temporary names and renamed; every rank meets at a
 barrier; only then rank 0 writes ``metadata.json`` and the ``latest`` pointer, and removes
@@ -281,6 +287,23 @@ def _same_ranks(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     return all(saved[k] == current[k] for k in ("tp", "pp", "dp", "vpp"))
 
 
+def _rng_source(saved: dict[str, Any], current: dict[str, Any], c: Any
+                ) -> tuple[int, int, int] | None:
+    """The saved rank whose random states this rank continues, as (tp, pp, dp), or None.
+
+    Every stream is seeded from the (tp, pp, vpp chunk) coordinate alone (the seed plus
+    ``100 * pp_rank`` plus the chunk's first layer, ``+ 2718 + tp_rank`` for the model-parallel
+    stream) and every data-parallel replica draws the same masks the same number of times, so
+    the ranks of one (tp, pp) coordinate hold equal states whatever dp is. A run at the same tp,
+    pp and vpp (any dp, ZeRO stage or offload) therefore continues the streams of saved data-
+    parallel rank 0 (its own rank when dp is unchanged). At another tp, pp or vpp a stream
+    covers other layers or heads: there is nothing to continue.
+    """
+    if any(saved[k] != current[k] for k in ("tp", "pp", "vpp")):
+        return None
+    return c.tp, c.pp, c.dp if saved["dp"] == current["dp"] else 0
+
+
 # --- load ------------------------------------------------------------------------------------
 
 def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], optimizer: Any,
@@ -372,12 +395,18 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
             states[id(i.param)]["lo"] = lo
             states[id(i.param)]["step"] = reader.full(i.name, "step").clone()
     rank_file = None
-    same = _same_ranks(saved, current)
-    if (not finetune) and ((not no_load_rng) or (load_optim and engine is None)) and same:
+    if (not finetune) and load_optim and engine is None and _same_ranks(saved, current):
         rank_file = reader.file(f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
-    elif not finetune and not no_load_rng:
-        notes.append(f"random states not restored: saved at {_describe(saved)}, running at "
-                     f"{_describe(current)}")
+    rng = None
+    if not finetune and not no_load_rng:
+        source = _rng_source(saved, current, c)
+        if source is None:
+            notes.append(f"random states not restored: saved at {_describe(saved)}, running at "
+                         f"{_describe(current)}; the dropout streams of a (tp, pp, vpp chunk) "
+                         "coordinate have no counterpart at another tp, pp or vpp, so they "
+                         "restart from the seed")
+        else:
+            rng = reader.file(f"{_rank_dir(*source)}/optim_rng.pt")["rng"]
     scaler_state = meta["loss_scaler"] if load_optim else None
     if engine is not None and load_optim:
         was_fp16 = bool((saved_cfg.get("precision") or {}).get("fp16"))
@@ -387,7 +416,7 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
                          "from the configured initial scale")
     return {"found": True, "iteration": iteration, "directory": directory, "meta": meta,
             "finetune": finetune, "load_optim": load_optim, "weights": weights,
-            "states": states, "rank_file": rank_file, "no_load_rng": no_load_rng,
+            "states": states, "rank_file": rank_file, "rng": rng,
             "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes}
 
 
@@ -419,7 +448,7 @@ def _apply(plan, models, optimizer, scheduler, rng_tracker) -> LoadResult:
             optimizer.load_state_dict(plan["rank_file"]["optimizer"])
         if scheduler is not None and meta["scheduler"] is not None:
             scheduler.load_state_dict(meta["scheduler"])
-    if not plan["no_load_rng"] and plan["rank_file"] is not None:
-        set_rng_state(plan["rank_file"]["rng"], rng_tracker)
+    if plan["rng"] is not None:
+        set_rng_state(plan["rng"], rng_tracker)
     return LoadResult(int(meta["iteration"]), int(meta["consumed_samples"]), directory,
                       plan["notes"])

@@ -63,8 +63,10 @@ class KVCache:
 
 def _check_whole(model) -> None:
     if not (model.pre_process and model.post_process):
-        raise ValueError("generation needs the whole model on one pipeline stage "
-                         "(--pipeline-model-parallel-size 1)")
+        raise ValueError("generation needs the whole model on one pipeline stage; a checkpoint "
+                         "saved at --pipeline-model-parallel-size > 1 loads whole with "
+                         "tools/generate_text.py --load (or megazero.checkpointing."
+                         "read_model_state + megazero.convert.load_global_state)")
     if model.sequence_parallel:
         raise ValueError("generation runs without --sequence-parallel; build the model with "
                          "sequence_parallel=False")

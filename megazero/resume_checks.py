@@ -115,6 +115,10 @@ def use_checkpoint_args(cfg: MegazeroConfig, saved: dict[str, Any] | None) -> Me
 def check_resume(cfg: MegazeroConfig) -> MegazeroConfig:
     """All the checks above; the config to train with."""
     check_load_path(cfg)
+    if cfg.checkpoint.load and os.path.isdir(cfg.checkpoint.load):
+        from megazero.checkpoint.reader import refuse_foreign
+
+        refuse_foreign(cfg.checkpoint.load)  # a foreign or unknown format: refused first
     saved = saved_config(cfg.checkpoint.load) if cfg.checkpoint.load else None
     cfg = use_checkpoint_args(cfg, saved)
     if not cfg.checkpoint.load:

@@ -20,12 +20,10 @@ def test_nvme_offload_is_rejected_with_the_key_name():
             check_zero_config(zero, _topo())
 
 
-def test_stage3_with_pipeline_is_rejected():
-    with pytest.raises(ConfigError, match="ZeRO stage 3 with pipeline parallelism is not "
-                                          "supported; use stage 0-2 with "
-                                          "--pipeline-model-parallel-size > 1"):
-        check_zero_config(ZeroConfig(stage=3), _topo(pp=2))
-    check_zero_config(ZeroConfig(stage=2), _topo(pp=2))
+def test_stage3_with_pipeline_is_accepted():
+    """Each pipeline stage shards its own chunks (equivalence: tests/test_zero_gpt.py)."""
+    for stage in (2, 3):
+        check_zero_config(ZeroConfig(stage=stage), _topo(pp=2))
 
 
 def test_offload_optimizer_needs_a_sharded_stage():

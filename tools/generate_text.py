@@ -9,6 +9,9 @@ Example::
     python tools/generate_text.py --load ckpt/ --prompt "Once upon a time" --max-new-tokens 40 \\
         --temperature 0.8 --top-p 0.9 --seed 7 --json
 
+A checkpoint saved at any layout (tp, pp, vpp, dp, ZeRO stage) loads: the tool reads the global
+tensors and builds the whole model on one pipeline stage, cutting only tensor-parallel slices.
+
 Without ``--temperature``, ``--top-k`` or ``--top-p`` decoding is greedy. Launched with
 ``torchrun --nproc_per_node T`` the model is split over T tensor-parallel ranks (every rank
 computes the same tokens; rank 0 prints).

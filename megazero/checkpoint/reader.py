@@ -23,13 +23,56 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+IMPORT_HINT = ("megazero reads only its own portable format: export the weights to Hugging Face "
+               "format with the tool that wrote them, then import them with "
+               "`python tools/checkpoint/convert.py --loader hf --saver megazero` and load the "
+               "result with --finetune")
+
+
+def _megatron_files(directory: str) -> str | None:
+    """A file of a Megatron-LM (or Megatron-DeepSpeed) checkpoint in ``directory``, if any."""
+    if not os.path.isdir(directory):
+        return None
+    for name in sorted(os.listdir(directory)):
+        sub = os.path.join(directory, name)
+        if name.startswith("mp_rank_") and os.path.isdir(sub):
+            for f in ("model_optim_rng.pt", "model_rng.pt"):
+                if os.path.isfile(os.path.join(sub, f)):
+                    return os.path.join(sub, f)
+        if name in ("common.pt", ".metadata") or name.endswith("_model_states.pt"):
+            return sub  # Megatron distributed checkpoint / DeepSpeed layer files
+    return None
+
+
+def _foreign(root: str) -> None:
+    """``root`` has no megazero tracker: refuse a checkpoint another tool wrote there rather
+    than starting from random weights as if ``--load`` were empty."""
+    latest = os.path.join(root, "latest")
+    if os.path.isfile(latest):
+        raise CheckpointError(f"{latest} is a DeepSpeed checkpoint tag (no {TRACKER} beside it): "
+                              f"{IMPORT_HINT}")
+    if os.path.isdir(root):
+        for name in sorted(os.listdir(root)):
+            if name.startswith("global_step") or name == "release":
+                found = _megatron_files(os.path.join(root, name))
+                if found:
+                    raise CheckpointError(f"{found} belongs to a Megatron-LM/DeepSpeed checkpoint, "
+                                          f"not a megazero one: {IMPORT_HINT}")
+
+
 def read_tracker(root: str) -> int | None:
     """The iteration ``latest`` names, or ``None`` when ``root`` has no checkpoint."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
+        _foreign(root)
         return None
     text = open(path, encoding="utf-8").read().strip()
     if text == "release":
+        release = os.path.join(root, "release")
+        found = _megatron_files(release)
+        if found or not os.path.isdir(iteration_dir(root, 0)):
+            raise CheckpointError(f"{path} names Megatron's 'release' directory ({found or release}"
+                                  f"), not a megazero checkpoint: {IMPORT_HINT}")
         return 0
     try:
         return int(text)
@@ -46,6 +89,54 @@ def read_json(path: str) -> Any:
                               "or corrupted: load an earlier iteration") from None
 
 
+def check_format(marker: str, meta: Any) -> None:
+    """Refuse, in one line naming ``marker``, any index this version cannot read whole: the
+    old per-layout format (no ``format`` key), another program's, or another format version.
+    Nothing is read before this check passes, so nothing is half-loaded."""
+    if not isinstance(meta, dict) or "format" not in meta:
+        raise CheckpointError(f"{marker} describes megazero's old per-layout format (format "
+                              "version 1), which needs unsafe pickle loading; load it with the "
+                              "megazero version that wrote it and save it again with this one, or "
+                              "start from a portable checkpoint")
+    if meta["format"] != FORMAT:
+        raise CheckpointError(f"{marker} is in format {meta['format']!r}, not {FORMAT!r}: "
+                              f"{IMPORT_HINT}")
+    version = meta.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"{marker} has format version {version!r}, not an integer: the "
+                              "index is damaged; load an earlier iteration")
+    if version > VERSION:
+        raise CheckpointError(f"{marker} has format version {version}, newer than the version "
+                              f"this megazero reads ({VERSION}); load it with a newer megazero "
+                              "(or have that one export it with tools/checkpoint/convert.py "
+                              "--saver torch)")
+    if version < VERSION:
+        raise CheckpointError(f"{marker} has format version {version}, older than the version "
+                              f"this megazero reads ({VERSION}); load it with the megazero "
+                              "version that wrote it and save it again with this one")
+
+
+def _refuse_megatron(directory: str) -> None:
+    found = _megatron_files(directory)
+    if found:
+        raise CheckpointError(f"{found} belongs to a Megatron-LM checkpoint ({directory} has "
+                              f"no {MARKER}): {IMPORT_HINT}")
+
+
+def refuse_foreign(root: str) -> None:
+    """The checks of :func:`read_meta` that need no complete checkpoint: a directory another
+    tool wrote, or an index of another format or version (run before the process group)."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return
+    directory = iteration_dir(root, iteration)
+    marker = os.path.join(directory, MARKER)
+    if os.path.isfile(marker):
+        check_format(marker, read_json(marker))
+        return
+    _refuse_megatron(directory)
+
+
 def read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any]] | None:
     if iteration is None:
         iteration = read_tracker(root)
@@ -54,13 +145,11 @@ def read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any
     directory = iteration_dir(root, iteration)
     marker = os.path.join(directory, MARKER)
     if not os.path.isfile(marker):
+        _refuse_megatron(directory)
         raise CheckpointError(f"{directory} has no {MARKER}: the save of iteration {iteration} "
                               "did not complete; point --load at a complete checkpoint")
     meta = read_json(marker)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{directory} is in megazero's old per-layout format, which needs "
-                              "unsafe pickle loading; re-save it with the megazero version that "
-                              "wrote it, or start from a portable checkpoint")
+    check_format(marker, meta)
     return iteration, directory, meta
 
 

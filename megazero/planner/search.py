@@ -57,7 +57,7 @@ def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
                 for vl, stage, off, rc, sp in itertools.product(
                         vpps, stages, (False, True), ("none", "selective", "full"),
                         (False, True)):
-                    if (sp and tp == 1) or (stage == 3 and pp > 1) or (off and stage == 0):
+                    if (sp and tp == 1) or (off and stage == 0):
                         continue
                     if vl is not None and pp not in valid_microbatch_group_sizes(pp, m):
                         continue

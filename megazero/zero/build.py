@@ -51,9 +51,6 @@ def check_zero_config(zero: ZeroConfig, topo: Any) -> None:
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the "
                           "offloaded optimizer runs on the rank's shard); set stage >= 1")
-    if zero.stage == 3 and topo.pp_size > 1:
-        raise ConfigError("ZeRO stage 3 with pipeline parallelism is not supported; use stage "
-                          "0-2 with --pipeline-model-parallel-size > 1")
     if zero.offload_param.enabled and zero.stage != 3:
         warnings.warn("zero_optimization.offload_param has an effect only with stage 3; "
                       "ignored", stacklevel=3)

@@ -20,6 +20,14 @@ Parameters used outside the module that owns them (a tied embedding used by the 
 are gathered for the whole forward of the model
 chunk instead, and released after their gradients arrive.
 
+Under pipeline parallelism each stage's chunks are partitioned over that stage's dp group, and
+the hooks fire per call, so a 1F1B schedule (several micro-batches' forwards before their
+backwards, forwards and backwards interleaved) needs nothing else: every forward gathers the
+units it runs, every backward's pre-backward gathers them again, and gradients of all but each
+chunk's last micro-batch accumulate under ``no_sync``. The recorded order is one forward's; in
+the backward it is walked in reverse, which is each backward's own order. The dp ranks of one
+stage run the same schedule, so they issue the same gathers in the same order.
+
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
 references held by autograd see the gathered storage again at backward time. Every gather
 allocates a fresh buffer: a reused one would be overwritten under tensors autograd saved.
@@ -99,6 +107,10 @@ class Stage3Params:
         kind = next((kinds[id(p)] for p in params if id(p) in kinds), None)
         u = Unit(len(self.units), params, self.dp.size, self.dp.rank,
                  n < self.zero.stage3_param_persistence_threshold, kind)
+        # Which elements the deferred sum covers: a row-parallel linear's unit holds its
+        # TP-split weight and its sequence-parallel bias; only the bias is summed over TP.
+        u.deferred = [(s, p.numel(), kinds[id(p)]) for p, s in zip(params, u.starts)
+                      if id(p) in kinds]
         flat = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
         for p, s in zip(params, u.starts):
             flat[s:s + p.numel()].copy_(p.data.reshape(-1))
@@ -329,7 +341,10 @@ class Stage3Params:
                 self._release(u)
 
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:
-        return [u.grad_full for u in self.units if u.kind == kind and not u.reduced]
+        """The gradient slices of this kind's parameters (not the whole unit: its other
+        parameters' gradients must not be summed)."""
+        return [u.grad_full[s:s + n] for u in self.units if not u.reduced
+                for s, n, k in u.deferred if k == kind]
 
     def reduce_deferred(self) -> None:
         for u in self.units:

@@ -31,7 +31,8 @@ class Unit:
         self.shard_size = self.padded // dp_size
         self.own_lo, self.own_hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
         self.persistent = persistent
-        self.kind = kind
+        self.kind = kind  # a deferred kind ("sp", "emb") when any parameter has one
+        self.deferred: list[tuple[int, int, str]] = []  # (start, numel, kind) of those params
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
         self.gather_handle: Handle | None = None
