@@ -51,7 +51,8 @@ def _train(topo, zero: ZeroConfig, steps=STEPS, engine_out=None):
         loss, res = engine_train_step(model, engine, tokens[mine], labels[mine], 1)
         assert res.updated
         losses.append(loss)
-    weights = {n: engine.full_parameters()[id(p)] for n, p in model.named_parameters()}
+    full = engine.full_parameters()
+    weights = {n: full[id(p)] for n, p in model.named_parameters()}
     if engine_out is not None:
         engine_out.append((model, engine))
     return losses, weights
@@ -89,10 +90,10 @@ def _equal_world(rank, world_size, tmp):
         ref = _train(topo, ZeroConfig(**ref_kw))
         got = _train(topo, ZeroConfig(**kw), engine_out=engines)
         engine = engines[0][1]
-        swap = engine.masters.swap
-        slots = swap.allocated_bytes if swap is not None else 0
+        pswap = getattr(engine.stores[0], "swap", None)
+        ahead = (pswap.fetches, pswap.fetched_ahead) if pswap is not None else None
         files = sorted(os.listdir(os.path.join(tmp, "megazero_swap", f"rank{rank}")))
-        out.append((name, _same(ref, got), ref[0], got[0], slots, files))
+        out.append((name, _same(ref, got), ref[0], got[0], ahead, files))
     return out
 
 
@@ -100,12 +101,16 @@ def test_nvme_offload_trains_bitwise_like_cpu_offload(tmp_path):
     per_rank = run_distributed(_equal_world, 2, str(tmp_path), timeout=200)
     for rank, results in enumerate(per_rank):
         assert [r[0] for r in results] == [c[0] for c in _cases(tmp_path)]
-        for name, same, ref_losses, losses, _, files in results:
+        for name, same, ref_losses, losses, ahead, files in results:
             assert same, f"rank {rank} {name}: {ref_losses} != {losses}"
             assert ref_losses[-1] < ref_losses[0], name  # it trained
             assert "optimizer" in files
             if name.startswith("params"):
                 assert "params" in files
+                # every step gathers each swapped unit in the forward and the backward; after
+                # the first (recording) forward most shards were read ahead by the prefetch path
+                fetches, fetched_ahead = ahead
+                assert fetches >= 2 * STEPS and fetched_ahead >= fetches // 2, (name, ahead)
 
 
 # ------------------------------------------------------------------ bad nvme_path, early

@@ -49,6 +49,8 @@ class ParamSwapper:
         self.allocated_bytes = pool.untyped_storage().nbytes()
         self.pool = pool
         self.reading: dict[int, tuple[torch.Tensor, Pending]] = {}  # slot -> (buffer, read)
+        self.fetches = 0  # shards handed to a gather
+        self.fetched_ahead = 0  # of those, read ahead by the prefetch path
 
     def handle(self, slot: int, numel: int) -> UnitSwap:
         return UnitSwap(self, slot, numel)
@@ -74,7 +76,10 @@ class ParamSwapper:
 
     def fetch(self, slot: int, numel: int) -> torch.Tensor:
         """The shard's values in a host buffer; give it back with :meth:`give_back`."""
-        if slot not in self.reading:
+        self.fetches += 1
+        if slot in self.reading:
+            self.fetched_ahead += 1
+        else:
             if not self.free:
                 raise RuntimeError("no free parameter swap buffer (all held by reads ahead)")
             buf = self.free.pop()[:numel]

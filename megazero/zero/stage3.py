@@ -238,6 +238,8 @@ class Stage3Params:
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         # The first forward runs with everything gathered while it records who uses what.
+        if self.swap is not None and not self.recording:
+            self._read_ahead(0, +1)
         for u in self.units if self.recording else self.units_of.get(self.root, []):
             self._ensure(u)
 
