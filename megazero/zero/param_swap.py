@@ -41,7 +41,8 @@ class ParamSwapper:
         self.file_bytes = pos
         directory = make_swap_dir(zero, "offload_param", pos, "params")
         self.io = SwapIO(zero.aio)
-        self.fd, _ = self.io.open(os.path.join(directory, "params.swp"), pos, direct=False)
+        self.fd, _ = self.io.open(os.path.join(directory, "params.swp"), pos, direct=False,
+                                  key="zero_optimization.offload_param.nvme_path")
         count = buffer_count(zero, "offload_param")
         pool = aligned_host_empty(count * self.width, dtype, off.pin_memory)
         self.free = [pool[i * self.width:(i + 1) * self.width] for i in range(count)]

@@ -15,6 +15,7 @@ those slots, whatever the size of the optimizer state.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megazero.config import AioConfig, ZeroConfig
+from megazero.config import AioConfig, ConfigError, ZeroConfig
 from megazero.zero.offload import (
     OPTIMIZER_STATES,
     aligned_host_empty,
@@ -62,9 +63,10 @@ class SwapIO:
         self._paths: list[str] = []
         weakref.finalize(self, SwapIO._close, self.pool, self._fds, self._paths)
 
-    def open(self, path: str, nbytes: int, direct: bool = True) -> tuple[int, bool]:
-        """A new file of ``nbytes`` (space reserved now, so a full disk fails here, not mid-run);
-        returns (fd, opened with O_DIRECT)."""
+    def open(self, path: str, nbytes: int, direct: bool = True, key: str = "nvme_path"
+             ) -> tuple[int, bool]:
+        """A new file of ``nbytes`` (space reserved now, so a full disk fails here, not mid-run:
+        ConfigError naming ``key``); returns (fd, opened with O_DIRECT)."""
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
         fd, used = -1, False
         if direct and hasattr(os, "O_DIRECT"):
@@ -76,7 +78,14 @@ class SwapIO:
             fd = os.open(path, flags, 0o600)
         try:
             os.posix_fallocate(fd, 0, max(1, nbytes))
-        except (OSError, AttributeError):
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                os.close(fd)
+                raise ConfigError(f"{key}: no space left for a {nbytes}-byte swap file at "
+                                  f"{path} (other ranks or jobs filled the disk); free space "
+                                  f"there or point nvme_path at a larger disk") from None
+            os.ftruncate(fd, nbytes)  # file systems without fallocate: sparse file
+        except AttributeError:
             os.ftruncate(fd, nbytes)
         self._fds.append(fd)
         self._paths.append(path)
@@ -139,7 +148,8 @@ class OptimizerSwapper:
             pos += aligned_numel(n, 4) * 4
         self.file_bytes = pos
         self.width = aligned_numel(max(numels, default=1), 4)
-        self.files = [io.open(os.path.join(directory, f"{name}.swp"), pos)[0]
+        self.files = [io.open(os.path.join(directory, f"{name}.swp"), pos,
+                              key="zero_optimization.offload_optimizer.nvme_path")[0]
                       for name in ("master", "exp_avg", "exp_avg_sq")]
         self.slots = [aligned_host_empty(OPTIMIZER_STATES * self.width, torch.float32, pin)
                       .view(OPTIMIZER_STATES, self.width)
