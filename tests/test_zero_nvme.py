@@ -171,6 +171,21 @@ def test_nvme_path_too_small(tmp_path, monkeypatch):
         _build(ZeroConfig(stage=1, offload_optimizer=_nvme(tmp_path)))
 
 
+def test_disk_filled_by_others_before_the_swap_file_is_reserved(tmp_path, monkeypatch):
+    """statvfs said yes, then another rank took the space: reserving the file fails with
+    ENOSPC, which is a ConfigError too (not a sparse file that fails mid-run)."""
+    import errno
+
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ConfigError, match=r"offload_param.nvme_path: no space left for a "
+                                          r"\d+-byte swap file"):
+        _build(ZeroConfig(stage=3, stage3_param_persistence_threshold=0,
+                          offload_param=_nvme(tmp_path, max_in_cpu=0)))
+
+
 def test_too_few_optimizer_buffers(tmp_path):
     with pytest.raises(ConfigError, match=r"offload_optimizer.buffer_count: got 2; .* at least "
                                           r"3 buffers"):
