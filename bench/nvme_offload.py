@@ -12,13 +12,18 @@ One run measures, on the directory given by ``--nvme-path`` (default: the system
    the table says so.
 2. The optimizer step of a stack of fp32 linear layers (``--params`` elements, ZeRO stage 1,
    one rank) with ``offload_optimizer`` on ``cpu`` and on ``nvme`` (same directory): step time
-   (median of ``--steps`` after one warm-up) and, for NVMe, the bytes read and written during
-   the step over the step's swap time. The same swap pipeline is also timed with the update
-   taken out (read + write only), which is the rate the swapper can sustain on its own; the
-   2 shared cores of the development machine make the full step compute-bound.
-3. Peak host memory: each configuration runs in its own process and reports ``VmHWM`` from
-   ``/proc/self/status``; against the optimizer-state bytes (12 per parameter: fp32 master,
-   exp_avg, exp_avg_sq).
+   (median and minimum of ``--steps`` after one warm-up, both engines in one process with their
+   steps alternating, so that load from other jobs hits both alike) and, for NVMe, the bytes
+   read and written during the step over the step's swap time. The same swap pipeline is also
+   timed with the update taken out (read + write only), which is the rate the swapper can
+   sustain on its own; the 2 shared cores of the development machine make the full step
+   compute-bound.
+3. Peak host memory: each configuration runs in its own process and reports ``VmRSS`` after
+   building the engine and ``VmHWM`` (``/proc/self/status``) over the training steps (the peak
+   is restarted after the build by writing 5 to ``/proc/self/clear_refs``) and over the whole
+   run; against the optimizer-state bytes (12 per parameter: fp32 master, exp_avg,
+   exp_avg_sq). Both runs also hold the model (fp32 parameters and the flat gradient buffer:
+   it is a CPU run) and per-sub-group gradient copies.
 
 Target: the step moves data at >= 70% of the raw disk rate (read and write of the same bytes:
 ``2 / (1/read + 1/write)``).
@@ -91,11 +96,20 @@ def raw_disk(directory: str, nbytes: int, threads: int = 1, chunk: int = CHUNK) 
             "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9}
 
 
-def _vm_hwm() -> int:
+def _vm(field: str = "VmHWM") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return -1
+
+
+def _reset_hwm() -> bool:
+    """Restart VmHWM from the current RSS (``clear_refs`` 5, no root needed)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def _model(params: int) -> nn.Module:
@@ -104,9 +118,7 @@ def _model(params: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
-def run_case(device: str, params: int, steps: int, nvme_path: str, sub_group: int,
-             buffers: int, queue: mp.Queue) -> None:
-    torch.set_num_threads(2)
+def _engine(device: str, params: int, nvme_path: str, sub_group: int, buffers: int):
     from megazero.config import (
         AioConfig,
         OffloadConfig,
@@ -118,26 +130,40 @@ def run_case(device: str, params: int, steps: int, nvme_path: str, sub_group: in
     from megazero.zero import build_zero_optimizer
 
     model = _model(params)
-    n = sum(p.numel() for p in model.parameters())
     off = (OffloadConfig(device="cpu") if device == "cpu" else
            OffloadConfig(device="nvme", nvme_path=nvme_path, buffer_count=buffers))
     zero = ZeroConfig(stage=1, sub_group_size=sub_group, offload_optimizer=off,
                       aio=AioConfig(block_size=8 << 20, queue_depth=4))
     engine = build_zero_optimizer([model], OptimizerConfig(lr=1e-4), zero, PrecisionConfig(),
                                   ParallelTopology(ParallelLayout(world_size=1), rank=0))
-    x = torch.randn(2, 2048)
+    return model, engine
+
+
+def _timed_step(model, engine) -> float:
+    engine.zero_grad()
+    model(torch.ones(2, 2048)).square().mean().backward()
+    engine.finish_grad_sync()
+    t = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t
+
+
+def run_case(device: str, params: int, steps: int, nvme_path: str, sub_group: int,
+             buffers: int, queue: mp.Queue) -> None:
+    """One configuration alone in this process: its peak RSS and (NVMe) swap I/O rates."""
+    torch.set_num_threads(2)
+    model, engine = _engine(device, params, nvme_path, sub_group, buffers)
+    n = sum(p.numel() for p in model.parameters())
+    built_hwm, built_rss, reset = _vm("VmHWM"), _vm("VmRSS"), _reset_hwm()
     times, streams = [], []
     for _ in range(steps + 1):
-        engine.zero_grad()
-        model(x).square().mean().backward()
-        engine.finish_grad_sync()
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
+        times.append(_timed_step(model, engine))
         if engine.masters.swap is not None:
             streams.append(dict(engine.masters.swap.last_stream))
-    out = {"device": device, "params": n, "step_s": statistics.median(times[1:]),
-           "vm_hwm_bytes": _vm_hwm(), "state_bytes": 12 * n}
+    out = {"device": device, "params": n, "step_s_alone": statistics.median(times[1:]),
+           "vm_hwm_bytes": max(built_hwm, _vm("VmHWM")), "build_hwm_bytes": built_hwm,
+           "build_rss_bytes": built_rss, "steps_hwm_bytes": _vm("VmHWM") if reset else None,
+           "state_bytes": 12 * n}
     swap = engine.masters.swap
     if swap is not None:
         s = streams[1:]
@@ -157,10 +183,24 @@ def run_case(device: str, params: int, steps: int, nvme_path: str, sub_group: in
     queue.put(out)
 
 
-def _in_process(*args) -> dict:
+def run_interleaved(params: int, steps: int, nvme_path: str, sub_group: int, buffers: int,
+                    queue: mp.Queue) -> None:
+    """Both engines in one process, steps alternating: load from other jobs on the machine hits
+    both alike (the machine this was written on is shared)."""
+    torch.set_num_threads(2)
+    engines = {d: _engine(d, params, nvme_path, sub_group, buffers) for d in ("cpu", "nvme")}
+    times: dict[str, list[float]] = {d: [] for d in engines}
+    for _ in range(steps + 1):
+        for d, (model, engine) in engines.items():
+            times[d].append(_timed_step(model, engine))
+    queue.put({d: {"median_s": statistics.median(t[1:]), "min_s": min(t[1:]), "all_s": t}
+               for d, t in times.items()})
+
+
+def _in_process(*args, target=run_case) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=run_case, args=(*args, q))
+    p = ctx.Process(target=target, args=(*args, q))
     p.start()
     res = q.get(timeout=1800)
     p.join()
@@ -186,11 +226,12 @@ def main() -> None:
     common = (int(args.params), args.steps, work, int(args.sub_group_size), args.buffer_count)
     cpu = _in_process("cpu", *common)
     nvme = _in_process("nvme", *common)
+    steps = _in_process(*common, target=run_interleaved)
     os.rmdir(work) if not os.listdir(work) else None
     both = 2 / (1 / raw["read_GBps"] + 1 / raw["write_GBps"])
     res = {"machine": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "nvme_path": args.nvme_path, "raw": raw, "raw_read_write_GBps": both,
-           "cpu_offload": cpu, "nvme_offload": nvme,
+           "cpu_offload": cpu, "nvme_offload": nvme, "step_time_interleaved": steps,
            "step_io_fraction_of_raw": nvme["step_io_GBps"] / both,
            "pipeline_only_fraction_of_raw": nvme["pipeline_only_GBps"] / both}
     gb = 1e9
@@ -207,8 +248,14 @@ def main() -> None:
         ("nvme: pipeline alone GB/s (no update)",
          f"{nvme['pipeline_only_GBps']:.2f} "
          f"({100 * res['pipeline_only_fraction_of_raw']:.0f}% of raw)"),
-        ("step time cpu / nvme s", f"{cpu['step_s']:.3f} / {nvme['step_s']:.3f}"),
-        ("peak RSS (VmHWM) cpu / nvme GB",
+        ("step time cpu / nvme s, median (min)",
+         f"{steps['cpu']['median_s']:.2f} ({steps['cpu']['min_s']:.2f}) / "
+         f"{steps['nvme']['median_s']:.2f} ({steps['nvme']['min_s']:.2f})"),
+        ("RSS after build cpu / nvme GB",
+         f"{cpu['build_rss_bytes'] / gb:.2f} / {nvme['build_rss_bytes'] / gb:.2f}"),
+        ("peak RSS during the steps cpu / nvme GB",
+         " / ".join(f"{(r['steps_hwm_bytes'] or -gb) / gb:.2f}" for r in (cpu, nvme))),
+        ("peak RSS (VmHWM) whole run cpu / nvme GB",
          f"{cpu['vm_hwm_bytes'] / gb:.2f} / {nvme['vm_hwm_bytes'] / gb:.2f}"),
     ]
     w = max(len(r[0]) for r in rows)
