@@ -23,6 +23,23 @@ from megazero.zero.offload import aligned_host_empty, aligned_numel, buffer_coun
 from megazero.zero.swap import Pending, SwapIO, make_swap_dir
 
 
+def plan_swapped_units(numels: list[int], zero: ZeroConfig, dp_size: int, dtype: torch.dtype
+                       ) -> tuple[list[bool], ParamSwapper | None]:
+    """Which stage-3 units (by element count) live in the swap file: those past the first
+    ``max_in_cpu`` shard elements; persistent units stay whole on the device. Creates the
+    swapper, which checks the buffers and the disk before anything is written."""
+    out, kept, sizes = [], 0, []
+    for n in numels:
+        shard = -(-n // dp_size)
+        nvme = (n >= zero.stage3_param_persistence_threshold
+                and kept + shard > zero.offload_param.max_in_cpu)
+        kept += 0 if nvme else shard
+        out.append(nvme)
+        if nvme:
+            sizes.append(shard)
+    return out, (ParamSwapper(zero, sizes, dtype) if sizes else None)
+
+
 class ParamSwapper:
     def __init__(self, zero: ZeroConfig, shard_sizes: list[int], dtype: torch.dtype) -> None:
         off = zero.offload_param

@@ -20,6 +20,10 @@ Parameters used outside the module that owns them (a tied embedding used by the 
 are gathered for the whole forward of the model
 chunk instead, and released after their gradients arrive.
 
+With ``offload_param.device: nvme`` a unit's shard lives in a swap file
+(:mod:`megazero.zero.param_swap`): the prefetch path also starts reading the next units' shards
+into host buffers, and a gather waits for that read before its all-gather.
+
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
 references held by autograd see the gathered storage again at backward time. Every gather
 allocates a fresh buffer: a reused one would be overwritten under tensors autograd saved.
@@ -36,7 +40,7 @@ from megazero.config import ZeroConfig
 from megazero.zero.comm import Handle
 from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan, host_empty
-from megazero.zero.param_swap import ParamSwapper
+from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
 from megazero.zero.units import Unit, wrap_outputs
 
 
@@ -81,7 +85,10 @@ class Stage3Params:
         self.parent = {c: m for m in chunk.modules() for c in m.children()}
         groups = unit_param_groups(chunk)
         self.swap: ParamSwapper | None = None
-        swapped = self._swapped_groups(groups) if self.plan.params_nvme else [False] * len(groups)
+        swapped = [False] * len(groups)
+        if self.plan.params_nvme:
+            swapped, self.swap = plan_swapped_units(
+                [sum(p.numel() for p in ps) for ps, _ in groups], zero, self.dp.size, self.dtype)
         for (params, owner), nvme in zip(groups, swapped):
             self.owner[self._add_unit(params, kinds, nvme)] = owner
         self.units_of: dict[nn.Module, list[Unit]] = {}
@@ -98,24 +105,6 @@ class Stage3Params:
         chunk.register_forward_pre_hook(self._root_pre_forward)
         chunk.register_forward_hook(self._root_post_forward)
         self.padding = sum(u.padding for u in self.units)
-
-    def _swapped_groups(self, groups: list[tuple[list[nn.Parameter], nn.Module]]) -> list[bool]:
-        """NVMe parameter offload: which units live in the swap file (those past the first
-        ``max_in_cpu`` shard elements; persistent units stay whole on the device); creates the
-        swapper, which checks the buffers and the disk before anything is written."""
-        out, kept, sizes = [], 0, []
-        for params, _ in groups:
-            n = sum(p.numel() for p in params)
-            shard = -(-n // self.dp.size)
-            nvme = (n >= self.zero.stage3_param_persistence_threshold
-                    and kept + shard > self.zero.offload_param.max_in_cpu)
-            kept += 0 if nvme else shard
-            out.append(nvme)
-            if nvme:
-                sizes.append(shard)
-        if sizes:
-            self.swap = ParamSwapper(self.zero, sizes, self.dtype)
-        return out
 
     def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], nvme: bool) -> Unit:
         n = sum(p.numel() for p in params)
