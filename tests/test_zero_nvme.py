@@ -40,12 +40,12 @@ def _tiny() -> TinyLM:
     return m
 
 
-def _train(topo, zero: ZeroConfig, steps=STEPS, engine_out=None):
+def _train(topo, zero: ZeroConfig, steps=STEPS, engine_out=None, bf16=False):
     batches = make_batches(steps, BATCH, SEQ, VOCAB)
     rows = BATCH // topo.dp_size
     mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
     model = _tiny()
-    engine = build_zero_optimizer([model], OPT, zero, PrecisionConfig(), topo)
+    engine = build_zero_optimizer([model], OPT, zero, PrecisionConfig(bf16=bf16), topo)
     losses = []
     for tokens, labels in batches:
         loss, res = engine_train_step(model, engine, tokens[mine], labels[mine], 1)
@@ -79,6 +79,10 @@ def _cases(tmp):
                 dict(cpu3, overlap_comm=True,
                      offload_optimizer=_nvme(tmp, buffer_count=6),
                      offload_param=_nvme(tmp, buffer_count=3, buffer_size=512, max_in_cpu=600))))
+    # bf16: the swap file holds bf16 shards, the optimizer casts fp32 masters into it
+    out.append(("params + optimizer stage 3 bf16", dict(cpu3, bf16=True),
+                dict(cpu3, bf16=True, offload_optimizer=_nvme(tmp, buffer_count=9),
+                     offload_param=_nvme(tmp, buffer_size=512, max_in_cpu=0))))
     return out
 
 
@@ -87,8 +91,9 @@ def _equal_world(rank, world_size, tmp):
     out = []
     for name, ref_kw, kw in _cases(tmp):
         engines = []
-        ref = _train(topo, ZeroConfig(**ref_kw))
-        got = _train(topo, ZeroConfig(**kw), engine_out=engines)
+        bf16 = kw.pop("bf16", False) | ref_kw.pop("bf16", False)
+        ref = _train(topo, ZeroConfig(**ref_kw), bf16=bf16)
+        got = _train(topo, ZeroConfig(**kw), engine_out=engines, bf16=bf16)
         engine = engines[0][1]
         pswap = getattr(engine.stores[0], "swap", None)
         ahead = (pswap.fetches, pswap.fetched_ahead) if pswap is not None else None
