@@ -172,12 +172,42 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
+    """``offload_optimizer`` / ``offload_param``. With ``device: nvme`` the states live in files
+    under ``nvme_path`` and stream through ``buffer_count`` host buffers (checked in
+    :func:`megazero.zero.offload.check_offload`). ``buffer_count`` None: DeepSpeed's default
+    for the block (4 for the optimizer, 5 for parameters)."""
+
     device: Literal["none", "cpu", "nvme"] = "none"
     pin_memory: bool = False
+    nvme_path: str | None = None
+    buffer_count: int | None = None
+    buffer_size: int = 100_000_000  # offload_param: elements per buffer
+    max_in_cpu: int = 1_000_000_000  # offload_param: elements kept in host memory, not on disk
+    pipeline_read: bool = False
+    pipeline_write: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.device == "cpu"
+        """Offloaded at all (the optimizer step runs on the host for both devices)."""
+        return self.device in ("cpu", "nvme")
+
+    @property
+    def nvme(self) -> bool:
+        return self.device == "nvme"
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """DeepSpeed's top-level ``aio`` block: how swap files are read and written.
+    ``intra_op_parallelism`` x ``queue_depth`` requests of ``block_size`` bytes are in flight at
+    once (``thread_count`` is the older name of ``intra_op_parallelism``)."""
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +235,7 @@ class ZeroConfig:
     zero_hpz_partition_size: int = 1
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
+    aio: AioConfig = field(default_factory=AioConfig)  # the JSON's top-level "aio" block
 
     def __post_init__(self) -> None:
         _check(self.stage in (0, 1, 2, 3),

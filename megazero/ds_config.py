@@ -164,16 +164,31 @@ DS_CONFIG_KEYS: dict[str, Key] = {
         ("log_trace_cache_warnings", BOOL), ("use_multi_rank_bucket_allreduce", BOOL),
         ("enable_sanity_checks", BOOL))},
     _OO: _k(BLOCK),
-    f"{_OO}.device": _k(STR, "none", "zero.offload_optimizer.device", choices=("none", "cpu")),
+    f"{_OO}.device": _k(STR, "none", "zero.offload_optimizer.device",
+                        choices=("none", "cpu", "nvme")),
     f"{_OO}.pin_memory": _k(BOOL, False, "zero.offload_optimizer.pin_memory"),
     _OP: _k(BLOCK),
-    f"{_OP}.device": _k(STR, "none", "zero.offload_param.device", choices=("none", "cpu")),
+    f"{_OP}.device": _k(STR, "none", "zero.offload_param.device", choices=("none", "cpu", "nvme")),
     f"{_OP}.pin_memory": _k(BOOL, False, "zero.offload_param.pin_memory"),
-    **{f"{blk}.{name}": _k(kind, None, None, TODO) for blk, name, kind in (
-        (_OO, "nvme_path", STR), (_OO, "buffer_count", INT), (_OO, "pipeline_read", BOOL),
-        (_OO, "pipeline_write", BOOL), (_OO, "fast_init", BOOL), (_OO, "ratio", FLOAT),
+    # NVMe offload (ZeRO-Infinity); checked together in megazero.zero.offload.check_offload
+    **{f"{blk}.{name}": _k(kind, None, f"zero.{blk.rsplit('.', 1)[1]}.{name}")
+       for blk, name, kind in (
+        (_OO, "nvme_path", STR), (_OO, "buffer_count", INT),
         (_OP, "nvme_path", STR), (_OP, "buffer_count", INT), (_OP, "buffer_size", INT),
         (_OP, "max_in_cpu", INT))},
+    # read ahead / write behind happen whenever buffer_count leaves room for them
+    **{f"{_OO}.{name}": _k(BOOL, False, f"zero.offload_optimizer.{name}", TODO)
+       for name in ("pipeline_read", "pipeline_write")},
+    **{f"{_OO}.{name}": _k(kind, None, None, TODO) for name, kind in (
+        ("fast_init", BOOL), ("ratio", FLOAT), ("super_offload", BOOL),
+        ("cpuadam_cores_perc", FLOAT))},
+    "aio": _k(BLOCK),
+    **{f"aio.{name}": _k(kind, None, f"zero.aio.{field}") for name, kind, field in (
+        ("block_size", INT, "block_size"), ("queue_depth", INT, "queue_depth"),
+        ("intra_op_parallelism", INT, "intra_op_parallelism"),
+        ("thread_count", INT, "intra_op_parallelism"),  # older name of intra_op_parallelism
+        ("single_submit", BOOL, "single_submit"), ("overlap_events", BOOL, "overlap_events"),
+        ("use_gds", BOOL, "use_gds"))},
     # monitoring
     "tensorboard": _k(BLOCK),
     "tensorboard.enabled": _k(BOOL, False),
@@ -202,7 +217,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
         ("synchronize_checkpoint_boundary", BOOL), ("profile", BOOL))},
     **{name: _k(OPEN, None, None, TODO) for name in (
         "autotuning", "elasticity", "compression_training", "data_efficiency",
-        "curriculum_learning", "pipeline", "aio", "sparse_attention", "hybrid_engine", "nebula",
+        "curriculum_learning", "pipeline", "sparse_attention", "hybrid_engine", "nebula",
         "data_types", "eigenvalue", "progressive_layer_drop", "quantize_training", "compile",
         "timers", "weight_quantization", "torch_autocast", "tensor_parallel")},
 }
@@ -268,9 +283,6 @@ def _coerce(path: str, key: Key, value: Any) -> Any:
         raise ConfigError(f"{path}: got {json.dumps(value)} ({type(value).__name__}), expected "
                           f"{_EXPECTED[key.kind]}" + (" (e.g. 2e8 or 200000000)"
                                                       if key.kind == INT else ""))
-    if path.endswith(".device") and value == "nvme":
-        raise ConfigError(f'{path}: "nvme" given, but nvme offload is not supported; use '
-                          f'device: "cpu" (or "none")')
     if key.choices and value not in key.choices:
         raise ConfigError(f"{path}: got {json.dumps(value)}, expected one of "
                           f"{', '.join(json.dumps(c) for c in key.choices)}")

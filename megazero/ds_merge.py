@@ -27,6 +27,7 @@ from typing import Any
 
 from megazero.arguments import flag_values
 from megazero.config import (
+    AioConfig,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -314,11 +315,12 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
     for path, fn in _AUTO_FROM_HIDDEN.items():
         if get_path(ds_checked, path) == "auto":
             zero_kw[path.split(".")[-1]] = fn(model.hidden_size)
-    for block in ("offload_optimizer", "offload_param"):
+    for block, cls in (("offload_optimizer", OffloadConfig), ("offload_param", OffloadConfig),
+                       ("aio", AioConfig)):
         sub = {f.rsplit(".", 1)[1]: v for f, (_, v) in merged.items()
                if f.startswith(f"zero.{block}.")}
         if sub:
-            zero_kw[block] = OffloadConfig(**sub)
+            zero_kw[block] = cls(**sub)
     top = {name: merged[name][1] for name in ("deepspeed", "deepspeed_config") if name in merged}
     sections = {name: cls(**_section(name, merged)) for name, cls in _SECTIONS.items()
                 if name not in ("model", "parallel", "train")}

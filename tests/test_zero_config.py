@@ -13,10 +13,11 @@ def _topo(pp: int = 1) -> ParallelTopology:
     return ParallelTopology(ParallelLayout(world_size=2 * pp, pp=pp), rank=0)
 
 
-def test_nvme_offload_is_rejected_with_the_key_name():
+def test_nvme_offload_needs_a_path_and_names_the_key():
     for key in ("offload_optimizer", "offload_param"):
         zero = ZeroConfig(stage=3, **{key: OffloadConfig(device="nvme")})
-        with pytest.raises(ConfigError, match=f"{key}.device 'nvme' is not supported"):
+        with pytest.raises(ConfigError, match=f'zero_optimization.{key}.device is "nvme" but '
+                                              f"zero_optimization.{key}.nvme_path is not set"):
             check_zero_config(zero, _topo())
 
 

@@ -151,22 +151,23 @@ def optimizer_state_per_param(engine: Any, infos: list[ParamInfo],
     bufs: dict[int, torch.Tensor] = {}
     cover: dict[int, torch.Tensor] = {}
     step = 0.0
-    for pc in masters.pieces:
-        pid = id(pc.param)
-        if pid not in keep:
-            continue
-        n = shapes[pid].numel()
-        if pid not in bufs:
-            bufs[pid] = torch.zeros(3, n, dtype=torch.float32, device=pc.master.device)
-            cover[pid] = torch.zeros(n, dtype=torch.float32, device=pc.master.device)
-        lo, hi = pc.offset, pc.offset + pc.model.numel()
-        bufs[pid][0, lo:hi] = pc.master.detach().float()
-        st = masters.optimizer.state.get(pc.master, {})
-        if "exp_avg" in st:
-            bufs[pid][1, lo:hi] = st["exp_avg"]
-            bufs[pid][2, lo:hi] = st["exp_avg_sq"]
-            step = max(step, float(st["step"]))
-        cover[pid][lo:hi] += 1
+    with masters.resident():  # NVMe offload: masters and moments read from the swap files
+        for pc in masters.pieces:
+            pid = id(pc.param)
+            if pid not in keep:
+                continue
+            n = shapes[pid].numel()
+            if pid not in bufs:
+                bufs[pid] = torch.zeros(3, n, dtype=torch.float32, device=pc.master.device)
+                cover[pid] = torch.zeros(n, dtype=torch.float32, device=pc.master.device)
+            lo, hi = pc.offset, pc.offset + pc.model.numel()
+            bufs[pid][0, lo:hi] = pc.master.detach().float()
+            st = masters.optimizer.state.get(pc.master, {})
+            if "exp_avg" in st:
+                bufs[pid][1, lo:hi] = st["exp_avg"]
+                bufs[pid][2, lo:hi] = st["exp_avg_sq"]
+                step = max(step, float(st["step"]))
+            cover[pid][lo:hi] += 1
     order = [id(i.param) for i in infos]
     for pid in order:  # parameters with no piece on this rank contribute zeros
         if pid not in bufs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -42,12 +43,13 @@ IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
     "stage3_param_persistence_threshold": (3,),
     "stage3_max_live_parameters": (3,),
     "stage3_max_reuse_distance": (3,),
+    "aio": (1, 2, 3),  # the top-level "aio" block: NVMe offload's swap-file I/O
 }
 
 
 def check_zero_config(zero: ZeroConfig, topo: Any) -> None:
     """Reject what cannot run; warn once per key that is accepted but has no effect."""
-    OffloadPlan.from_config(zero)  # rejects nvme
+    OffloadPlan.from_config(zero)  # the offload keys (megazero.zero.offload.check_offload)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the "
                           "offloaded optimizer runs on the rank's shard); set stage >= 1")
@@ -110,8 +112,14 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                 deferred_kind=kinds))
     pieces = [piece for store in stores for piece in store.pieces()]
     plan = OffloadPlan.from_config(zero_config)
+    swapper = None
+    if plan.optimizer_nvme:
+        from megazero.zero.swap import optimizer_swapper
+
+        swapper = functools.partial(optimizer_swapper, zero_config)
     masters = MasterParams(pieces, optimizer_config, offload=plan.optimizer,
                            pin_memory=zero_config.offload_optimizer.pin_memory,
-                           sub_group_size=max(1, int(zero_config.sub_group_size)))
+                           sub_group_size=max(1, int(zero_config.sub_group_size)),
+                           swapper=swapper)
     return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,
                          optimizer_config.clip_grad, sequence_parallel)

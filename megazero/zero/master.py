@@ -16,14 +16,19 @@ copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from megazero.config import OptimizerConfig
 from megazero.zero.offload import host_empty
+
+if TYPE_CHECKING:
+    from megazero.zero.swap import OptimizerSwapper
 
 
 @dataclass
@@ -34,6 +39,9 @@ class Piece:
     master: torch.Tensor | None = None
     ndim: int = -1  # the parameter's full rank (stage 3 releases parameters to 0 elements)
     offset: int = 0  # where ``model`` starts in the parameter's flattened values (checkpoints)
+    # NVMe parameter offload: (the unit's swap, first element in its shard); ``model`` then has
+    # no storage and its values live in the swap file (see megazero.zero.param_swap)
+    swapped: tuple[Any, int] | None = None
 
     def __post_init__(self) -> None:
         if self.ndim < 0:
@@ -47,9 +55,22 @@ def split_pieces(pieces: list[Piece], limit: int) -> list[Piece]:
         n = p.model.numel()
         for lo in range(0, n, max(1, limit)):
             hi = min(n, lo + limit)
+            swapped = None if p.swapped is None else (p.swapped[0], p.swapped[1] + lo)
             out.append(Piece(p.param, p.model[lo:hi], p.grad[lo:hi], ndim=p.ndim,
-                             offset=p.offset + lo))
+                             offset=p.offset + lo, swapped=swapped))
     return out
+
+
+def model_values(p: Piece) -> torch.Tensor:
+    """The piece's current model-dtype values (read from the swap file when swapped out)."""
+    return p.model if p.swapped is None else p.swapped[0].read_range(p.swapped[1], p.model.numel())
+
+
+def store_model(p: Piece, values: torch.Tensor, non_blocking: bool = False) -> None:
+    if p.swapped is None:
+        p.model.copy_(values, non_blocking=non_blocking)
+    else:
+        p.swapped[0].write_range(p.swapped[1], values.to(p.model.dtype))
 
 
 def make_torch_optimizer(groups: list[dict[str, Any]], cfg: OptimizerConfig,
@@ -66,14 +87,22 @@ class MasterParams:
     """Masters + optimizer for the pieces this rank owns."""
 
     def __init__(self, pieces: list[Piece], cfg: OptimizerConfig, *, offload: bool,
-                 pin_memory: bool, sub_group_size: int) -> None:
+                 pin_memory: bool, sub_group_size: int,
+                 swapper: Callable[[list[int]], OptimizerSwapper] | None = None) -> None:
         self.pieces = split_pieces([p for p in pieces if p.model.numel()], sub_group_size)
         self.offload = offload
         dtypes = {p.model.dtype for p in self.pieces}
-        self.copy = offload or dtypes != {torch.float32}
+        self.copy = offload or dtypes != {torch.float32} or any(
+            p.swapped is not None for p in self.pieces)
         self.flat: torch.Tensor | None = None
+        self.swap: OptimizerSwapper | None = None
+        self._resident = False
         total = sum(p.model.numel() for p in self.pieces)
-        if self.copy:
+        if swapper is not None:
+            # Masters are placeholders; the step points them at a slot of the swapper.
+            for p in self.pieces:
+                p.master = torch.empty(0, dtype=torch.float32)
+        elif self.copy:
             device = self.pieces[0].model.device if self.pieces else torch.device("cpu")
             self.flat = (host_empty(total, torch.float32, pin_memory) if offload
                          else torch.empty(total, dtype=torch.float32, device=device))
@@ -81,7 +110,7 @@ class MasterParams:
             for p in self.pieces:
                 n = p.model.numel()
                 p.master = self.flat[pos:pos + n]
-                p.master.copy_(p.model)
+                p.master.copy_(model_values(p))
                 pos += n
         else:
             for p in self.pieces:
@@ -99,45 +128,143 @@ class MasterParams:
                 size = 0
             self.sub_groups[-1].append(p)
             size += p.model.numel()
+        if swapper is not None:
+            self._init_swap(swapper)
+
+    # --- NVMe: masters and moments in swap files ------------------------------------------
+
+    def _init_swap(self, make: Callable[[list[int]], OptimizerSwapper]) -> None:
+        self.swap = make([sum(p.model.numel() for p in g) for g in self.sub_groups])
+        for p in self.pieces:  # what torch's AdamW creates on its first step, minus storage
+            self.optimizer.state[p.master] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0)}
+
+        def init(g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+            pos = 0
+            for p in self.sub_groups[g]:
+                n = p.model.numel()
+                master[pos:pos + n].copy_(model_values(p))
+                pos += n
+            m.zero_()
+            v.zero_()
+
+        self.swap.stream(init, read=False)
+
+    def _bind(self, g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Point sub-group g's masters and moments at ``master`` / ``m`` / ``v`` (views)."""
+        pos = 0
+        for p in self.sub_groups[g]:
+            n = p.model.numel()
+            p.master.data = master[pos:pos + n]
+            st = self.optimizer.state[p.master]
+            st["exp_avg"], st["exp_avg_sq"] = m[pos:pos + n], v[pos:pos + n]
+            pos += n
+
+    def _collect(self, g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """The inverse of :meth:`_bind`: copy whatever tensors the masters and state hold now
+        (a loader may have replaced them) into the views, and drop the references."""
+        pos = 0
+        for p in self.sub_groups[g]:
+            n = p.model.numel()
+            st = self.optimizer.state.setdefault(p.master, {})
+            for dst, src in ((master, p.master), (m, st.get("exp_avg")),
+                             (v, st.get("exp_avg_sq"))):
+                if src is not None and src.numel():
+                    if src.data_ptr() != dst[pos:pos + n].data_ptr():
+                        dst[pos:pos + n].copy_(src.reshape(-1))
+                elif src is None or not src.numel():
+                    dst[pos:pos + n].zero_()
+            p.master.data = torch.empty(0, dtype=torch.float32)
+            st["exp_avg"], st["exp_avg_sq"] = torch.empty(0), torch.empty(0)
+            st.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+            pos += n
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Inside, every master and moment is an ordinary host tensor (read whole from the swap
+        files, written back on exit): for checkpoints and loading, not for the step."""
+        if self.swap is None or self._resident:
+            yield
+            return
+        self._resident = True
+        bufs = self.swap.load_all()
+        for g, buf in enumerate(bufs):
+            n = self.swap.numels[g]
+            self._bind(g, buf[0, :n], buf[1, :n], buf[2, :n])
+        try:
+            yield
+        finally:
+            for g, buf in enumerate(bufs):
+                n = self.swap.numels[g]
+                self._collect(g, buf[0, :n], buf[1, :n], buf[2, :n])
+            self.swap.store_all(bufs)
+            self._resident = False
 
     def step(self, factor: float) -> None:
         """One optimizer step with every gradient multiplied by ``factor`` (unscale * clip)."""
+        if self.swap is not None:
+            def update(g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+                self._bind(g, master, m, v)
+                self._step_group(self.sub_groups[g], factor)
+                self._collect(g, master, m, v)
+
+            self.swap.stream(update)
+            return
         for group in self.sub_groups:
-            grads = []
-            for p in group:
-                g = p.grad
-                if self.copy:
-                    g = g.to(device=p.master.device, dtype=torch.float32, copy=True)
-                grads.append(g)
-            if factor != 1.0:
-                torch._foreach_mul_(grads, factor)
-            for p, g in zip(group, grads):
-                p.master.grad = g
-            self.optimizer.step()
-            for p in group:
-                p.master.grad = None
-                if self.copy:
-                    p.model.copy_(p.master, non_blocking=True)
+            self._step_group(group, factor)
+
+    def _step_group(self, group: list[Piece], factor: float) -> None:
+        grads = []
+        for p in group:
+            g = p.grad
+            if self.copy:
+                g = g.to(device=p.master.device, dtype=torch.float32, copy=True)
+            grads.append(g)
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        for p, g in zip(group, grads):
+            p.master.grad = g
+        self.optimizer.step()
+        for p in group:
+            p.master.grad = None
+            if self.copy:
+                # A swapped master's slot is reused right after: copy synchronously then.
+                store_model(p, p.master, non_blocking=self.swap is None)
 
     def sync_masters_from_model(self) -> None:
         """After model weights were loaded from outside (a checkpoint without optimizer state)."""
         if self.copy:
-            for p in self.pieces:
-                p.master.copy_(p.model)
+            with self.resident():
+                for p in self.pieces:
+                    p.master.copy_(model_values(p))
 
     def sync_model_from_masters(self) -> None:
         if self.copy:
-            for p in self.pieces:
-                p.model.copy_(p.master)
+            with self.resident():
+                for p in self.pieces:
+                    store_model(p, p.master)
 
     def held(self) -> list[torch.Tensor]:
-        """Optimizer-state storage: separate masters (if any) and moments."""
+        """Optimizer-state storage: separate masters (if any) and moments (with NVMe offload:
+        the host slots they stream through)."""
+        if self.swap is not None:
+            return list(self.swap.slots)
         out: list[torch.Tensor] = [self.flat] if self.flat is not None else []
         for state in self.optimizer.state.values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        with self.resident():
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
+        if self.swap is not None:
+            masters = (torch.cat([p.master.detach().reshape(-1) for p in self.pieces])
+                       if self.pieces else torch.empty(0))
+            return {"masters": masters, "optimizer": _cloned(self.optimizer.state_dict()),
+                    "piece_numels": [p.model.numel() for p in self.pieces]}
         masters = (self.flat.clone() if self.flat is not None
                    else torch.cat([p.master.detach().reshape(-1) for p in self.pieces])
                    if self.pieces else torch.empty(0))
@@ -145,6 +272,10 @@ class MasterParams:
                 "piece_numels": [p.model.numel() for p in self.pieces]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        with self.resident():
+            self._load_state_dict(sd)
+
+    def _load_state_dict(self, sd: dict[str, Any]) -> None:
         numels = [p.model.numel() for p in self.pieces]
         if list(sd["piece_numels"]) != numels:
             raise ValueError("optimizer shard layout differs from this run's (different model, "
@@ -155,3 +286,10 @@ class MasterParams:
             pos += n
         self.optimizer.load_state_dict(sd["optimizer"])
         self.sync_model_from_masters()
+
+
+def _cloned(sd: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict whose tensors do not share the (transient) swap buffers."""
+    state = {k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()}
+             for k, v in sd["state"].items()}
+    return {"state": state, "param_groups": sd["param_groups"]}

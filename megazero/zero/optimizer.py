@@ -252,6 +252,13 @@ class ZeroOptimizer:
         ranges of the parameter's (TP-shard) values starting at element ``st["lo"]``, covering
         this rank's pieces; every piece takes its own range. This is how a layout-independent
         checkpoint loads, whatever the buckets, dp size or ZeRO stage."""
+        with self.masters.resident():
+            self._load_param_states(states)
+        chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
+        for store in self.stores:
+            store.after_step(chunk, not self.zero.allgather_partitions)
+
+    def _load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
         opt = self.masters.optimizer
         for pc in self.masters.pieces:
             st = states[id(pc.param)]
@@ -264,9 +271,6 @@ class ZeroOptimizer:
                 "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[lo:lo + n].to(dev, torch.float32)
                 .clone()}
         self.masters.sync_model_from_masters()
-        chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
-        for store in self.stores:
-            store.after_step(chunk, not self.zero.allgather_partitions)
 
     # --- accounting ---------------------------------------------------------------------------
 

@@ -28,6 +28,10 @@ chunk's last micro-batch accumulate under ``no_sync``. The recorded order is one
 the backward it is walked in reverse, which is each backward's own order. The dp ranks of one
 stage run the same schedule, so they issue the same gathers in the same order.
 
+With ``offload_param.device: nvme`` a unit's shard lives in a swap file
+(:mod:`megazero.zero.param_swap`): the prefetch path also starts reading the next units' shards
+into host buffers, and a gather waits for that read before its all-gather.
+
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
 references held by autograd see the gathered storage again at backward time. Every gather
 allocates a fresh buffer: a reused one would be overwritten under tensors autograd saved.
@@ -44,6 +48,7 @@ from megazero.config import ZeroConfig
 from megazero.zero.comm import Handle
 from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan, host_empty
+from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
 from megazero.zero.units import Unit, wrap_outputs
 
 
@@ -81,12 +86,19 @@ class Stage3Params:
         self.plan = OffloadPlan.from_config(zero)
         self.offload = self.plan.params
         self.units: list[Unit] = []
+        self._swapped: list[Unit] = []
         self.unit_of_param: dict[int, Unit] = {}
         self.owner: dict[Unit, nn.Module] = {}  # the module whose forward gathers the unit
         self.root = chunk
         self.parent = {c: m for m in chunk.modules() for c in m.children()}
-        for params, owner in unit_param_groups(chunk):
-            self.owner[self._add_unit(params, kinds)] = owner
+        groups = unit_param_groups(chunk)
+        self.swap: ParamSwapper | None = None
+        swapped = [False] * len(groups)
+        if self.plan.params_nvme:
+            swapped, self.swap = plan_swapped_units(
+                [sum(p.numel() for p in ps) for ps, _ in groups], zero, self.dp.size, self.dtype)
+        for (params, owner), nvme in zip(groups, swapped):
+            self.owner[self._add_unit(params, kinds, nvme)] = owner
         self.units_of: dict[nn.Module, list[Unit]] = {}
         self.order: list[Unit] = []
         self._pos: dict[Unit, int] = {}
@@ -102,7 +114,7 @@ class Stage3Params:
         chunk.register_forward_hook(self._root_post_forward)
         self.padding = sum(u.padding for u in self.units)
 
-    def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str]) -> Unit:
+    def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], nvme: bool) -> Unit:
         n = sum(p.numel() for p in params)
         kind = next((kinds[id(p)] for p in params if id(p) in kinds), None)
         u = Unit(len(self.units), params, self.dp.size, self.dp.rank,
@@ -118,6 +130,15 @@ class Stage3Params:
         if u.persistent:
             u.full, u.shard = flat, shard
             u.attach()
+        elif nvme:
+            assert self.swap is not None
+            u.swap = self.swap.handle(len(self._swapped), u.shard_size)
+            self._swapped.append(u)
+            self.swap.write_shard(u.swap.slot, shard)
+            # Only shape and dtype remain here; the optimizer's pieces view it (Piece.swapped).
+            u.shard = torch.empty(u.shard_size, dtype=self.dtype, device="meta")
+            for p in params:
+                p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         else:
             u.shard = (host_empty(u.shard_size, self.dtype, self.plan.pin_params) if self.offload
                        else torch.empty(u.shard_size, dtype=self.dtype, device=self.device))
@@ -136,7 +157,14 @@ class Stage3Params:
     def _gather(self, u: Unit, async_op: bool) -> None:
         if u.full is not None or u.gather_handle is not None:
             return
-        src = u.shard.to(self.device, non_blocking=True)
+        if u.swap is not None:
+            assert self.swap is not None
+            buf = self.swap.fetch(u.swap.slot, u.shard_size)
+            # A copy, so the buffer goes back now: the collective may read its input later.
+            src = buf.to(self.device, copy=True)
+            self.swap.give_back(buf)
+        else:
+            src = u.shard.to(self.device, non_blocking=True)
         u.full = torch.empty(u.padded, dtype=self.dtype, device=self.device)
         u.gather_handle = self.dp.all_gather(u.full, src, async_op=async_op)
         self.live += u.padded
@@ -167,8 +195,22 @@ class Stage3Params:
             if u.full is None and not u.persistent:
                 if self.live + u.padded > self.zero.stage3_max_live_parameters:
                     break
+                if u.swap is not None and not self.swap.ready(u.swap.slot):
+                    break  # its read is still on the way: gather it when it is needed
                 self._gather(u, async_op=True)
                 budget -= u.padded
+            i += direction
+        if self.swap is not None:
+            self._read_ahead(i, direction)
+
+    def _read_ahead(self, i: int, direction: int) -> None:
+        """Start reading the next swapped shards into free buffers, in execution order, so
+        their bytes arrive while earlier modules compute."""
+        while 0 <= i < len(self.order):
+            u = self.order[i]
+            if u.swap is not None and u.full is None and u.gather_handle is None:
+                if not self.swap.prefetch(u.swap.slot, u.shard_size):
+                    return
             i += direction
 
     def _reuse_distance(self, u: Unit) -> float:
@@ -197,6 +239,8 @@ class Stage3Params:
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         # The first forward runs with everything gathered while it records who uses what.
+        if self.swap is not None and not self.recording:
+            self._read_ahead(0, +1)
         for u in self.units if self.recording else self.units_of.get(self.root, []):
             self._ensure(u)
 
@@ -365,7 +409,8 @@ class Stage3Params:
                 if lo < hi:
                     a, b = lo - u.own_lo, hi - u.own_lo
                     out.append(Piece(p, u.shard[a:b], u.grad_shard[a:b], ndim=len(shape),
-                                     offset=lo - s))
+                                     offset=lo - s,
+                                     swapped=None if u.swap is None else (u.swap, a)))
         return out
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
@@ -383,10 +428,10 @@ class Stage3Params:
             pos += u.shard_size
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:
-        shards = [u.shard for u in self.units if not u.persistent]
+        shards = [u.shard for u in self.units if not u.persistent and u.swap is None]
         full = [u.full for u in self.units if u.full is not None]
-        if self.offload:
-            return {"device": full, "offload": shards}
+        if self.offload:  # NVMe: the host buffers shards stream through
+            return {"device": full, "offload": shards + ([self.swap.pool] if self.swap else [])}
         return {"device": full + shards}
 
     def held_grads(self) -> list[torch.Tensor]:
@@ -403,7 +448,10 @@ class Stage3Params:
     def release_all(self, write_back: bool = False) -> None:
         for u in self.units:
             if write_back and u.full is not None and not u.persistent:
-                u.shard.copy_(u.full[u.own_lo:u.own_hi])
+                if u.swap is not None:
+                    self.swap.write_shard(u.swap.slot, u.full[u.own_lo:u.own_hi])
+                else:
+                    u.shard.copy_(u.full[u.own_lo:u.own_hi])
         for u in self.units:
             if u.index not in self._held_before:
                 self._release(u)

@@ -42,6 +42,7 @@ class Unit:
         self.pending: set[int] = set()
         self.filled: set[int] = set()  # indices of params copied into grad_full this step
         self.reduced = False
+        self.swap: Any = None  # NVMe offload: the UnitSwap holding the shard (param_swap.py)
 
     def attach(self) -> None:
         """Point every parameter at its slice of the gathered buffer."""
