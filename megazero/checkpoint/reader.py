@@ -14,6 +14,7 @@ from megazero.checkpoint.files import CheckpointError, verified_load
 from megazero.checkpoint.tensors import ParamInfo, assemble, read_slice
 
 TRACKER = "latest_checkpointed_iteration.txt"
+TAG_TRACKER = "latest"  # names the newest tagged checkpoint (DeepSpeed's layout)
 MARKER = "metadata.json"
 FORMAT = "megazero-portable"
 VERSION = 2
@@ -52,16 +53,21 @@ def read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any
         if iteration is None:
             return None
     directory = iteration_dir(root, iteration)
+    return iteration, directory, read_meta_at(directory, f"iteration {iteration}")
+
+
+def read_meta_at(directory: str, what: str) -> dict[str, Any]:
+    """``metadata.json`` of one checkpoint directory (``what`` names it in errors)."""
     marker = os.path.join(directory, MARKER)
     if not os.path.isfile(marker):
-        raise CheckpointError(f"{directory} has no {MARKER}: the save of iteration {iteration} "
-                              "did not complete; point --load at a complete checkpoint")
+        raise CheckpointError(f"{directory} has no {MARKER}: the save of {what} did not "
+                              "complete; point --load at a complete checkpoint")
     meta = read_json(marker)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{directory} is in megazero's old per-layout format, which needs "
                               "unsafe pickle loading; re-save it with the megazero version that "
                               "wrote it, or start from a portable checkpoint")
-    return iteration, directory, meta
+    return meta
 
 
 class ShardReader:
