@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megazero.compat import all_gather_into_tensor
+
 
 def _group_info(group: Any) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
@@ -70,7 +72,7 @@ def gather_partitioned(p: nn.Parameter) -> torch.Tensor:
         full = shard
     else:
         full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+        all_gather_into_tensor(full, shard.contiguous(), group=group)
     n = torch.Size(p.mz_shape).numel()
     return full[:n].view(p.mz_shape).clone()
 
