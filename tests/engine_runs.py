@@ -82,8 +82,8 @@ def ds_config(stage: int, offload: bool = False, **extra) -> dict:
             "zero_optimization": zero, **extra}
 
 
-def reference_losses(kind: str, steps: int, dp: int, seed: int = 0, modify=None
-                     ) -> list[float]:
+def reference_losses(kind: str, steps: int, dp: int, seed: int = 0, modify=None,
+                     norms: list[float] | None = None) -> list[float]:
     """One process, the whole global batch, torch.optim.AdamW + clip_grad_norm_."""
     model = build(kind, seed)
     if modify is not None:
@@ -98,7 +98,9 @@ def reference_losses(kind: str, steps: int, dp: int, seed: int = 0, modify=None
             g["lr"] = lr_at(s)
         loss = loss_of(kind, model, data[s])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
         opt.zero_grad()
         out.append(loss.item())
@@ -118,14 +120,22 @@ def train_steps(engine, kind: str, data: torch.Tensor, first: int, steps: int, r
             assert engine.is_gradient_accumulation_boundary() == (m == gas - 1)
             engine.step()
             mine.append(loss.item())
-        out.append(mine)
+        out.append(mine + [engine.get_global_grad_norm()])
     return out
 
 
 def mean_over_ranks(per_rank: list[list[list[float]]]) -> list[float]:
+    """Each step's loss over the whole batch (``train_steps`` rows end with the grad norm)."""
     steps = len(per_rank[0])
-    return [sum(sum(r[s]) for r in per_rank) / sum(len(r[s]) for r in per_rank)
+    return [sum(sum(r[s][:-1]) for r in per_rank) / sum(len(r[s]) - 1 for r in per_rank)
             for s in range(steps)]
+
+
+def grad_norms(per_rank: list[list[list[float]]]) -> list[float]:
+    """Each step's global gradient norm (the same on every rank: checked)."""
+    norms = [row[-1] for row in per_rank[0]]
+    assert all([row[-1] for row in r] == norms for r in per_rank)
+    return norms
 
 
 def equivalence_world(rank: int, world: int, kinds: tuple[str, ...], cases: list, steps: int

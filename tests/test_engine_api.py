@@ -29,11 +29,15 @@ def test_loop_matches_one_process_adamw(world):
     kinds = ("hf", "plain")
     res = run_distributed(R.equivalence_world, world, kinds, CASES, STEPS, timeout=240)
     for kind in kinds:
-        ref = R.reference_losses(kind, STEPS, world)
+        ref_norms: list[float] = []
+        ref = R.reference_losses(kind, STEPS, world, norms=ref_norms)
         assert ref[0] != ref[-1]
         for case in CASES:
             got = R.mean_over_ranks([r[(kind, *case)] for r in res])
             assert max(abs(a - b) for a, b in zip(got, ref)) < TOL, (kind, case, got, ref)
+            # the norm before clipping: the gradient is the mean over the global batch
+            norms = R.grad_norms([r[(kind, *case)] for r in res])
+            assert norms == pytest.approx(ref_norms, rel=1e-5), (kind, case, norms, ref_norms)
 
 
 def test_fp16_overflow_skip_and_out_of_order_errors():

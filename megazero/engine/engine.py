@@ -116,6 +116,10 @@ class MegazeroEngine:
         skipped for an fp16 overflow."""
         return self._step_applied
 
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last update, before clipping (None before one)."""
+        return None if self._last_result is None else self._last_result.grad_norm
+
     @property
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale
