@@ -83,27 +83,83 @@ def ds_config(stage: int, offload: bool = False, **extra) -> dict:
 
 
 def reference_losses(kind: str, steps: int, dp: int, seed: int = 0, modify=None,
-                     norms: list[float] | None = None) -> list[float]:
-    """One process, the whole global batch, torch.optim.AdamW + clip_grad_norm_."""
+                     norms: list[float] | None = None, optim=None) -> list[float]:
+    """One process, the whole global batch, torch.optim.AdamW + clip_grad_norm_; ``optim``:
+    ``model -> (optimizer, scheduler)`` instead of AdamW with the WarmupLR of ``lr_at``."""
     model = build(kind, seed)
     if modify is not None:
         with torch.no_grad():
             modify(model)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD)
+    if optim is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8,
+                                weight_decay=WD)
+        sched = None
+    else:
+        opt, sched = optim(model)
     data = batches(steps, MICRO * GAS * dp)
     out = []
     for s in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(s)
+        if optim is None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(s)
         loss = loss_of(kind, model, data[s])
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         if norms is not None:
             norms.append(norm.item())
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
         out.append(loss.item())
+    return out
+
+
+def client_optim(model: nn.Module):
+    """Hugging Face Trainer's shape: AdamW with a decay and a no-decay group, LambdaLR."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+
+def json_optim_step_lr(model: nn.Module):
+    """The config's AdamW with a StepLR built by a callable (``lr_scheduler=callable``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def client_and_bf16_world(rank: int, world: int) -> dict:
+    """A client optimizer + scheduler object (stage 3), the config's optimizer + a scheduler
+    callable (stage 1), and bf16 (stage 2)."""
+    import megazero
+
+    out: dict = {}
+    data = batches(3, MICRO * GAS * world)
+    no_opt = {k: v for k, v in ds_config(3).items() if k not in ("optimizer", "scheduler")}
+    model = build("plain")
+    opt, sched = client_optim(model)
+    engine, _, _, s = megazero.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                          config=no_opt)
+    assert s is sched
+    out["client"] = train_steps(engine, "plain", data, 0, 3, rank)
+    out["client_lrs"] = engine.get_lr()
+    no_sched = {k: v for k, v in ds_config(1).items() if k != "scheduler"}
+    model = build("plain")
+    engine, _, _, s = megazero.initialize(
+        model=model, config=no_sched,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    assert isinstance(s, torch.optim.lr_scheduler.StepLR)
+    out["callable"] = train_steps(engine, "plain", data, 0, 3, rank)
+    out["callable_lrs"] = engine.get_lr()
+    model = build("plain")
+    engine, zero, _, _ = megazero.initialize(model=model,
+                                             config=ds_config(2, bf16={"enabled": True}))
+    out["bf16_dtypes"] = ({str(p.dtype) for p in model.parameters()},
+                          {str(pc.master.dtype) for pc in zero.masters.pieces})
+    out["bf16"] = train_steps(engine, "plain", data, 0, 3, rank)
     return out
 
 
@@ -178,9 +234,12 @@ def fp16_and_errors_world(rank: int, world: int) -> dict:
     out: dict = {}
     data = batches(4, MICRO * GAS * world)
     model = build("plain")
-    cfg = ds_config(2, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    cfg = ds_config(2, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+                    steps_per_print=1, wall_clock_breakdown=True)
     engine, _, _, _ = megazero.initialize(model=model, model_parameters=model.parameters(),
                                           config=cfg)
+    lines: list[str] = []
+    engine.log_fn = lines.append
     assert engine.fp16_enabled() and not engine.bfloat16_enabled()
     assert next(model.parameters()).dtype == torch.float16
     train_steps(engine, "plain", data, 0, 1, rank)
@@ -204,6 +263,7 @@ def fp16_and_errors_world(rank: int, world: int) -> dict:
     out["applied2"] = engine.was_step_applied()
     out["changed2"] = not all(torch.equal(before[n], p) for n, p in model.named_parameters())
     out["lr_moved"] = engine.get_lr() != lr_before
+    out["log"] = lines
 
     # --- out-of-order calls -----------------------------------------------------------------
     model = build("plain")
@@ -277,6 +337,12 @@ def checkpoint_world(rank: int, world: int, root: str, phase: str) -> dict:
     if phase == "save":
         engine = fresh()
         out["first"] = train_steps(engine, "plain", data, 0, 2, rank, micro, gas)
+        from megazero.engine.checkpoint import ClientStateError
+
+        try:
+            engine.save_checkpoint(root, tag="bad", client_state={"fn": print})
+        except ClientStateError as e:
+            out["client_state_error"] = str(e)
         engine.save_checkpoint(root, tag="step2",
                                client_state={"step": 2, "note": "two", "t": torch.arange(3)})
         out["rest"] = train_steps(engine, "plain", data, 2, 2, rank, micro, gas)

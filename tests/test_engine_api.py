@@ -58,6 +58,13 @@ def test_fp16_overflow_skip_and_out_of_order_errors():
         assert "forward ran in eval mode" in errors["eval_forward_then_backward"]
         assert r["recovered_steps"] == 1
         cfg = r["cfg_errors"]
+        if r is res[0]:  # steps_per_print 1: rank 0 logs every step (with wall_clock_breakdown)
+            log = r["log"]
+            assert len(log) == 3 and all(f"step={i + 1} " in log[i] for i in range(3)), log
+            assert "loss_scale=256 skipped=0" in log[0] and "skipped=1" in log[1]
+            assert "grad_norm=nan" in log[1] and "loss=" in log[0] and "ms" in log[0]
+        else:
+            assert r["log"] == []
         assert set(cfg) == {"one_cycle", "optimizer_twice", "sgd", "no_optimizer", "bad_triad"}
         assert "OneCycle" in cfg["one_cycle"] and "WarmupLR" in cfg["one_cycle"]
         assert "given twice" in cfg["optimizer_twice"]
@@ -85,6 +92,26 @@ def test_checkpoint_resume_and_reshard(tmp_path):
     got = R.mean_over_ranks([r["resumed"] for r in moved])
     assert max(abs(a - b) for a, b in zip(got, rest)) < TOL, (got, rest)
     assert moved[0]["client"]["step"] == 2 and moved[0]["resumed_lr4"] == saved[0]["lr4"]
+    assert "client_state['fn'] is a builtin_function_or_method" in saved[0]["client_state_error"]
+    assert not (tmp_path / "ckpt" / "bad").exists()
+
+
+def test_client_optimizer_scheduler_and_bf16():
+    """A client AdamW with two groups + a LambdaLR object (ZeRO 3), the config's AdamW + a
+    StepLR from a callable (ZeRO 1): the same losses and learning rates as the one-process
+    loop with those objects. bf16 (ZeRO 2): bf16 weights, fp32 masters, losses near fp32's."""
+    res = run_distributed(R.client_and_bf16_world, 2, timeout=180)
+    for key, optim in (("client", R.client_optim), ("callable", R.json_optim_step_lr)):
+        ref = R.reference_losses("plain", 3, 2, optim=optim)
+        got = R.mean_over_ranks([r[key] for r in res])
+        assert max(abs(a - b) for a, b in zip(got, ref)) < TOL, (key, got, ref)
+    assert res[0]["client_lrs"] == [R.LR / 4, R.LR / 4]  # LambdaLR 1 / (s + 1) after 3 steps
+    assert res[0]["callable_lrs"] == [R.LR / 8]
+    assert res[0]["bf16_dtypes"] == ({"torch.bfloat16"}, {"torch.float32"})
+    ref = R.reference_losses("plain", 3, 2)
+    got = R.mean_over_ranks([r["bf16"] for r in res])
+    # bf16 keeps 8 mantissa bits: the loss (~4.7) to within a few of its ulps (0.03)
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 0.05, (got, ref)
 
 
 def test_zero_init_partitions_and_gathers():

@@ -112,8 +112,13 @@ def load(engine: Any, load_dir: str, tag: str | None, load_optimizer_states: boo
         for k, v in extra.get("engine", {}).items():
             setattr(engine, k, int(v))
         if load_lr_scheduler_states:
-            for g, lr in zip(engine.optimizer.param_groups, extra.get("lrs", [])):
-                g["lr"] = lr
+            groups = list(engine.optimizer.param_groups)
+            if engine._lr_source is not None:  # a client scheduler steers these groups
+                groups += list(engine._lr_source.param_groups)
+            lrs = extra.get("lrs", [])
+            for i, g in enumerate(groups):
+                if lrs:
+                    g["lr"] = lrs[i % len(lrs)]
             state = extra.get("lr_scheduler")
             if engine.lr_scheduler is not None and state is not None:
                 engine.lr_scheduler.load_state_dict(state)

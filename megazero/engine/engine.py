@@ -58,7 +58,7 @@ class MegazeroEngine:
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._log = log
+        self.log_fn = log  # receives each steps_per_print line (rank 0)
         self._backward_done = False
         self._last_forward_eval = False
         self._step_applied = False
@@ -71,6 +71,12 @@ class MegazeroEngine:
         self._lr_source = client_optimizer if (
             lr_scheduler is not None and client_optimizer is not None
             and getattr(lr_scheduler, "optimizer", None) is client_optimizer) else None
+        self._sync_lr()
+
+    def _sync_lr(self) -> None:
+        if self._lr_source is not None:
+            for mine, theirs in zip(self.optimizer.param_groups, self._lr_source.param_groups):
+                mine["lr"] = theirs["lr"]
 
     # --- configuration queries (DeepSpeed's names) ----------------------------------------------
 
@@ -184,16 +190,14 @@ class MegazeroEngine:
         self._backward_done = False
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
-            if self._lr_source is not None:
-                for mine, theirs in zip(self.optimizer.param_groups,
-                                        self._lr_source.param_groups):
-                    mine["lr"] = theirs["lr"]
+            self._sync_lr()
             result = self.optimizer.step()
             self._last_result = result
             self._step_applied = result.updated
             if result.updated:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
+                    self._sync_lr()
             else:
                 self.skipped_steps += 1
             self.global_steps += 1
@@ -223,7 +227,7 @@ class MegazeroEngine:
             t = self._times
             line += " | " + " ".join(f"{k}={v * 1000 / every:.1f}ms" for k, v in t.items())
             self._times = dict.fromkeys(t, 0.0)
-        self._log(line)
+        self.log_fn(line)
 
     # --- checkpoints --------------------------------------------------------------------------
 
