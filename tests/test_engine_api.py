@@ -120,7 +120,7 @@ def test_zero_init_partitions_and_gathers():
     full = sum(p.numel() for p in ref.parameters())
     per_rank = sum(math.ceil(p.numel() / 2) for p in ref.parameters())
     for r in res:
-        assert r["empty"] and r["empty_after"]
+        assert r["empty"] and r["empty_after"] and r["late_empty"] and r["outside_full"]
         assert r["stored"] == per_rank and per_rank <= full / 2 + len(list(ref.parameters()))
         for n, p in ref.named_parameters():
             assert torch.equal(torch.from_numpy(r["gathered"][n]), p.detach()), n
