@@ -55,7 +55,7 @@ def test_fp16_overflow_skip_and_out_of_order_errors():
         assert "without engine.backward()" in errors["step_without_backward"]
         assert "twice without engine.step()" in errors["backward_twice"]
         assert "eval mode" in errors["backward_in_eval"]
-        assert "forward ran in eval mode" in errors["eval_forward_then_backward"]
+        assert "forward that ran in eval mode" in errors["eval_forward_then_backward"]
         assert r["recovered_steps"] == 1
         cfg = r["cfg_errors"]
         if r is res[0]:  # steps_per_print 1: rank 0 logs every step (with wall_clock_breakdown)

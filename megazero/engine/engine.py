@@ -62,7 +62,7 @@ class MegazeroEngine:
         self._backward_done = False
         self._last_forward_eval = False
         self._step_applied = False
-        self._loss_sum = 0.0
+        self._loss_sum: Any = 0.0  # a tensor once losses arrive: read only when a line is printed
         self._loss_count = 0
         self._last_result: Any = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -157,8 +157,9 @@ class MegazeroEngine:
             raise EngineStateError("engine.backward() called in eval mode; call engine.train() "
                                    "before training steps (engine.eval() is for evaluation)")
         if self._last_forward_eval:
-            raise EngineStateError("engine.backward() on a loss whose forward ran in eval mode; "
-                                   "call engine.train() before the forward of a training step")
+            raise EngineStateError("engine.backward() after a forward that ran in eval mode (the "
+                                   "last engine forward); call engine.train() before the "
+                                   "forward of a training step")
         if self._backward_done:
             raise EngineStateError(
                 "engine.backward() called twice without engine.step() between; call "
@@ -178,7 +179,7 @@ class MegazeroEngine:
         with nullcontext() if sync else self.optimizer.no_sync():
             self.optimizer.scale_loss(scaled).backward(retain_graph=retain_graph)
         self._backward_done = True
-        self._loss_sum += float(loss.detach().float())
+        self._loss_sum = self._loss_sum + loss.detach().float()
         self._loss_count += 1
         self._times["backward"] += time.perf_counter() - t0
         return loss
@@ -214,10 +215,11 @@ class MegazeroEngine:
 
     def _report(self) -> None:
         every = self.steps_per_print()
-        loss = self._loss_sum / max(1, self._loss_count)
+        total, count = self._loss_sum, max(1, self._loss_count)
         self._loss_sum, self._loss_count = 0.0, 0
         if not every or self.global_steps % every or self.global_rank != 0:
             return
+        loss = float(total) / count
         r = self._last_result
         lr = ", ".join(f"{x:.4e}" for x in self.get_lr())
         line = (f"[megazero] step={self.global_steps} samples={self.global_samples} lr=[{lr}] "
