@@ -11,8 +11,11 @@ import math
 import pytest
 import torch
 
-from megazero.testing.distributed import run_distributed
+from megazero.testing.distributed import preload, run_distributed
 from tests import engine_runs as R
+
+# Every rank builds a Hugging Face model: import transformers once, in the forkserver.
+preload("transformers", "transformers.models.gpt2.modeling_gpt2")
 
 CASES = [(0, False), (1, False), (2, False), (3, False), (2, True)]  # (stage, offload cpu)
 STEPS = 3
