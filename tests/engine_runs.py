@@ -391,6 +391,27 @@ def init_world(rank: int, world: int) -> dict:
     out["late_empty"] = late.w.numel() == 0 and late.w.mz_shard.tolist() == (
         [0.0, 1.0, 2.0] if rank == 0 else [3.0, 4.0, 0.0])
     out["outside_full"] = nn.Linear(3, 3).weight.numel() == 9  # the patches are undone
+
+    class Stack(nn.Module):
+        """Records how many parameter elements are held in full after each layer is built."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList()
+            self.live = []
+            for _ in range(4):
+                self.layers.append(nn.Linear(16, 16))
+                self.live.append(sum(p.data.numel() for p in self.parameters()))
+
+    with Init():
+        stack = Stack()
+    out["stack_live"] = stack.live
+    # an Init-built model at stage 1: initialize gathers it whole (stages 0-2 hold full weights)
+    torch.manual_seed(0)
+    with Init():
+        model1 = TinyLM()
+    engine1, _, _, _ = megazero.initialize(model=model1, config=ds_config(1))
+    out["stage1_full"] = {n: p.detach().numpy().copy() for n, p in model1.named_parameters()}
     with GatheredParameters(params):
         out["gathered"] = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     out["empty_after"] = all(p.data.numel() == 0 for p in params)

@@ -125,8 +125,10 @@ def test_zero_init_partitions_and_gathers():
     for r in res:
         assert r["empty"] and r["empty_after"] and r["late_empty"] and r["outside_full"]
         assert r["stored"] == per_rank and per_rank <= full / 2 + len(list(ref.parameters()))
+        assert r["stack_live"] == [0, 0, 0, 0]  # each layer is cut as soon as it is built
         for n, p in ref.named_parameters():
             assert torch.equal(torch.from_numpy(r["gathered"][n]), p.detach()), n
+            assert torch.equal(torch.from_numpy(r["stage1_full"][n]), p.detach()), n
         assert torch.equal(torch.from_numpy(r["bias_after"]), torch.ones_like(ref.head.bias))
         assert torch.equal(torch.from_numpy(r["full"]["head.bias"]),
                            torch.full_like(ref.head.bias, 0.25))
