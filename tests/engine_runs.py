@@ -70,8 +70,10 @@ def lr_at(step: int) -> float:
 def ds_config(stage: int, offload: bool = False, **extra) -> dict:
     # small buckets: several per step; units under 200 elements (biases, norms) stay whole,
     # the matrices are partitioned (fewer tiny collectives: the CPU suite is latency-bound)
+    # stage 3 releases every unit after its forward (reuse distance 0): a parameter used outside
+    # its module (GPT-2's tied embedding) must be gathered for it
     zero = {"stage": stage, "reduce_bucket_size": 4000, "allgather_bucket_size": 4000,
-            "stage3_param_persistence_threshold": 200}
+            "stage3_param_persistence_threshold": 200, "stage3_max_reuse_distance": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
