@@ -164,6 +164,15 @@ def client_and_bf16_world(rank: int, world: int) -> dict:
     out["bf16_dtypes"] = ({str(p.dtype) for p in model.parameters()},
                           {str(pc.master.dtype) for pc in zero.masters.pieces})
     out["bf16"] = train_steps(engine, "plain", data, 0, 3, rank)
+    from megazero.zero import GatheredParameters
+
+    # stage 2 holds full weights: no gather, but rank 0's change reaches every rank and the
+    # fp32 masters (which would otherwise overwrite it at the next step)
+    with GatheredParameters([model.head.bias], modifier_rank=0):
+        model.head.bias.data.fill_(0.5 if rank == 0 else -1.0)
+    out["bf16_modified"] = (model.head.bias.float().unique().tolist(),
+                            sorted({v for pc in zero.masters.pieces if pc.param is model.head.bias
+                                    for v in pc.master.unique().tolist()}))
     return out
 
 

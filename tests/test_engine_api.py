@@ -111,6 +111,10 @@ def test_client_optimizer_scheduler_and_bf16():
     assert res[0]["client_lrs"] == [R.LR / 4, R.LR / 4]  # LambdaLR 1 / (s + 1) after 3 steps
     assert res[0]["callable_lrs"] == [R.LR / 8]
     assert res[0]["bf16_dtypes"] == ({"torch.bfloat16"}, {"torch.float32"})
+    for r in res:  # GatheredParameters(modifier_rank=0) at stage 2: weights and fp32 masters
+        assert r["bf16_modified"][0] == [0.5]
+        assert r["bf16_modified"][1] in ([0.5], [])  # [] where this rank owns no master piece
+    assert any(r["bf16_modified"][1] == [0.5] for r in res)
     ref = R.reference_losses("plain", 3, 2)
     got = R.mean_over_ranks([r["bf16"] for r in res])
     # bf16 keeps 8 mantissa bits: the loss (~4.7) to within a few of its ulps (0.03)
