@@ -13,6 +13,7 @@ import torch
 
 from megazero.testing.distributed import preload, run_distributed
 from tests import engine_runs as R
+from tests import engine_state_runs as S
 
 # Every rank builds a Hugging Face model: import transformers once, in the forkserver.
 preload("transformers", "transformers.models.gpt2.modeling_gpt2")
@@ -44,7 +45,7 @@ def test_loop_matches_one_process_adamw(world):
 
 
 def test_fp16_overflow_skip_and_out_of_order_errors():
-    res = run_distributed(R.fp16_and_errors_world, 2, timeout=180)
+    res = run_distributed(S.fp16_and_errors_world, 2, timeout=180)
     for r in res:
         assert r["applied0"] and r["scale0"] == 256.0
         # rank 1 alone saw inf: every rank skips, the scale halves, nothing moves
@@ -80,7 +81,7 @@ def test_checkpoint_resume_and_reshard(tmp_path):
     """save/load with client_state resumes exactly at the same layout; loaded at dp 4 and ZeRO 3
     (saved at dp 2, ZeRO 1) it continues with the same losses to rounding."""
     root = str(tmp_path / "ckpt")
-    saved = run_distributed(R.checkpoint_world, 2, root, "save", timeout=180)
+    saved = run_distributed(S.checkpoint_world, 2, root, "save", timeout=180)
     rest = R.mean_over_ranks([r["rest"] for r in saved])
     for r in saved:
         assert r["client"]["step"] == 2 and r["client"]["note"] == "two"
@@ -91,7 +92,7 @@ def test_checkpoint_resume_and_reshard(tmp_path):
         assert r["latest_client"] == {"step": 4} and r["latest_steps"] == 4
     assert R.mean_over_ranks([r["resumed"] for r in saved]) == rest  # bitwise at same layout
     assert open(f"{root}/latest").read() == "step4"
-    moved = run_distributed(R.checkpoint_world, 4, root, "reshard", timeout=180)
+    moved = run_distributed(S.checkpoint_world, 4, root, "reshard", timeout=180)
     got = R.mean_over_ranks([r["resumed"] for r in moved])
     assert max(abs(a - b) for a, b in zip(got, rest)) < TOL, (got, rest)
     assert moved[0]["client"]["step"] == 2 and moved[0]["resumed_lr4"] == saved[0]["lr4"]
@@ -122,7 +123,7 @@ def test_client_optimizer_scheduler_and_bf16():
 
 
 def test_zero_init_partitions_and_gathers():
-    res = run_distributed(R.init_world, 2, timeout=180)
+    res = run_distributed(S.init_world, 2, timeout=180)
     ref = R.build("plain")
     full = sum(p.numel() for p in ref.parameters())
     per_rank = sum(math.ceil(p.numel() / 2) for p in ref.parameters())
