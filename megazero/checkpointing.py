@@ -189,7 +189,9 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
     else:
         weights = {id(i.param): i.param.detach() for i in infos}
     shapes = {k: v.shape for k, v in weights.items()}
-    optim = optimizer_state_per_param(engine, infos, shapes) if engine is not None else None
+    # frozen parameters (requires_grad False) have weights but no optimizer state
+    optim = optimizer_state_per_param(engine, [i for i in infos if i.param.requires_grad],
+                                      shapes) if engine is not None else None
     writes_pair = c.dp == 0
     mine = [i for i in infos if i.dim is not None or c.tp == 0]
     index: dict[str, Any] = {}
@@ -204,14 +206,15 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
         pair = _pair_dir(c.tp, c.pp)
         put({i.name: weights[id(i.param)].clone() for i in mine}, f"{pair}/model.pt")
         if optim is not None:
-            put({i.name: optim[id(i.param)] for i in mine}, f"{pair}/optim.pt")
+            put({i.name: optim[id(i.param)] for i in mine if id(i.param) in optim},
+                f"{pair}/optim.pt")
         for i in mine:
             index[i.name] = {"shape": i.global_shape(tuple(shapes[id(i.param)]), topo.tp_size),
                              "dim": i.dim, "stride": i.stride,
                              "tp": topo.tp_size if i.dim is not None else 1,
                              "vocab": i.vocab, "dtype": str(weights[id(i.param)].dtype),
                              "tp_rank": c.tp if i.dim is not None else 0, "dir": pair,
-                             "optim": optim is not None}
+                             "optim": optim is not None and id(i.param) in optim}
     opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
     put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
         f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
@@ -389,7 +392,7 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
             raise CheckpointError(f"checkpoint {directory}: tensor {i.name} has shape {have}, "
                                   f"this model's is {want}")
         weights[id(i.param)] = reader.local(i.name, "weight", i, local, c.tp, topo.tp_size)
-        if load_optim and engine is not None:
+        if load_optim and engine is not None and i.param.requires_grad:
             if not meta["tensors"][i.name].get("optim"):
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for "
                                       f"{i.name}; load with --no-load-optim")

@@ -132,12 +132,15 @@ def checkpoint_world(rank: int, world: int, root: str, phase: str) -> dict:
                     gradient_accumulation_steps=gas, train_batch_size=8)
     out: dict = {}
 
-    def fresh():
-        m = build("plain", seed=5)  # another init: loading must overwrite every weight
+    def fresh(seed: int):
+        m = build("plain", seed=seed)  # the loading runs start from another init
+        with torch.no_grad():
+            m.norm.weight.normal_(1.0, 0.2)
+        m.norm.requires_grad_(False)  # frozen: saved and loaded, no optimizer state
         return megazero.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
 
     if phase == "save":
-        engine = fresh()
+        engine = fresh(5)
         out["first"] = train_steps(engine, "plain", data, 0, 2, rank, micro, gas)
         from megazero.engine.checkpoint import ClientStateError
 
@@ -150,17 +153,17 @@ def checkpoint_world(rank: int, world: int, root: str, phase: str) -> dict:
         out["rest"] = train_steps(engine, "plain", data, 2, 2, rank, micro, gas)
         out["lr4"] = engine.get_lr()
         engine.save_checkpoint(root, tag="step4", client_state={"step": 4})
-        engine = fresh()
+        engine = fresh(7)
         path, client = engine.load_checkpoint(root, tag="step2")
         out["path"], out["client"] = path, {**client, "t": client["t"].tolist()}
         out["counters"] = (engine.global_steps, engine.global_samples, engine.micro_steps)
         out["resumed"] = train_steps(engine, "plain", data, 2, 2, rank, micro, gas)
         out["resumed_lr4"] = engine.get_lr()
-        engine = fresh()
+        engine = fresh(7)
         _, latest = engine.load_checkpoint(root)
         out["latest_client"], out["latest_steps"] = latest, engine.global_steps
     else:
-        engine = fresh()
+        engine = fresh(7)
         _, client = engine.load_checkpoint(root, tag="step2")
         out["client"] = {**client, "t": client["t"].tolist()}
         out["resumed"] = train_steps(engine, "plain", data, 2, 2, rank, micro, gas)
