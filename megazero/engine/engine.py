@@ -235,19 +235,30 @@ class MegazeroEngine:
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Collective. Portable: loads at any data-parallel size and ZeRO stage."""
         from megazero.engine.checkpoint import save
 
+        if exclude_frozen_parameters:
+            raise MegazeroError("save_checkpoint(exclude_frozen_parameters=True) is not "
+                                "supported: frozen weights are always saved (without "
+                                "optimizer state); leave it False")
         return save(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, Any]:
+                        load_module_only: bool = False, custom_load_fn: Any = None,
+                        ) -> tuple[str | None, Any]:
         """Collective. ``tag=None`` loads the one ``load_dir/latest`` names; returns
-        ``(path, client_state)``, or ``(None, None)`` when there is no checkpoint."""
+        ``(path, client_state)``, or ``(None, None)`` when there is no checkpoint. Every
+        parameter must be in the checkpoint whatever ``load_module_strict`` says.
+        ``load_optimizer_states=False`` keeps the loaded weights as the fp32 masters with fresh
+        Adam moments; ``load_module_only=True`` also keeps this engine's step counters."""
         from megazero.engine.checkpoint import load
 
+        if custom_load_fn is not None:
+            raise MegazeroError("load_checkpoint(custom_load_fn=...) is not supported; load "
+                                "the weights with GatheredParameters(modifier_rank=0) instead")
         return load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                     load_module_only)
