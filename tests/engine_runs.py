@@ -217,6 +217,10 @@ def equivalence_world(rank: int, world: int, kinds: tuple[str, ...], cases: list
     for kind in kinds:
         for stage, offload in cases:
             model = build(kind)
+            if rank:  # other ranks start elsewhere: initialize takes rank 0's weights
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)
             engine, opt, _, sched = megazero.initialize(
                 model=model, model_parameters=model.parameters(),
                 config=ds_config(stage, offload))

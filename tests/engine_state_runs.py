@@ -178,7 +178,7 @@ def init_world(rank: int, world: int) -> dict:
     from megazero.zero import GatheredParameters, Init
 
     out: dict = {}
-    torch.manual_seed(0)
+    torch.manual_seed(rank)  # seeded per rank: the partitioned values are rank 0's
     with Init():
         model = TinyLM()
     params = list(model.parameters())

@@ -100,9 +100,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     device, local_rank = _device()
     topo = ParallelTopology.build(tp=1, pp=1)
     model.to(device)
-    for p in model.parameters():  # shards of a model built inside zero.Init
-        if getattr(p, "mz_shard", None) is not None:
+    for p in model.parameters():
+        if getattr(p, "mz_shard", None) is not None:  # shards of a model built in zero.Init
             p.mz_shard = p.mz_shard.to(device)
+        elif topo.dp_size > 1:  # every rank starts from rank 0's weights, however seeded
+            dist.broadcast(p.data, src=0)
     if cfg.zero.stage == 3:
         _mark_shared(model)
     else:

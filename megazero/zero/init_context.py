@@ -4,7 +4,8 @@
 model: each ``nn.Module`` subclass's ``__init__`` is wrapped while the context is open, and when
 the *outermost* ``__init__`` of a module returns (its own initialisation, ``reset_parameters``
 included, has run) the parameters it owns directly are cut into ``dp`` equal flat shards; this
-rank keeps its shard (``param.mz_shard``) and ``param.data`` becomes an empty tensor. The peak is
+rank keeps its shard (``param.mz_shard``) of the first rank's values (broadcast, so ranks seeded
+differently agree) and ``param.data`` becomes an empty tensor. The peak is
 one module's own parameters in full, never the model. The weights are therefore exactly those of
 the same model built outside the context from the same seed: each module initialises its full
 tensors before they are cut, and cutting draws no random numbers. Initialisation that runs later
@@ -49,11 +50,16 @@ def is_partitioned(p: torch.Tensor) -> bool:
 
 def partition_param(p: nn.Parameter, group: Any, device: torch.device | None,
                     dtype: torch.dtype | None) -> None:
-    """Keep this rank's 1/dp flat shard of ``p`` and empty ``p.data``."""
+    """Keep this rank's 1/dp flat shard of ``p`` and empty ``p.data``. The values are the
+    group's first rank's (broadcast first), so ranks seeded differently still agree."""
     size, rank = _group_info(group)
     data = p.data
     if dtype is not None and data.is_floating_point():
         data = data.to(dtype)
+    if size > 1:
+        data = data.contiguous()
+        dist.broadcast(data, src=dist.get_global_rank(group or dist.group.WORLD, 0),
+                       group=group)
     n = data.numel()
     per = -(-n // size)
     flat = data.reshape(-1)
