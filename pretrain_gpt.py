@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except expected_errors() as e:
         return report_error(e, PROG)
 
-    from megazero.initialize import destroy
+    from megazero.dist_init import destroy
     from megazero.training import pretrain
 
     try:

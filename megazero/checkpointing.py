@@ -12,6 +12,12 @@
     SAVE/iter_0000010/mp_rank_TT_PPP_DDD/optim_rng.pt
                                                each rank's RNG states (and the state of an
                                                optimizer that is not the ZeRO engine)
+    SAVE/iter_0000010/extra_state.pt           optional: the caller's own state (the
+                                               DeepSpeed-style engine's counters and
+                                               ``client_state``), written by rank 0
+
+With ``tag`` (the DeepSpeed-style engine) the directory is ``SAVE/<tag>`` and the tracker is
+``SAVE/latest`` holding the tag, as DeepSpeed lays them out; the files inside are the same.
 
 **Portable.** Every tensor is saved under its global name (its key in the tp=1, pp=1 model)
 with the index recording its global shape (vocabulary padding stripped), TP split dim and
@@ -65,6 +71,7 @@ from megazero.checkpoint.files import (
 from megazero.checkpoint.reader import (
     FORMAT,
     MARKER,
+    TAG_TRACKER,
     TRACKER,
     VERSION,
     ShardReader,
@@ -72,6 +79,7 @@ from megazero.checkpoint.reader import (
     read_global_tensors,
     read_json,
     read_meta,
+    read_meta_at,
     read_model_state,
     read_tracker,
 )
@@ -100,6 +108,7 @@ class LoadResult:
     consumed_samples: int
     path: str
     notes: list[str] = field(default_factory=list)  # what was not restored, and why
+    extra_state: Any = None  # what the saver passed as ``extra_state`` (None if nothing)
 
 
 def _pair_dir(tp: int, pp: int) -> str:
@@ -157,7 +166,7 @@ def _remove_debris(root: str, directory: str) -> None:
     """Temporaries of earlier crashed saves: in this iteration's directory and the tracker's."""
     remove_stale_tmp(directory)
     for name in os.listdir(root):
-        if name.startswith(TRACKER + ".tmp."):
+        if name.startswith((TRACKER + ".tmp.", TAG_TRACKER + ".tmp.")):
             os.remove(os.path.join(root, name))
 
 
@@ -168,11 +177,16 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
                     zero_stage: int = 0, rng_tracker: Any = None,
                     barrier: Callable[[], None] = _barrier,
                     gather: Callable[[Any], list[Any]] = _gather,
-                    writer: Writer | None = None) -> str:
-    """Collective: every rank calls it. Returns the iteration directory."""
+                    writer: Writer | None = None, tag: str | None = None,
+                    extra_state: Any = None) -> str:
+    """Collective: every rank calls it. Returns the iteration directory.
+
+    ``tag``: save under ``root/<tag>`` and point ``root/latest`` at it (DeepSpeed's layout)
+    instead of ``iter_<iteration>`` and the iteration tracker. ``extra_state``: rank 0's
+    tensors / numbers / strings / lists / dicts, saved beside (loadable with weights_only)."""
     w = writer if writer is not None else Writer()
     c = topo.coord
-    directory = iteration_dir(root, iteration)
+    directory = os.path.join(root, tag) if tag is not None else iteration_dir(root, iteration)
     engine = optimizer if _is_engine(optimizer) else None
     infos = [i for i in param_infos(list(models), c.pp, topo.pp_size) if not i.duplicate]
     if engine is not None and engine.zero.stage == 3:
@@ -181,7 +195,9 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
     else:
         weights = {id(i.param): i.param.detach() for i in infos}
     shapes = {k: v.shape for k, v in weights.items()}
-    optim = optimizer_state_per_param(engine, infos, shapes) if engine is not None else None
+    # frozen parameters (requires_grad False) have weights but no optimizer state
+    optim = optimizer_state_per_param(engine, [i for i in infos if i.param.requires_grad],
+                                      shapes) if engine is not None else None
     writes_pair = c.dp == 0
     mine = [i for i in infos if i.dim is not None or c.tp == 0]
     index: dict[str, Any] = {}
@@ -196,17 +212,20 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
         pair = _pair_dir(c.tp, c.pp)
         put({i.name: weights[id(i.param)].clone() for i in mine}, f"{pair}/model.pt")
         if optim is not None:
-            put({i.name: optim[id(i.param)] for i in mine}, f"{pair}/optim.pt")
+            put({i.name: optim[id(i.param)] for i in mine if id(i.param) in optim},
+                f"{pair}/optim.pt")
         for i in mine:
             index[i.name] = {"shape": i.global_shape(tuple(shapes[id(i.param)]), topo.tp_size),
                              "dim": i.dim, "stride": i.stride,
                              "tp": topo.tp_size if i.dim is not None else 1,
                              "vocab": i.vocab, "dtype": str(weights[id(i.param)].dtype),
                              "tp_rank": c.tp if i.dim is not None else 0, "dir": pair,
-                             "optim": optim is not None}
+                             "optim": optim is not None and id(i.param) in optim}
     opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
     put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
         f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
+    if extra_state is not None and topo.rank == 0:
+        put(extra_state, "extra_state.pt")
     barrier()  # every shard is on disk before the checkpoint is declared complete
     gathered = gather((index, files))
     if topo.rank == 0:
@@ -230,7 +249,10 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
                 "has_optimizer": optimizer is not None, "opaque_optimizer": opaque is not None,
                 "tensors": tensors, "files": all_files}
         w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
-        w.text(str(iteration), os.path.join(root, TRACKER))
+        if tag is not None:
+            w.text(tag, os.path.join(root, TAG_TRACKER))
+        else:
+            w.text(str(iteration), os.path.join(root, TRACKER))
         _remove_debris(root, directory)
     barrier()
     return directory
@@ -310,18 +332,20 @@ def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], 
                     scheduler: Any, zero_stage: int = 0, rng_tracker: Any = None,
                     no_load_optim: bool = False, no_load_rng: bool = False,
                     finetune: bool = False, iteration: int | None = None, config: Any = None,
-                    gather: Callable[[Any], list[Any]] = _gather) -> LoadResult | None:
+                    gather: Callable[[Any], list[Any]] = _gather,
+                    tag: str | None = None) -> LoadResult | None:
     """Restore the newest complete checkpoint under ``root`` (or ``iteration``), at any layout.
 
     Returns ``None`` when ``root`` holds no checkpoint (a fresh start, as in Megatron).
     ``finetune`` loads the weights only and restarts at iteration 0. Collective: every rank
     reads what it needs, then all ranks agree it worked before any state is changed.
+    ``tag``: load ``root/<tag>`` (a checkpoint saved with ``tag``) instead of an iteration.
     """
     plan: dict[str, Any] | None = None
     error = None
     try:
         plan = _plan(root, topo, list(models), optimizer, zero_stage, rng_tracker,
-                     no_load_optim, no_load_rng, finetune, iteration, config)
+                     no_load_optim, no_load_rng, finetune, iteration, config, tag)
     except CheckpointError as e:
         error = str(e)
     errors = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
@@ -334,12 +358,21 @@ def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], 
 
 
 def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim, no_load_rng,
-          finetune, iteration, config) -> dict[str, Any]:
+          finetune, iteration, config, tag=None) -> dict[str, Any]:
     """Phase 1, no collectives: read and check everything this rank needs."""
-    found = read_meta(root, iteration)
-    if found is None:
-        return {"found": False}
-    iteration, directory, meta = found
+    if tag is not None:
+        directory = os.path.join(root, tag)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"checkpoint tag {tag!r} not found: {directory} does not "
+                                  "exist; pass an existing tag, or tag=None for the one "
+                                  f"{os.path.join(root, TAG_TRACKER)} names")
+        meta = read_meta_at(directory, f"tag {tag!r}")
+        iteration = int(meta["iteration"])
+    else:
+        found = read_meta(root, iteration)
+        if found is None:
+            return {"found": False}
+        iteration, directory, meta = found
     saved_cfg = read_json(os.path.join(directory, "config.json"))
     now_cfg = config_dict(config) if config is not None else None
     diff = _config_difference(saved_cfg, now_cfg)
@@ -382,7 +415,7 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
             raise CheckpointError(f"checkpoint {directory}: tensor {i.name} has shape {have}, "
                                   f"this model's is {want}")
         weights[id(i.param)] = reader.local(i.name, "weight", i, local, c.tp, topo.tp_size)
-        if load_optim and engine is not None:
+        if load_optim and engine is not None and i.param.requires_grad:
             if not meta["tensors"][i.name].get("optim"):
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for "
                                       f"{i.name}; load with --no-load-optim")
@@ -414,7 +447,9 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
             scaler_state = None
             notes.append("the checkpoint was not trained with --fp16: the loss scaler starts "
                          "from the configured initial scale")
+    extra = reader.file("extra_state.pt") if "extra_state.pt" in meta["files"] else None
     return {"found": True, "iteration": iteration, "directory": directory, "meta": meta,
+            "extra": extra,
             "finetune": finetune, "load_optim": load_optim, "weights": weights,
             "states": states, "rank_file": rank_file, "rng": rng,
             "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes}
@@ -438,7 +473,7 @@ def _apply(plan, models, optimizer, scheduler, rng_tracker) -> LoadResult:
             engine.sync_masters_from_model()
     meta, directory = plan["meta"], plan["directory"]
     if plan["finetune"]:
-        return LoadResult(0, 0, directory, plan["notes"])
+        return LoadResult(0, 0, directory, plan["notes"], plan["extra"])
     if plan["load_optim"]:
         if engine is not None:
             engine.load_param_states(plan["states"])
@@ -451,4 +486,4 @@ def _apply(plan, models, optimizer, scheduler, rng_tracker) -> LoadResult:
     if plan["rng"] is not None:
         set_rng_state(plan["rng"], rng_tracker)
     return LoadResult(int(meta["iteration"]), int(meta["consumed_samples"]), directory,
-                      plan["notes"])
+                      plan["notes"], plan["extra"])

@@ -328,7 +328,7 @@ class TrainConfig:
     eval_iters: int = 10
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
-    deterministic_mode: bool = False  # bitwise-reproducible GPU runs (see initialize.py)
+    deterministic_mode: bool = False  # bitwise-reproducible GPU runs (see dist_init.py)
     # Skip a step whose loss or gradients are NaN/inf (fp32/bf16 too, as fp16's overflow skip);
     # stop the run after this many such steps in a row (the weights themselves are then bad).
     check_for_nan_in_loss_and_grad: bool = True

@@ -37,15 +37,15 @@ import torch.distributed as dist
 
 from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
-from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
-from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes
-from megazero.flops import gpt_flops_per_iteration, peak_flops
-from megazero.initialize import (
+from megazero.dist_init import (
     DistEnv,
     enable_deterministic_mode,
     initialize_distributed,
     set_seed,
 )
+from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
+from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes
+from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
 from megazero.resume_checks import check_resume

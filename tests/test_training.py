@@ -109,7 +109,7 @@ def test_backend_choice_slurm_env_and_seeds():
 
     import numpy as np
 
-    from megazero.initialize import _from_slurm, choose_backend, set_seed
+    from megazero.dist_init import _from_slurm, choose_backend, set_seed
 
     assert choose_backend(None) == ("nccl" if torch.cuda.is_available() else "gloo")
     assert choose_backend("gloo") == "gloo"
@@ -131,7 +131,7 @@ def test_backend_choice_slurm_env_and_seeds():
 
 
 def test_more_processes_than_gpus_is_one_clear_error():
-    from megazero.initialize import check_gpus_per_node
+    from megazero.dist_init import check_gpus_per_node
 
     with pytest.raises(ConfigError, match=r"8 processes on this node but only 1 visible GPU.*"
                                           r"--nproc_per_node 1.*--distributed-backend gloo"):

@@ -81,7 +81,7 @@ def _topology():
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return ParallelTopology.single(), "cuda" if torch.cuda.is_available() else "cpu"
-    from megazero.initialize import initialize_distributed
+    from megazero.dist_init import initialize_distributed
 
     env = initialize_distributed()
     return ParallelTopology.build(tp=env.world_size), env.device

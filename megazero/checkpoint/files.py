@@ -37,7 +37,10 @@ class Writer:
     def torch(self, obj: Any, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{TMP_TAG}{os.getpid()}"
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
         self.commit(tmp, path)
 
     def text(self, text: str, path: str) -> None:

@@ -14,6 +14,7 @@ from megazero.checkpoint.files import CheckpointError, verified_load
 from megazero.checkpoint.tensors import ParamInfo, assemble, read_slice
 
 TRACKER = "latest_checkpointed_iteration.txt"
+TAG_TRACKER = "latest"  # names the newest tagged checkpoint (DeepSpeed's layout)
 MARKER = "metadata.json"
 FORMAT = "megazero-portable"
 VERSION = 2
@@ -143,14 +144,19 @@ def read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any
         if iteration is None:
             return None
     directory = iteration_dir(root, iteration)
+    return iteration, directory, read_meta_at(directory, f"iteration {iteration}")
+
+
+def read_meta_at(directory: str, what: str) -> dict[str, Any]:
+    """``metadata.json`` of one checkpoint directory (``what`` names it in errors)."""
     marker = os.path.join(directory, MARKER)
     if not os.path.isfile(marker):
         _refuse_megatron(directory)
-        raise CheckpointError(f"{directory} has no {MARKER}: the save of iteration {iteration} "
-                              "did not complete; point --load at a complete checkpoint")
+        raise CheckpointError(f"{directory} has no {MARKER}: the save of {what} did not "
+                              "complete; point --load at a complete checkpoint")
     meta = read_json(marker)
     check_format(marker, meta)
-    return iteration, directory, meta
+    return meta
 
 
 class ShardReader:

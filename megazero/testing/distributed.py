@@ -27,11 +27,24 @@ class DistributedTestError(RuntimeError):
     """A rank failed, died, or the world did not finish in time."""
 
 
+_PRELOAD = ["torch", "torch.distributed", "megazero.testing.distributed"]
+
+
+def preload(*modules: str) -> None:
+    """Have rank processes start with ``modules`` already imported (a slow import such as
+    ``transformers`` is then paid once, by the forkserver, not by every rank of every world).
+    Takes effect only before the first world of this process starts."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    if _CTX is None:
+        return
+    _CTX.set_forkserver_preload(list(_PRELOAD))
+
+
 def _context():
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "megazero.testing.distributed"])
+        ctx.set_forkserver_preload(list(_PRELOAD))
         _CTX = ctx
     return _CTX
 

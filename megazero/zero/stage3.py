@@ -46,6 +46,7 @@ from torch import nn
 
 from megazero.config import ZeroConfig
 from megazero.zero.comm import Handle
+from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan, host_empty
 from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
@@ -61,8 +62,11 @@ def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Mod
     tied = getattr(chunk, "shared_embedding_or_output_weight", None)
     tied = tied() if callable(tied) else None
     groups: list[tuple[list[nn.Parameter], nn.Module]] = []
+    seen: set[int] = set()  # a parameter registered in two modules (tied weights) goes once
     for module in chunk.modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        own = [p for p in module.parameters(recurse=False)
+               if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
         ext = [p for p in own if p is tied or getattr(p, "shared_embedding", False)
                or getattr(p, "zero_external", False)]
         rest = [p for p in own if all(p is not e for e in ext)]
@@ -115,6 +119,10 @@ class Stage3Params:
         self.padding = sum(u.padding for u in self.units)
 
     def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], nvme: bool) -> Unit:
+        for p in params:  # built inside zero.Init: gathered one unit at a time, never all
+            if is_partitioned(p):
+                p.data = gather_partitioned(p).to(self.dtype)
+                forget_partition(p)
         n = sum(p.numel() for p in params)
         kind = next((kinds[id(p)] for p in params if id(p) in kinds), None)
         u = Unit(len(self.units), params, self.dp.size, self.dp.rank,
@@ -454,6 +462,22 @@ class Stage3Params:
                     u.shard.copy_(u.full[u.own_lo:u.own_hi])
         for u in self.units:
             if u.index not in self._held_before:
+                self._release(u)
+
+    def gather_params(self, params: list[nn.Parameter]) -> list[tuple[Unit, bool]]:
+        """Gather the units holding ``params`` (for ``zero.GatheredParameters``); returns
+        what :meth:`release_params` needs: each unit and whether it was already gathered."""
+        units = {self.unit_of_param[id(p)].index: self.unit_of_param[id(p)] for p in params}
+        held = [(u, u.full is not None) for u in units.values()]
+        for u, _ in held:
+            self._ensure(u)
+        return held
+
+    def release_params(self, held: list[tuple[Unit, bool]], write_back: bool) -> None:
+        for u, was in held:
+            if write_back and not u.persistent:
+                u.shard.copy_(u.full[u.own_lo:u.own_hi])
+            if not was:
                 self._release(u)
 
     def gathered_state(self) -> dict[int, torch.Tensor]:

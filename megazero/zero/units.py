@@ -3,6 +3,7 @@ that lets a module gather its parameters again right before its backward runs.""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -74,5 +75,9 @@ def wrap_outputs(output: Any, callback: Any) -> Any:
     if isinstance(output, list):
         return [wrap_outputs(o, callback) for o in output]
     if isinstance(output, dict):
-        return {k: wrap_outputs(v, callback) for k, v in output.items()}
+        # copy, not a new dict: keeps the output's own type (Hugging Face's ModelOutput)
+        out = copy.copy(output)
+        for k, v in output.items():
+            out[k] = wrap_outputs(v, callback)
+        return out
     return output

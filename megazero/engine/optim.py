@@ -1,0 +1,126 @@
+"""The engine's optimizer and learning-rate schedule, from the JSON blocks or the caller's own.
+
+The ZeRO optimizer (:func:`megazero.zero.build_zero_optimizer`) keeps fp32 master shards and
+runs a stock torch optimizer on them. Megatron's convention, which it starts with, exempts
+biases and norm weights from weight decay; a DeepSpeed user's config applies the optimizer's
+settings to exactly the parameter groups passed in (``model_parameters``, or the client
+optimizer's ``param_groups``). :func:`regroup` rebuilds the torch optimizer over the same master
+shards with those groups, so each shard piece gets its parameter's group settings.
+
+Only Adam and AdamW run on the shards (their state is what the portable checkpoint stores per
+parameter: fp32 master, ``exp_avg``, ``exp_avg_sq``, ``step``); any other client optimizer is
+rejected with a message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from megazero.config import ConfigError, MegazeroConfig
+from megazero.engine.config import has_optimizer_block, has_scheduler_block
+from megazero.lr_scheduler import LRScheduler, build_lr_function
+from megazero.zero import ZeroOptimizer, build_zero_optimizer
+
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def _groups_from(params: Any, defaults: dict[str, Any]) -> list[dict[str, Any]]:
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        return [{**defaults, **{k: v for k, v in g.items() if k != "params"},
+                 "params": list(g["params"])} for g in items]
+    return [{**defaults, "params": items}]
+
+
+def _client_groups(client: torch.optim.Optimizer) -> tuple[type, list[dict[str, Any]]]:
+    if type(client) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ConfigError(f"optimizer {type(client).__name__} cannot run on megazero's ZeRO "
+                          "fp32 master shards; pass torch.optim.AdamW or torch.optim.Adam, or "
+                          "drop optimizer= and give an \"optimizer\" block (Adam / AdamW) in "
+                          "the config")
+    for g in client.param_groups:
+        if g.get("amsgrad") or g.get("maximize"):
+            raise ConfigError(f"{type(client).__name__}(amsgrad/maximize=True) is not "
+                              "supported by the megazero engine; leave them False")
+    groups = [{**{k: g[k] for k in _HYPER}, "params": list(g["params"])}
+              for g in client.param_groups]
+    return type(client), groups
+
+
+def _check_coverage(module: nn.Module, groups: list[dict[str, Any]]) -> None:
+    listed = {id(p) for g in groups for p in g["params"]}
+    named = {id(p): n for n, p in module.named_parameters()}
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed]
+    if missing:
+        raise ConfigError(f"model_parameters / the optimizer's groups omit {len(missing)} "
+                          f"trainable parameter(s) of the model (first: {missing[0]!r}); pass "
+                          "model.parameters(), or set requires_grad=False on frozen ones")
+    foreign = [p for g in groups for p in g["params"] if id(p) not in named]
+    if foreign:
+        raise ConfigError(f"{len(foreign)} parameter(s) given to the optimizer are not "
+                          "parameters of model=; pass the model's own parameters")
+
+
+def regroup(zero: ZeroOptimizer, cls: type, groups: list[dict[str, Any]]) -> None:
+    """Replace the ZeRO optimizer's torch optimizer by ``cls`` over the same master shards, one
+    torch group per entry of ``groups`` (the pieces of each group's parameters)."""
+    index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    masters: list[list[torch.Tensor]] = [[] for _ in groups]
+    for pc in zero.masters.pieces:
+        masters[index[id(pc.param)]].append(pc.master)
+    torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m}
+                    for g, m in zip(groups, masters)]
+    zero.masters.optimizer = cls(torch_groups, foreach=True)
+
+
+def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: Any, client: Any,
+                    model_parameters: Any) -> tuple[ZeroOptimizer, Any]:
+    """The ZeRO optimizer over ``module`` and the client optimizer it was built from (or None)."""
+    if callable(client) and not isinstance(client, torch.optim.Optimizer):
+        params = model_parameters if model_parameters is not None else module.parameters()
+        client = client(params)
+    if client is not None and has_optimizer_block(cfg):
+        raise ConfigError("an optimizer is given twice: optimizer= to megazero.initialize and "
+                          "an \"optimizer\" block in the config; keep one of them")
+    o = cfg.optimizer
+    if client is not None:
+        cls, groups = _client_groups(client)
+    elif has_optimizer_block(cfg):
+        cls = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
+        defaults = {"lr": o.lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
+                    "weight_decay": o.weight_decay}
+        groups = _groups_from(model_parameters if model_parameters is not None
+                              else module.parameters(), defaults)
+    else:
+        raise ConfigError("no optimizer: add an \"optimizer\" block to the config (e.g. "
+                          "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass "
+                          "optimizer= to megazero.initialize")
+    groups = [g for g in groups if g["params"]]
+    _check_coverage(module, groups)
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    for g in groups:
+        g["params"] = [p for p in g["params"] if id(p) in trainable]
+    zero = build_zero_optimizer(module, replace(o, optimizer="adamw"), cfg.zero, cfg.precision,
+                                topo)
+    regroup(zero, cls, groups)
+    return zero, client
+
+
+def build_scheduler(cfg: MegazeroConfig, zero: ZeroOptimizer, client_scheduler: Any) -> Any:
+    """The schedule from the JSON ``scheduler`` block, or the caller's (an object, or a
+    callable taking the torch optimizer that runs on the master shards), or None."""
+    if client_scheduler is not None and has_scheduler_block(cfg):
+        raise ConfigError("a learning-rate scheduler is given twice: lr_scheduler= to "
+                          "megazero.initialize and a \"scheduler\" block in the config; keep "
+                          "one of them")
+    if client_scheduler is not None:
+        if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+            return client_scheduler(zero.masters.optimizer)
+        return client_scheduler
+    if has_scheduler_block(cfg):
+        return LRScheduler(zero, build_lr_function(cfg.optimizer, None))
+    return None

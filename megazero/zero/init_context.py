@@ -1,0 +1,235 @@
+"""Building a model already partitioned for ZeRO stage 3, and seeing full weights on demand.
+
+``with megazero.zero.Init(): model = MyModel()`` keeps every rank from ever holding the whole
+model: each ``nn.Module`` subclass's ``__init__`` is wrapped while the context is open, and when
+the *outermost* ``__init__`` of a module returns (its own initialisation, ``reset_parameters``
+included, has run) the parameters it owns directly are cut into ``dp`` equal flat shards; this
+rank keeps its shard (``param.mz_shard``) of the first rank's values (broadcast, so ranks seeded
+differently agree) and ``param.data`` becomes an empty tensor. The peak is
+one module's own parameters in full, never the model. The weights are therefore exactly those of
+the same model built outside the context from the same seed: each module initialises its full
+tensors before they are cut, and cutting draws no random numbers. Initialisation that runs later
+on the parent (a ``post_init`` that re-initialises every submodule) sees empty tensors and does
+nothing, as with DeepSpeed's ``zero.Init``; put such code inside :class:`GatheredParameters`.
+
+Why wrap ``__init__`` rather than build on the meta device and initialise shards: an arbitrary
+user model initialises its weights with its own code (``reset_parameters``, ``post_init``), which
+only exists as code that writes full tensors; replaying it shard by shard would need per-module
+knowledge that megazero has only for its own GPT (``megazero/model/init.py``).
+
+:func:`megazero.initialize` with stage 3 turns these per-parameter shards into its per-module
+units one unit at a time (:func:`gather_partitioned`), so the full model is never materialised
+there either. ``GatheredParameters(params, modifier_rank)`` gathers full values inside the
+context and, on exit, takes ``modifier_rank``'s values (broadcast) back into the shards (and the
+engine's fp32 masters); without ``modifier_rank`` changes made inside are discarded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megazero.compat import all_gather_into_tensor
+
+
+def _group_info(group: Any) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def is_partitioned(p: torch.Tensor) -> bool:
+    """Partitioned by :class:`Init` and not yet taken over by an engine."""
+    return getattr(p, "mz_shard", None) is not None
+
+
+def partition_param(p: nn.Parameter, group: Any, device: torch.device | None,
+                    dtype: torch.dtype | None) -> None:
+    """Keep this rank's 1/dp flat shard of ``p`` and empty ``p.data``. The values are the
+    group's first rank's (broadcast first), so ranks seeded differently still agree."""
+    size, rank = _group_info(group)
+    data = p.data
+    if dtype is not None and data.is_floating_point():
+        data = data.to(dtype)
+    if size > 1:
+        data = data.contiguous()
+        dist.broadcast(data, src=dist.get_global_rank(group or dist.group.WORLD, 0),
+                       group=group)
+    n = data.numel()
+    per = -(-n // size)
+    flat = data.reshape(-1)
+    lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
+    shard = torch.zeros(per, dtype=data.dtype, device=device or data.device)
+    shard[:hi - lo].copy_(flat[lo:hi])
+    p.mz_shard, p.mz_shape, p.mz_group = shard, data.shape, group
+    p.data = torch.empty(0, dtype=data.dtype, device=data.device)
+
+
+def gather_partitioned(p: nn.Parameter) -> torch.Tensor:
+    """The full value of a partitioned parameter (collective over its group)."""
+    group, shard = p.mz_group, p.mz_shard
+    size, _ = _group_info(group)
+    if size == 1:
+        full = shard
+    else:
+        full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
+        all_gather_into_tensor(full, shard.contiguous(), group=group)
+    n = torch.Size(p.mz_shape).numel()
+    return full[:n].view(p.mz_shape).clone()
+
+
+def forget_partition(p: nn.Parameter) -> None:
+    """Drop the :class:`Init` shard once an engine owns the parameter."""
+    for name in ("mz_shard", "mz_shape", "mz_group"):
+        if hasattr(p, name):
+            delattr(p, name)
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    out: set[type] = set()
+    todo = [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.add(sub)
+                todo.append(sub)
+    return out
+
+
+class Init:
+    """Context manager: modules created inside have their parameters partitioned over
+    ``data_parallel_group`` (default: the whole world). ``dtype`` casts floating parameters;
+    ``remote_device="cpu"`` keeps the shards in host memory. ``enabled=False`` does nothing."""
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 remote_device: str | None = None, dtype: torch.dtype | None = None,
+                 enabled: bool = True, config_dict_or_path: Any = None, **_: Any) -> None:
+        self.group = data_parallel_group
+        self.device = torch.device(remote_device) if remote_device not in (None, "none") \
+            else None
+        self.dtype = dtype
+        self.enabled = enabled
+        self._patched: dict[type, Any] = {}
+        self._depth: dict[int, int] = {}
+        self._old_init_subclass: Any = None
+        if module is not None and enabled:
+            self._partition_tree(module)
+
+    def _partition_own(self, module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            if not is_partitioned(p):
+                partition_param(p, self.group, self.device, self.dtype)
+
+    def _partition_tree(self, module: nn.Module) -> None:
+        for m in module.modules():
+            self._partition_own(m)
+
+    def _wrap(self, cls: type) -> None:
+        if "__init__" not in cls.__dict__ or cls in self._patched:
+            return
+        orig = cls.__dict__["__init__"]
+        ctx = self
+
+        @functools.wraps(orig)
+        def init(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            key = id(module)
+            ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                ctx._depth[key] -= 1
+            if ctx._depth[key] == 0:
+                del ctx._depth[key]
+                ctx._partition_own(module)
+
+        self._patched[cls] = orig
+        cls.__init__ = init
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        for cls in _all_subclasses(nn.Module):
+            self._wrap(cls)
+        self._old_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        ctx = self
+
+        def init_subclass(cls: type, **kwargs: Any) -> None:  # classes defined inside
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            ctx._wrap(cls)
+
+        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        for cls, orig in self._patched.items():
+            cls.__init__ = orig
+        self._patched.clear()
+        if self._old_init_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._old_init_subclass
+
+
+class GatheredParameters:
+    """Inside, each of ``params`` holds its full value, whether it is partitioned by
+    :class:`Init` or by a stage-3 engine (a no-op for unpartitioned parameters). On exit with
+    ``modifier_rank`` set, that rank's values are broadcast and written back into every rank's
+    shard (and the engine's fp32 masters); otherwise changes made inside are discarded."""
+
+    def __init__(self, params: nn.Parameter | Iterable[nn.Parameter],
+                 modifier_rank: int | None = None, fwd_module: Any = None,
+                 enabled: bool = True) -> None:
+        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._units: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.enabled:
+            return self
+        for p in self.params:
+            if is_partitioned(p):
+                p.data = gather_partitioned(p)
+        by_store: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+        for p in self.params:
+            store = getattr(p, "mz_stage3_store", None)
+            if store is not None:
+                by_store.setdefault(id(store), (store, []))[1].append(p)
+        for store, ps in by_store.values():
+            self._units.append((store, store.gather_params(ps)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        modify = self.modifier_rank is not None
+        if modify and dist.is_available() and dist.is_initialized():
+            for p in self.params:
+                group = getattr(p, "mz_group", None)
+                if group is None and getattr(p, "mz_engine", None) is not None:
+                    group = p.mz_engine.comms.dp.group
+                dist.broadcast(p.data, src=self.modifier_rank, group=group)
+        for p in self.params:
+            if is_partitioned(p):
+                if modify:
+                    _, rank = _group_info(p.mz_group)
+                    per = p.mz_shard.numel()
+                    flat = p.data.reshape(-1)
+                    lo, hi = min(flat.numel(), rank * per), min(flat.numel(), (rank + 1) * per)
+                    p.mz_shard[:hi - lo].copy_(flat[lo:hi])
+                p.data = torch.empty(0, dtype=p.mz_shard.dtype, device=p.data.device)
+        for store, held in self._units:
+            store.release_params(held, write_back=modify)
+        self._units = []
+        if modify:
+            engines = {id(e): e for p in self.params
+                       if (e := getattr(p, "mz_engine", None)) is not None}
+            for e in engines.values():
+                e.sync_masters_from_model()
