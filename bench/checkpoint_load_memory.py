@@ -5,7 +5,9 @@ and into tp2 ZeRO-1 (same layout), and reports per rank: its shard (the bytes of
 fp32 optimizer state it holds after the load, from the engine's memory report; Adam's moments
 exist only once loaded) and the rise of its peak RSS during ``load_checkpoint`` (``ru_maxrss``;
 the build before it has already set a high-water mark, so the rise is what loading needs beyond
-that; pages of the mmap-read checkpoint files count while resident).
+that; pages of the mmap-read checkpoint files count while resident), and the rise of the peak
+*anonymous* resident memory (``RssAnon``, sampled every millisecond by a thread: the memory the
+load allocates, without the file pages the kernel can drop at will).
 Run: ``python bench/checkpoint_load_memory.py``; writes bench/results/checkpoint_load_memory.json.
 """
 
@@ -16,6 +18,7 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,6 +26,34 @@ MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32
          "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
          "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1000"]
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class AnonPeak:
+    """Peak ``RssAnon`` while the ``with`` block runs (sampled every millisecond)."""
+
+    def __enter__(self) -> AnonPeak:
+        self.start = self.peak = _rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss_anon())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_anon())
 
 
 def _rank(rank, world, tmp, layout, save):
@@ -41,13 +72,15 @@ def _rank(rank, world, tmp, layout, save):
     run = setup(load_config([*MODEL, *layout, "--train-iters", "1"], world))
     run.monitor.close()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    load_checkpoint(tmp, run.topo, models=run.chunks, optimizer=run.engine,
-                    scheduler=run.scheduler, zero_stage=run.cfg.zero.stage,
-                    rng_tracker=ChunkTrackers(run.chunks))
+    with AnonPeak() as anon:
+        load_checkpoint(tmp, run.topo, models=run.chunks, optimizer=run.engine,
+                        scheduler=run.scheduler, zero_stage=run.cfg.zero.stage,
+                        rng_tracker=ChunkTrackers(run.chunks))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rep = run.engine.memory_report()["bytes"]
     held = sum(sum(rep[k].values()) for k in ("params", "optimizer"))
-    return {"shard_bytes": held, "report": rep, "peak_rise_bytes": after - before}
+    return {"shard_bytes": held, "report": rep, "peak_rise_bytes": after - before,
+            "anon_peak_rise_bytes": anon.peak - anon.start}
 
 
 def main() -> None:
@@ -60,7 +93,7 @@ def main() -> None:
     print(f"checkpoint on disk: {total / 2**20:.1f} MiB")
     results: dict = {"checkpoint_bytes": total, "layouts": {}}
     print(f"{'load at':18s} {'rank':>4s} {'shard MiB':>10s} {'peak RSS rise MiB':>18s} "
-          f"{'rise / shard':>12s}")
+          f"{'rise / shard':>12s} {'anon rise MiB':>13s} {'anon / shard':>12s}")
     for name, layout in [("tp2 zero1 (same)", ["--tensor-model-parallel-size", "2",
                                                "--zero-stage", "1"]),
                          ("dp2 zero1", ["--zero-stage", "1"]),
@@ -72,7 +105,9 @@ def main() -> None:
         for r, o in enumerate(out):
             print(f"{name:18s} {r:4d} {o['shard_bytes'] / 2**20:10.1f} "
                   f"{o['peak_rise_bytes'] / 2**20:18.1f} "
-                  f"{o['peak_rise_bytes'] / o['shard_bytes']:12.2f}")
+                  f"{o['peak_rise_bytes'] / o['shard_bytes']:12.2f} "
+                  f"{o['anon_peak_rise_bytes'] / 2**20:13.1f} "
+                  f"{o['anon_peak_rise_bytes'] / o['shard_bytes']:12.2f}")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                         "checkpoint_load_memory.json")
     with open(path, "w") as f:
