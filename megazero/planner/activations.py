@@ -142,6 +142,20 @@ def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, la
     return out
 
 
+def chunk_saved_bytes(cfg: MegazeroConfig, pp_rank: int, *, flash: bool) -> list[float]:
+    """Saved bytes of one micro-batch's forward through each model chunk of this rank."""
+    p = cfg.parallel
+    tp, pp, vpp = p.tp, p.pp, cfg.vpp or 1
+    b = cfg.train.micro_batch_size
+    layers = cfg.model.num_layers // (pp * vpp)
+    out = []
+    for c in range(vpp):
+        v = c * pp + pp_rank  # virtual stage (round robin)
+        out.append(recompute_layer_bytes(cfg, b, tp, layers, flash=flash)
+                   + embedding_logits_bytes(cfg, b, tp, v == 0, v == pp * vpp - 1))
+    return out
+
+
 def peak_saved_bytes(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
                      flash: bool) -> float:
     """Peak bytes autograd holds for backward on pipeline rank ``pp_rank``: walk the step list
@@ -153,14 +167,8 @@ def peak_saved_bytes(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *
     from megazero.pipeline.schedules import build_schedule
 
     p = cfg.parallel
-    tp, pp, vpp = p.tp, p.pp, cfg.vpp or 1
-    b = cfg.train.micro_batch_size
-    layers = cfg.model.num_layers // (pp * vpp)
-    chunk_bytes = []
-    for c in range(vpp):
-        v = c * pp + pp_rank  # virtual stage (round robin)
-        chunk_bytes.append(recompute_layer_bytes(cfg, b, tp, layers, flash=flash)
-                           + embedding_logits_bytes(cfg, b, tp, v == 0, v == pp * vpp - 1))
+    pp = p.pp
+    chunk_bytes = chunk_saved_bytes(cfg, pp_rank, flash=flash)
     live = peak = 0.0
     for step in build_schedule(pp, cfg.vpp, num_microbatches, pp_rank,
                                group_size=p.microbatch_group_size_per_vp_stage):

@@ -13,6 +13,7 @@ from typing import Any
 
 from megazero.config import MegazeroConfig
 from megazero.planner.activations import (
+    chunk_saved_bytes,
     core_attention_saves_scores,
     peak_saved_bytes,
     segment_peak_bytes,
@@ -32,13 +33,16 @@ FRAGMENTATION_ITEM = "fragmentation allowance (5%)"
 class RankMemory:
     """Device bytes in two phases that do not overlap: ``items`` holds the model states (live
     throughout) and what lives during forward and backward (activations, ZeRO buckets and
-    gathered parameters, pipeline receive buffers); ``step`` what lives only during the
-    optimizer step (fp32 gradient copies, the optimizer's own temporaries, parameter
-    all-gathers). The peak is the model states plus the larger of the two phases."""
+    gathered parameters, pipeline receive buffers); ``sync`` what lives while the last
+    micro-batch's backward reduces the gradients (one micro-batch's activations, the ZeRO
+    buckets' staging copies, gradients still in autograd's tensors); ``step`` what lives only
+    during the optimizer step (fp32 gradient copies, the optimizer's own temporaries). The peak
+    is the model states plus the largest of the three phases."""
 
     pp_rank: int
     items: dict[str, float] = field(default_factory=dict)  # device bytes by item
     host: dict[str, float] = field(default_factory=dict)  # offloaded bytes by item
+    sync: dict[str, float] = field(default_factory=dict)  # device bytes in the last backward
     step: dict[str, float] = field(default_factory=dict)  # device bytes during the step
     numel: int = 0  # parameters held by this rank's chunks (full, before ZeRO sharding)
 
@@ -57,8 +61,8 @@ class RankMemory:
 
     @property
     def device_total(self) -> float:
-        return self.states_total + max(self.backward_total, self.step_total) + \
-            self.items.get(FRAGMENTATION_ITEM, 0.0)
+        return self.states_total + max(self.backward_total, sum(self.sync.values()),
+                                       self.step_total) + self.items.get(FRAGMENTATION_ITEM, 0.0)
 
     @property
     def host_total(self) -> float:
@@ -93,15 +97,33 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash)
     ps = cfg.precision.params_dtype.itemsize
     gs = ps
+    # the last micro-batch's backward: its own activations (a schedule of one micro-batch)
+    layers = cfg.model.num_layers // (p.pp * (cfg.vpp or 1))
+    out.sync["activations (last micro-batch)"] = sum(
+        chunk_saved_bytes(cfg, pp_rank, flash=flash)) + segment_peak_bytes(
+        cfg, cfg.train.micro_batch_size, p.tp, layers, flash)
     if z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
-        out.items["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
+        out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
             2 if z.overlap_comm else 1)
-    elif z.stage == 1:
-        out.items["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs / dp
-    elif z.stage == 3:  # gathered units (live + prefetch) and one full gradient being reduced
+    elif z.stage == 1:  # reduce-scatter outputs
+        out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs / dp
+    if z.stage == 2 or (z.stage < 2 and not z.contiguous_gradients):
+        # gradients live in autograd's own tensors until the last micro-batch's backward
+        # copies them into the buckets (no views into a flat buffer)
+        out.items["autograd gradients (accumulating)"] = out.numel * gs
+        out.sync["autograd gradients (accumulating)"] = out.numel * gs
+    elif z.stage == 3:
+        # gathered units (live + prefetch); in backward, the largest unit's gradients twice:
+        # as autograd made them and in the unit's full flat buffer being reduce-scattered
+        from megazero.planner.model_states import _units
+
         gathered = min(out.numel, z.stage3_max_live_parameters + z.stage3_prefetch_bucket_size)
-        out.items["ZeRO gathered params + prefetch"] = gathered * ps + min(
-            out.numel, z.reduce_bucket_size) * gs
+        largest = max((u[0] for c in chunks
+                       for u in _units(c, dp, 0, z.stage3_param_persistence_threshold)),
+                      default=0)
+        out.items["ZeRO gathered params + prefetch"] = gathered * ps
+        out.items["ZeRO-3 unit gradients being reduced"] = 2 * min(
+            largest, z.reduce_bucket_size) * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
     # gradients to fp32; AdamW's foreach update keeps one fp32 temporary of the sub-group's
     # size (sqrt of the second moment, divided and shifted in place).
@@ -111,14 +133,9 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     if ps != 4 or z.offload_optimizer.enabled:
         step["fp32 grad sub-group"] = sub
     step["optimizer update temporary"] = sub
-    if device_is_cpu and dp > 1:
-        # gloo's all-gather writes into a flat buffer of the full output, then copies it out:
-        # stages 1-2 gather every bucket's parameters at once after the step, stage 3 each
-        # gathered unit in forward and backward.
-        if z.stage in (1, 2):
-            out.step["gloo all-gather staging"] = out.numel * ps
-        elif z.stage == 3:
-            out.items["gloo all-gather staging"] = gathered * ps
+    # Not counted: buffers the collective library allocates for itself (NCCL's channels,
+    # gloo's flat staging copy of an all-gather's output), which CUDA's allocator statistics
+    # do not see either.
     if p.pp > 1:  # receive buffers for one activation and one gradient
         m = cfg.model
         out.items["pipeline p2p buffers"] = 2 * ps * m.seq_length * cfg.train.micro_batch_size \
@@ -151,6 +168,7 @@ class Estimate:
         return {"cluster": self.cluster.name, "world_size": self.config.parallel.world_size,
                 "worst_pp_rank": w.pp_rank, "device_bytes": w.items,
                 "device_bytes_during_step": w.step,
+                "device_bytes_during_grad_sync": w.sync,
                 "device_total": w.device_total, "host_bytes_per_rank": w.host,
                 "per_stage_device_total": [r.device_total for r in self.ranks],
                 "device_capacity": self.cluster.memory_bytes, "fits": self.fits,
