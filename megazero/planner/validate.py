@@ -20,6 +20,14 @@ returns, per rank, the measured and the predicted:
   library allocates for itself (gloo's flat staging copy of an all-gather's output; NCCL's
   channels), which the planner does not count either.
 
+Known gaps (not within 10%): ZeRO-3 with partitioned units (a unit over
+``stage3_param_persistence_threshold``): the gathered parameters stay alive from a unit's
+forward to its backward (the executor's meter sees them among the saved tensors), about one
+gathered copy of the chunk's parameters more than the planner counts (+22% peak on the
+8-layer h=64 model with the threshold at 0). CPU with attention dropout > 0: SDPA's math path
+stores the dropout mask at the element size and a scaled copy of Q, more than the ``5as^2b``
+the planner counts (+18% saved bytes at s=128).
+
 The torch profiler's ``profile_memory`` events were tried first and rejected: they are
 recorded per thread, so storages that gloo's worker threads release (the tensors of finished
 asynchronous collectives) are never seen freed and the count drifts up (+14% on ZeRO-1 at
