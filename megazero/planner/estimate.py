@@ -17,6 +17,7 @@ from megazero.planner.activations import (
     core_attention_saves_scores,
     peak_saved_bytes,
     segment_peak_bytes,
+    uses_sdpa_math,
 )
 from megazero.planner.cluster import Cluster
 from megazero.planner.model_states import model_state_report
@@ -69,12 +70,13 @@ class RankMemory:
         return sum(self.host.values())
 
 
-def _peak_activation_bytes(cfg: MegazeroConfig, pp_rank: int, m: int, flash: bool) -> float:
+def _peak_activation_bytes(cfg: MegazeroConfig, pp_rank: int, m: int, flash: bool,
+                           sdpa_math: bool = False) -> float:
     """Saved bytes at the schedule's peak plus one full-recompute segment rematerialised."""
     b, tp = cfg.train.micro_batch_size, cfg.parallel.tp
     layers = cfg.model.num_layers // (cfg.parallel.pp * (cfg.vpp or 1))
-    return peak_saved_bytes(cfg, pp_rank, m, flash=flash) + segment_peak_bytes(
-        cfg, b, tp, layers, flash)
+    return peak_saved_bytes(cfg, pp_rank, m, flash=flash, sdpa_math=sdpa_math) + \
+        segment_peak_bytes(cfg, b, tp, layers, flash, sdpa_math)
 
 
 def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
@@ -94,14 +96,16 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             out.items[name] = rep.bytes[kind]["device"]
         if rep.bytes[kind]["offload"]:
             out.host[name] = rep.bytes[kind]["offload"]
-    out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash)
+    sdpa_math = not flash and uses_sdpa_math(cfg, device_is_cpu)
+    out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash,
+                                                      sdpa_math)
     ps = cfg.precision.params_dtype.itemsize
     gs = ps
     # the last micro-batch's backward: its own activations (a schedule of one micro-batch)
     layers = cfg.model.num_layers // (p.pp * (cfg.vpp or 1))
     out.sync["activations (last micro-batch)"] = sum(
-        chunk_saved_bytes(cfg, pp_rank, flash=flash)) + segment_peak_bytes(
-        cfg, cfg.train.micro_batch_size, p.tp, layers, flash)
+        chunk_saved_bytes(cfg, pp_rank, flash=flash, sdpa_math=sdpa_math)) + segment_peak_bytes(
+        cfg, cfg.train.micro_batch_size, p.tp, layers, flash, sdpa_math)
     if z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
         out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
             2 if z.overlap_comm else 1)

@@ -24,9 +24,10 @@ Known gaps (not within 10%): ZeRO-3 with partitioned units (a unit over
 ``stage3_param_persistence_threshold``): the gathered parameters stay alive from a unit's
 forward to its backward (the executor's meter sees them among the saved tensors), about one
 gathered copy of the chunk's parameters more than the planner counts (+22% peak on the
-8-layer h=64 model with the threshold at 0). CPU with attention dropout > 0: SDPA's math path
-stores the dropout mask at the element size and a scaled copy of Q, more than the ``5as^2b``
-the planner counts (+18% saved bytes at s=128).
+8-layer h=64 model with the threshold at 0; +15% on bench/estimator_vs_measured.py --memory).
+A likely cause: ``RowParallelLinear`` calls ``F.linear`` under autograd, which saves a
+transposed view of the weight; the view keeps the unit's gathered storage alive after the
+engine releases the unit.
 
 The torch profiler's ``profile_memory`` events were tried first and rejected: they are
 recorded per thread, so storages that gloo's worker threads release (the tensors of finished
@@ -180,7 +181,8 @@ def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int 
             flags=flags, rank=topo.rank, pp_rank=topo.pp_rank, tp_rank=topo.tp_rank,
             dp_rank=topo.dp_rank, microbatches=m,
             measured_saved=stats["peak_saved_bytes"],
-            predicted_saved=peak_saved_bytes(cfg, topo.pp_rank, m, flash=flash),
+            predicted_saved=peak_saved_bytes(cfg, topo.pp_rank, m, flash=flash,
+                                             sdpa_math=not flash and cpu),
             measured_peak=tracker.peak if tracker is not None else None,
             # the allocator's peak has no fragmentation in it: compare without the allowance
             predicted_peak=plan.device_total - plan.items.get(FRAGMENTATION_ITEM, 0.0),
