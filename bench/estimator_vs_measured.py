@@ -7,6 +7,13 @@ The prediction is megazero.planner.estimate with the ``cpu`` cluster description
 writes bench/results/estimator_vs_measured.json.
 
     PYTHONPATH=$PWD python bench/estimator_vs_measured.py [--iters 4]
+
+``--memory``: instead of time, the peak memory per rank of each layout (two iterations through
+the pipeline executor, gradient sync and optimizer step, in one spawned world) against the
+planner's device total, and the executor's peak saved activation bytes against the planner's
+schedule walk (megazero/planner/validate.py). On a machine with CUDA the ranks use NCCL and the
+measure is ``torch.cuda.max_memory_allocated()``; on CPU, gloo and the live bytes of every
+tensor storage. Writes bench/results/estimator_vs_measured_memory.json.
 """
 
 from __future__ import annotations
@@ -54,10 +61,45 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (va * vb)
 
 
+def memory(iters: int) -> None:
+    import torch
+
+    from megazero.planner.validate import measure_layouts
+    from megazero.testing import run_distributed
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
+    layouts = [(n, f) for n, f in LAYOUTS if "--offload-optimizer" not in f]
+    names = [n for n, _ in layouts]
+    out = run_distributed(measure_layouts, WORLD, [["--mock-data", *BASE, *f] for _, f in layouts],
+                          iters=iters, backend="nccl" if cuda else "gloo", timeout=1800)
+    rows = []
+    print(f"{'layout':<30}{'rank':>5}{'measured':>12}{'predicted':>12}{'ratio':>8}"
+          f"{'saved act.':>12}{'predicted':>12}{'ratio':>8}")
+    for rank_rows in out:
+        for name, r in zip(names, rank_rows):
+            r["layout"] = name
+            rows.append(r)
+            print(f"{name:<30}{r['rank']:>5}{r['measured_peak']:>12.0f}"
+                  f"{r['predicted_peak']:>12.0f}{r['measured_peak'] / r['predicted_peak']:>8.3f}"
+                  f"{r['measured_saved']:>12.0f}{r['predicted_saved']:>12.0f}"
+                  f"{r['measured_saved'] / r['predicted_saved']:>8.3f}")
+    worst = max(abs(r["measured_peak"] / r["predicted_peak"] - 1) for r in rows)
+    print(f"largest peak-memory error: {worst:.1%} ({'cuda' if cuda else 'cpu'})")
+    path = Path(__file__).parent / "results" / "estimator_vs_measured_memory.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"base": BASE, "world": WORLD, "device": "cuda" if cuda else "cpu",
+                                "rows": rows}, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--memory", action="store_true",
+                    help="peak memory per rank instead of step time")
     args = ap.parse_args()
+    if args.memory:
+        memory(max(2, min(args.iters, 3)))
+        return
     cluster = load_cluster("cpu")
     rows = []
     for name, flags in LAYOUTS:
@@ -73,6 +115,7 @@ def main() -> None:
     rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
     print(f"Spearman rank correlation over {len(ok)} layouts: {rho:.3f}")
     out = Path(__file__).parent / "results" / "estimator_vs_measured.json"
+    out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"base": BASE, "world": WORLD, "cluster": cluster.__dict__,
                                "rows": rows, "spearman": rho}, indent=1) + "\n")
 

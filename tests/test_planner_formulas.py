@@ -17,8 +17,8 @@ from megazero.planner.presets import LLAMA_FLAGS, preset_argv
 
 
 def test_deepspeed_zero2_formula_hand_values():
-    # 1e9 params, 8 GPUs on 1 node. No offload: GPU 4P + 16P/8 = 6e9; host 4P*8*1.5 = 48e9.
-    assert zero2_mem_needs(10**9, 8, 1, cpu_offload=False) == (48 * 10**9, 6 * 10**9)
+    # 1e9 params, 8 GPUs on 1 node. No offload: GPU 2P + 18P/8 = 4.25e9; host 4P*8*1.5 = 48e9.
+    assert zero2_mem_needs(10**9, 8, 1, cpu_offload=False) == (48 * 10**9, 4_250_000_000)
     # offload: GPU 2P; host P * max(4*8, 16) * 1.5 = 48e9
     assert zero2_mem_needs(10**9, 8, 1, cpu_offload=True) == (48 * 10**9, 2 * 10**9)
     # 2 nodes x 4: offload host P * max(32, 16) * 1.5; 1 GPU: max(4, 16) = 16 -> 24e9

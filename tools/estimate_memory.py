@@ -117,8 +117,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.zero.stage}, {cfg.precision.params_dtype}".replace("torch.", ""))
     print(f"parameters on the worst rank (pp stage {w.pp_rank}): {w.numel:,}")
     for name, v in w.items.items():
-        print(f"  {name:<34}{gb(v)}")
-    print(f"  {'total per device':<34}{gb(w.device_total)}   "
+        print(f"  {name:<46}{gb(v)}")
+    for name, v in w.sync.items():
+        print(f"  {'grad sync: ' + name:<46}{gb(v)}")
+    for name, v in w.step.items():
+        print(f"  {'step: ' + name:<46}{gb(v)}")
+    print("  (peak: model states + the largest of the forward-backward, grad-sync and step "
+          "items)")
+    print(f"  {'total per device':<46}{gb(w.device_total)}   "
           f"({'fits' if est.fits else 'DOES NOT FIT'} in {cluster.memory_gb:g} GB)")
     for name, v in w.host.items():
         print(f"  host: {name:<28}{gb(v)}")

@@ -73,13 +73,18 @@ class _ActivationMeter:
     """Counts what forwards leave behind for their backwards, per (chunk, micro-batch).
 
     ``inflight`` counts chunk-micro-batches whose forward ran and whose backward has not;
-    ``saved_bytes`` adds up the tensors autograd saved during each forward (parameters
-    excluded), taken with ``saved_tensors_hooks``, and drops them when that backward finishes.
+    ``saved_bytes`` adds up the storages of the tensors autograd saved during each forward
+    (parameters excluded), taken with ``saved_tensors_hooks``, and drops them when that
+    backward finishes. A storage counts once per forward however many saved views share it
+    (attention saves its output and the projection saves the same storage as its input; the
+    slices Q, K, V of one fused projection output are one storage), so the count is the bytes
+    the forward keeps alive, not the sum of the saved views.
     """
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         self.live: dict[tuple[int, int], int] = {}
+        self._storages: set[int] = set()
         self.peak_inflight = 0
         self.peak_bytes = 0
         self.bytes_per_forward: list[int] = []
@@ -87,14 +92,20 @@ class _ActivationMeter:
         self._current: tuple[int, int] | None = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._current is not None and t.untyped_storage().data_ptr() not in self.param_ptrs:
-            self.live[self._current] += t.numel() * t.element_size()
+        if self._current is None:
+            return t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.param_ptrs and ptr not in self._storages:
+            self._storages.add(ptr)
+            self.live[self._current] += storage.nbytes()
         return t
 
     @contextlib.contextmanager
     def forward(self, key: tuple[int, int]):
         self.live[key] = 0
         self._current = key
+        self._storages = set()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
         self._current = None

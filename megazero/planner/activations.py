@@ -16,9 +16,12 @@ in fp32 runs: every 2 below becomes the element size)::
 
 For gpt2 (g = a, f = 4h) this is ``sbh(10 + 24/t + 5as/(ht))`` exactly, and the measured saved
 bytes of the unfused attention backend agree within 0.2% (bench/activation_memory.py).
-Not modelled: RMSNorm through torch's composite ``F.rms_norm`` (CPU) saves fp32 intermediates,
-about 5h bytes per token per norm more than the ``2sbh`` input counted here; fused kernels (CUDA)
-save the input and one fp32 value per token, as counted.
+Besides Megatron's terms, :func:`layer_stat_bytes` counts what the formula leaves out: each
+norm's fp32 per-token statistics (LayerNorm mean and 1/std, RMSNorm 1/rms) and, when the core
+attention saves no ``s^2`` term (flash attention, or SDPA's fused kernels), its fp32
+log-sum-exp per head and token. Not modelled: RMSNorm through torch's composite ``F.rms_norm``
+(CPU) saves fp32 intermediates, about 5h bytes per token per norm more than the ``2sbh`` input
+counted here; fused kernels (CUDA) save the input and one fp32 value per token, as counted.
 Full recompute keeps only each recomputed segment's input (``2sbh``, divided by t with SP) and
 rematerialises one segment at a time in backward.
 
@@ -55,6 +58,31 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
     return replicated + split
 
 
+def layer_stat_bytes(cfg: MegazeroConfig, b: int, tp: int, *, flash: bool = False,
+                     sdpa_math: bool = False) -> float:
+    """fp32 per-token values one layer saves besides its activations: two norms' statistics
+    (2 each for LayerNorm, 1 for RMSNorm; split over TP ranks with SP) and the attention
+    log-sum-exp (one per head and token, split over TP ranks) when ``flash``.
+
+    ``sdpa_math``: the core attention is SDPA's math path (CPU with attention dropout), which
+    computes in fp32 whatever the element size ``e``: scores, dropout mask and dropout output
+    at 4 bytes each (``12 a s^2 b`` instead of ``(2e + 1) a s^2 b``), a scaled copy of Q at 4
+    bytes and Q in fp32 (``(4 + 4 - e) s b h`` more); all split over TP ranks. Measured on
+    gpt2-style layers within 3% (fp32) and 2% (bf16) per layer."""
+    m = cfg.model
+    s = m.seq_length
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    per_norm = 2 if m.normalization == "LayerNorm" else 1
+    out = 2 * per_norm * 4 * s * b / (tp if sp else 1)
+    if flash:
+        out += 4 * s * b * m.num_attention_heads / tp
+    elif sdpa_math:
+        e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
+        out += ((11 - 2 * e) * m.num_attention_heads * s * s * b
+                + (8 - e) * s * b * m.hidden_size) / tp
+    return out
+
+
 def inflight_chunk_forwards(pp: int, vpp: int | None, num_microbatches: int,
                             pp_rank: int, group_size: int | None = None) -> int:
     """Peak number of (chunk, micro-batch) forwards whose backward has not run, from the
@@ -73,13 +101,15 @@ def inflight_chunk_forwards(pp: int, vpp: int | None, num_microbatches: int,
 
 
 def recompute_layer_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int, *,
-                          flash: bool = False) -> float:
+                          flash: bool = False, sdpa_math: bool = False) -> float:
     """Saved bytes of ``layers`` layers of one chunk for one micro-batch, by recompute mode,
     plus the transient peak of rematerialising one full-recompute segment in backward."""
     p = cfg.parallel
-    full = layer_bytes(cfg, b, tp, flash=flash)
-    if p.recompute_granularity == "selective":
-        return layers * layer_bytes(cfg, b, tp, selective=True, flash=flash)
+    stats = layer_stat_bytes(cfg, b, tp, flash=flash, sdpa_math=sdpa_math)
+    full = layer_bytes(cfg, b, tp, flash=flash) + stats
+    if p.recompute_granularity == "selective":  # the recomputed core attention saves no lse
+        return layers * (layer_bytes(cfg, b, tp, selective=True, flash=flash)
+                         + layer_stat_bytes(cfg, b, tp))
     if p.recompute_granularity != "full":
         return layers * full
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
@@ -94,13 +124,14 @@ def recompute_layer_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int, *,
 
 
 def segment_peak_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int,
-                       flash: bool = False) -> float:
+                       flash: bool = False, sdpa_math: bool = False) -> float:
     """Extra bytes while backward rematerialises one full-recompute segment."""
     p = cfg.parallel
     if p.recompute_granularity != "full":
         return 0.0
     k = min(p.recompute_num_layers or 1, layers)
-    return k * layer_bytes(cfg, b, tp, flash=flash)
+    return k * (layer_bytes(cfg, b, tp, flash=flash)
+                + layer_stat_bytes(cfg, b, tp, flash=flash, sdpa_math=sdpa_math))
 
 
 def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, last: bool
@@ -117,5 +148,59 @@ def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, la
     if last:
         vocab = -(-m.vocab_size // (m.make_vocab_size_divisible_by * tp)) * \
             m.make_vocab_size_divisible_by * tp
-        out += e * s * b * h / (tp if sp else 1) + e * s * b * h + 4 * s * b * vocab / tp
+        per_norm = 2 if m.normalization == "LayerNorm" else 1
+        out += (e * s * b * h + per_norm * 4 * s * b) / (tp if sp else 1) + e * s * b * h \
+            + 4 * s * b * vocab / tp
     return out
+
+
+def chunk_saved_bytes(cfg: MegazeroConfig, pp_rank: int, *, flash: bool,
+                      sdpa_math: bool = False) -> list[float]:
+    """Saved bytes of one micro-batch's forward through each model chunk of this rank."""
+    p = cfg.parallel
+    tp, pp, vpp = p.tp, p.pp, cfg.vpp or 1
+    b = cfg.train.micro_batch_size
+    layers = cfg.model.num_layers // (pp * vpp)
+    out = []
+    for c in range(vpp):
+        v = c * pp + pp_rank  # virtual stage (round robin)
+        out.append(recompute_layer_bytes(cfg, b, tp, layers, flash=flash, sdpa_math=sdpa_math)
+                   + embedding_logits_bytes(cfg, b, tp, v == 0, v == pp * vpp - 1))
+    return out
+
+
+def peak_saved_bytes(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
+                     flash: bool, sdpa_math: bool = False) -> float:
+    """Peak bytes autograd holds for backward on pipeline rank ``pp_rank``: walk the step list
+    :func:`megazero.pipeline.schedules.build_schedule` gives this rank (the one the executor
+    runs); each forward adds its chunk's saved bytes until its backward. This is what the
+    executor's activation meter measures (``stats["peak_saved_bytes"]``); the transient of
+    rematerialising a full-recompute segment in backward comes on top
+    (:func:`segment_peak_bytes`)."""
+    from megazero.pipeline.schedules import build_schedule
+
+    p = cfg.parallel
+    pp = p.pp
+    chunk_bytes = chunk_saved_bytes(cfg, pp_rank, flash=flash, sdpa_math=sdpa_math)
+    live = peak = 0.0
+    for step in build_schedule(pp, cfg.vpp, num_microbatches, pp_rank,
+                               group_size=p.microbatch_group_size_per_vp_stage):
+        for a in step:
+            if a.kind == "F":
+                live += chunk_bytes[a.chunk]
+                peak = max(peak, live)
+            elif a.kind == "B":
+                live -= chunk_bytes[a.chunk]
+    return peak
+
+
+def uses_sdpa_math(cfg: MegazeroConfig, device_is_cpu: bool) -> bool:
+    """CPU SDPA with attention dropout runs the math path (see :func:`layer_stat_bytes`)."""
+    return core_attention_saves_scores(cfg, device_is_cpu)
+
+
+def core_attention_saves_scores(cfg: MegazeroConfig, device_is_cpu: bool) -> bool:
+    """Whether the core attention saves the ``5as^2b`` term. CUDA: never (flash-attn, or SDPA's
+    flash / memory-efficient kernels, which save a log-sum-exp). CPU: SDPA runs a fused kernel
+    without attention dropout and the math path (scores, mask, dropout output) with it."""
+    return device_is_cpu and cfg.model.attention_dropout > 0

@@ -1,7 +1,10 @@
 """DeepSpeed's model-state estimates, for comparison with numbers users already know.
 
 The formulas of ``estimate_zero2_model_states_mem_needs`` (deepspeed/runtime/zero/
-stage_1_and_2.py) and ``estimate_zero3_model_states_mem_needs`` (stage3.py); ``*_all_live``
+stage_1_and_2.py) and ``estimate_zero3_model_states_mem_needs`` (stage3.py) as of DeepSpeed
+0.19 (checked against its functions in tests/test_planner_deepspeed_compat.py). Older releases
+gave ZeRO-2 without offload ``4P + 16P/N`` per GPU; current ones ``2P + 18P/N`` (16-bit
+params; 16-bit and fp32 grads, fp32 params, two fp32 moments partitioned). ``*_all_live``
 take the total parameter count (shared tensors once) and the largest number of parameters one
 module owns directly. These count model states only, with DeepSpeed's ``additional_buffer_factor``
 (1.5) on host memory; :mod:`megazero.planner.estimate` is what this framework allocates.
@@ -21,7 +24,7 @@ def zero2_mem_needs(total_params: int, num_gpus_per_node: int = 1, num_nodes: in
         gpu_mem = 2 * total_params
         cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
     else:
-        gpu_mem = 4 * total_params + int(16 * total_params / total_gpus)
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
         cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
     return int(cpu_mem), int(gpu_mem)
 

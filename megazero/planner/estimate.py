@@ -13,9 +13,11 @@ from typing import Any
 
 from megazero.config import MegazeroConfig
 from megazero.planner.activations import (
-    embedding_logits_bytes,
-    recompute_layer_bytes,
+    chunk_saved_bytes,
+    core_attention_saves_scores,
+    peak_saved_bytes,
     segment_peak_bytes,
+    uses_sdpa_math,
 )
 from megazero.planner.cluster import Cluster
 from megazero.planner.model_states import model_state_report
@@ -24,45 +26,57 @@ from megazero.planner.shapes import meta_chunks, shape_topology
 FRAGMENTATION = 0.05  # CUDA caching-allocator allowance on top of the tracked peak (not on CPU)
 
 
+STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments")
+FRAGMENTATION_ITEM = "fragmentation allowance (5%)"
+
+
 @dataclass
 class RankMemory:
+    """Device bytes in two phases that do not overlap: ``items`` holds the model states (live
+    throughout) and what lives during forward and backward (activations, ZeRO buckets and
+    gathered parameters, pipeline receive buffers); ``sync`` what lives while the last
+    micro-batch's backward reduces the gradients (one micro-batch's activations, the ZeRO
+    buckets' staging copies, gradients still in autograd's tensors); ``step`` what lives only
+    during the optimizer step (fp32 gradient copies, the optimizer's own temporaries). The peak
+    is the model states plus the largest of the three phases."""
+
     pp_rank: int
     items: dict[str, float] = field(default_factory=dict)  # device bytes by item
     host: dict[str, float] = field(default_factory=dict)  # offloaded bytes by item
+    sync: dict[str, float] = field(default_factory=dict)  # device bytes in the last backward
+    step: dict[str, float] = field(default_factory=dict)  # device bytes during the step
     numel: int = 0  # parameters held by this rank's chunks (full, before ZeRO sharding)
 
     @property
+    def states_total(self) -> float:
+        return sum(v for k, v in self.items.items() if k in STATE_ITEMS)
+
+    @property
+    def backward_total(self) -> float:
+        return sum(v for k, v in self.items.items()
+                   if k not in STATE_ITEMS and k != FRAGMENTATION_ITEM)
+
+    @property
+    def step_total(self) -> float:
+        return sum(self.step.values())
+
+    @property
     def device_total(self) -> float:
-        return sum(self.items.values())
+        return self.states_total + max(self.backward_total, sum(self.sync.values()),
+                                       self.step_total) + self.items.get(FRAGMENTATION_ITEM, 0.0)
 
     @property
     def host_total(self) -> float:
         return sum(self.host.values())
 
 
-def _peak_activation_bytes(cfg: MegazeroConfig, pp_rank: int, m: int, flash: bool) -> float:
-    """Walk this rank's schedule; each forward adds its chunk's saved bytes until its backward."""
-    from megazero.pipeline.schedules import build_schedule
-
-    p = cfg.parallel
-    tp, pp, vpp = p.tp, p.pp, cfg.vpp or 1
-    b = cfg.train.micro_batch_size
-    layers = cfg.model.num_layers // (pp * vpp)
-    chunk_bytes = []
-    for c in range(vpp):
-        v = c * pp + pp_rank  # virtual stage (round robin)
-        chunk_bytes.append(recompute_layer_bytes(cfg, b, tp, layers, flash=flash)
-                           + embedding_logits_bytes(cfg, b, tp, v == 0, v == pp * vpp - 1))
-    live = peak = 0.0
-    for step in build_schedule(pp, cfg.vpp, m, pp_rank,
-                               group_size=p.microbatch_group_size_per_vp_stage):
-        for a in step:
-            if a.kind == "F":
-                live += chunk_bytes[a.chunk]
-                peak = max(peak, live)
-            elif a.kind == "B":
-                live -= chunk_bytes[a.chunk]
-    return peak + segment_peak_bytes(cfg, b, tp, layers, flash)
+def _peak_activation_bytes(cfg: MegazeroConfig, pp_rank: int, m: int, flash: bool,
+                           sdpa_math: bool = False) -> float:
+    """Saved bytes at the schedule's peak plus one full-recompute segment rematerialised."""
+    b, tp = cfg.train.micro_batch_size, cfg.parallel.tp
+    layers = cfg.model.num_layers // (cfg.parallel.pp * (cfg.vpp or 1))
+    return peak_saved_bytes(cfg, pp_rank, m, flash=flash, sdpa_math=sdpa_math) + \
+        segment_peak_bytes(cfg, b, tp, layers, flash, sdpa_math)
 
 
 def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
@@ -82,29 +96,56 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             out.items[name] = rep.bytes[kind]["device"]
         if rep.bytes[kind]["offload"]:
             out.host[name] = rep.bytes[kind]["offload"]
-    out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash)
+    sdpa_math = not flash and uses_sdpa_math(cfg, device_is_cpu)
+    out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash,
+                                                      sdpa_math)
     ps = cfg.precision.params_dtype.itemsize
     gs = ps
+    # the last micro-batch's backward: its own activations (a schedule of one micro-batch)
+    layers = cfg.model.num_layers // (p.pp * (cfg.vpp or 1))
+    out.sync["activations (last micro-batch)"] = sum(
+        chunk_saved_bytes(cfg, pp_rank, flash=flash, sdpa_math=sdpa_math)) + segment_peak_bytes(
+        cfg, cfg.train.micro_batch_size, p.tp, layers, flash, sdpa_math)
     if z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
-        out.items["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
+        out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
             2 if z.overlap_comm else 1)
-    elif z.stage == 1:
-        out.items["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs / dp
-    elif z.stage == 3:  # gathered units (live + prefetch) and one full gradient being reduced
+    elif z.stage == 1:  # reduce-scatter outputs
+        out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs / dp
+    if z.stage == 2 or (z.stage < 2 and not z.contiguous_gradients):
+        # gradients live in autograd's own tensors until the last micro-batch's backward
+        # copies them into the buckets (no views into a flat buffer)
+        out.items["autograd gradients (accumulating)"] = out.numel * gs
+        out.sync["autograd gradients (accumulating)"] = out.numel * gs
+    elif z.stage == 3:
+        # gathered units (live + prefetch); in backward, the largest unit's gradients twice:
+        # as autograd made them and in the unit's full flat buffer being reduce-scattered
+        from megazero.planner.model_states import _units
+
         gathered = min(out.numel, z.stage3_max_live_parameters + z.stage3_prefetch_bucket_size)
-        out.items["ZeRO gathered params + prefetch"] = gathered * ps + min(
-            out.numel, z.reduce_bucket_size) * gs
-    # the optimizer casts one sub-group of gradients to fp32 at a time (on the host if offloaded)
+        largest = max((u[0] for c in chunks
+                       for u in _units(c, dp, 0, z.stage3_param_persistence_threshold)),
+                      default=0)
+        out.items["ZeRO gathered params + prefetch"] = gathered * ps
+        out.items["ZeRO-3 unit gradients being reduced"] = 2 * min(
+            largest, z.reduce_bucket_size) * gs
+    # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
+    # gradients to fp32; AdamW's foreach update keeps one fp32 temporary of the sub-group's
+    # size (sqrt of the second moment, divided and shifted in place).
     shard = out.numel / (dp if z.stage else 1)
+    sub = min(shard, z.sub_group_size) * 4
+    step = out.host if z.offload_optimizer.enabled else out.step
     if ps != 4 or z.offload_optimizer.enabled:
-        temp = min(shard, z.sub_group_size) * 4
-        (out.host if z.offload_optimizer.enabled else out.items)["fp32 grad sub-group"] = temp
+        step["fp32 grad sub-group"] = sub
+    step["optimizer update temporary"] = sub
+    # Not counted: buffers the collective library allocates for itself (NCCL's channels,
+    # gloo's flat staging copy of an all-gather's output), which CUDA's allocator statistics
+    # do not see either.
     if p.pp > 1:  # receive buffers for one activation and one gradient
         m = cfg.model
         out.items["pipeline p2p buffers"] = 2 * ps * m.seq_length * cfg.train.micro_batch_size \
             * m.hidden_size / (p.tp if sp else 1)
     if not device_is_cpu:
-        out.items["fragmentation allowance (5%)"] = FRAGMENTATION * out.device_total
+        out.items[FRAGMENTATION_ITEM] = FRAGMENTATION * out.device_total
     return out
 
 
@@ -130,6 +171,8 @@ class Estimate:
         w = self.worst
         return {"cluster": self.cluster.name, "world_size": self.config.parallel.world_size,
                 "worst_pp_rank": w.pp_rank, "device_bytes": w.items,
+                "device_bytes_during_step": w.step,
+                "device_bytes_during_grad_sync": w.sync,
                 "device_total": w.device_total, "host_bytes_per_rank": w.host,
                 "per_stage_device_total": [r.device_total for r in self.ranks],
                 "device_capacity": self.cluster.memory_bytes, "fits": self.fits,
@@ -148,7 +191,7 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
     m = num_microbatches or max(1, gbs // (t.micro_batch_size * dp))
     cpu = cluster.name == "cpu"
     if flash is None:
-        flash = not cpu and cfg.model.use_flash_attn
+        flash = not core_attention_saves_scores(cfg, cpu)
     ranks = [rank_memory(cfg, r, m, flash=flash, device_is_cpu=cpu)
              for r in (stages if stages is not None else range(cfg.parallel.pp))]
     units = 0
