@@ -130,6 +130,32 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+class LinearSavingWeight(torch.autograd.Function):
+    """``y = x @ W^T`` that saves the weight parameter itself for backward.
+
+    ``F.linear`` saves a transposed *view* of the weight: a view keeps the storage it was
+    taken from, so a ZeRO-3 unit released after its forward (``param.data`` swapped for an
+    empty tensor) would stay gathered until its backward. Saving the parameter lets the
+    release free the gathered storage; the backward's re-gather puts it back (as DeepSpeed's
+    ``LinearFunctionForZeroStage3``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight.to(grad.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
+        return grad_x, grad_w
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            group: Group, sequence_parallel: bool = False) -> torch.Tensor:
     return LinearWithTensorParallelInput.apply(x, weight, bias, group, sequence_parallel)
@@ -201,7 +227,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)
+        y = LinearSavingWeight.apply(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
