@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
+from megazero.errors import claim_report
 from megazero.exit_conditions import ExitFlags, should_exit
 from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.initialize import (
@@ -47,6 +48,7 @@ from megazero.initialize import (
 )
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
+from megazero.peers import PeerRegistry
 from megazero.resume_checks import check_resume
 from megazero.save_check import check_save_dir, checkpoint_bytes, explain_write_error
 from megazero.topology import GROUP_KINDS, ParallelTopology
@@ -334,7 +336,8 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     env = initialize_distributed(cfg.parallel.distributed_backend,
                                  cfg.parallel.distributed_timeout_minutes)
-    watchdog = Watchdog(timeout.total_seconds(), env.rank).start()
+    peers = PeerRegistry(dist.distributed_c10d._get_default_store(), env.rank).register()
+    watchdog = Watchdog(timeout.total_seconds(), env.rank, diagnose=peers.diagnose).start()
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
                                   timeout=timeout)
     set_seed(cfg.train.seed, topo.pp_rank)
@@ -463,7 +466,9 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
 def _train_or_explain(run: Run) -> TrainState:
     """:func:`train`; a collective that fails inside a watched phase (the backend's timeout,
     a peer that closed its connection) ends this rank with one line naming the phase and the
-    group instead of a traceback. The group is broken then: nothing is torn down in order."""
+    group instead of a traceback. The group is broken then: nothing is torn down in order.
+    Of the ranks that see the failure (every survivor, and the ranks that then see a survivor
+    leave), the first to claim the job's error slot speaks; the others exit quietly."""
     try:
         return train(run)
     except RuntimeError as e:
@@ -471,7 +476,8 @@ def _train_or_explain(run: Run) -> TrainState:
         if reason is None:
             raise
         run.watchdog.stop()  # one message: not the watchdog's as well
-        print(reason, file=sys.stderr, flush=True)
+        if claim_report(run.env.rank, unsure=True):
+            print(reason, file=sys.stderr, flush=True)
         run.monitor.close()
         os._exit(WATCHDOG_EXIT_CODE)
 
