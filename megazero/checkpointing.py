@@ -63,8 +63,8 @@ from megazero.checkpoint.reader import (
     VERSION,
     ShardReader,
     iteration_dir,
+    meta_digest,
     read_global_tensors,
-    read_json,
     read_meta,
     read_model_state,
     read_tracker,
@@ -188,6 +188,7 @@ def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered:
             "loss_scaler": engine.scaler.state_dict() if engine is not None else None,
             "has_optimizer": has_optimizer, "opaque_optimizer": any(g[3] for g in gathered),
             "tensors": tensors, "files": all_files}
+    meta["sha256"] = meta_digest(meta)
     w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
     w.text(str(iteration), os.path.join(root, TRACKER))
     _remove_debris(root, directory)
@@ -282,6 +283,7 @@ def write_model_state(root: str, config: dict, state: dict[str, torch.Tensor],
             "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero_stage": 0}, "world_size": 1,
             "scheduler": None, "loss_scaler": None, "has_optimizer": False,
             "opaque_optimizer": False, "tensors": tensors, "files": files}
+    meta["sha256"] = meta_digest(meta)
     w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
     w.text(str(iteration), os.path.join(root, TRACKER))
     _remove_debris(root, directory)
@@ -344,7 +346,8 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
     if found is None:
         return {"found": False}
     iteration, directory, meta = found
-    saved_cfg = read_json(os.path.join(directory, "config.json"))
+    reader = ShardReader(directory, meta)
+    saved_cfg = reader.json("config.json")
     now_cfg = config_dict(config) if config is not None else None
     diff = _config_difference(saved_cfg, now_cfg)
     if diff:
@@ -363,7 +366,6 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
     if load_optim and engine is not None and not meta["has_optimizer"]:
         raise CheckpointError(f"checkpoint {directory} holds weights only (no optimizer state); "
                               "load it with --finetune or --no-load-optim")
-    reader = ShardReader(directory, meta)
     c = topo.coord
     infos = param_infos(models, c.pp, topo.pp_size)
     missing = [i.name for i in infos if i.name not in meta["tensors"]]
