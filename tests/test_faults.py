@@ -16,9 +16,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from test_e2e import TINY, check, read_metrics, run_training
 
 from megazero.arguments import load_config
+from megazero.checkpointing import read_model_state
 from megazero.config import ConfigError, LoggingConfig
 from megazero.data import token_range
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -57,16 +59,35 @@ def test_divergence_skips_stops_and_keeps_latest(tmp_path):
         assert b[it]["lm loss"] == a[it]["lm loss"], it
 
 
-def test_bf16_divergence_stops_without_saving(tmp_path):
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_half_precision_divergence_stops_without_saving_and_resumes(tmp_path, precision):
+    """fp32 above; in bf16 and fp16 (whose loss scaler skips overflowing steps on its own) a
+    NaN run also ends with exit 3 and one message, and the last finite checkpoint resumes
+    exactly: the same flags give the same losses and diverge again at the same iteration."""
     ck = tmp_path / "ck"
-    proc = run_training([*TINY, "--bf16", "--train-iters", "12", "--lr", "1e6", "--save",
-                         str(ck), "--save-interval", "1", "--max-nonfinite-steps", "2"])
+    args = [*TINY, precision, "--train-iters", "12", "--lr", "1e6", "--save", str(ck),
+            "--save-interval", "1", "--max-nonfinite-steps", "2"]
+    proc = run_training([*args, "--log-json", str(tmp_path / "a.jsonl")])
     assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stderr.count("pretrain_gpt.py: error: training diverged at iteration") == 1
+    assert "Traceback" not in proc.stderr
     assert "NaN/inf for 2 iterations in a row (--max-nonfinite-steps 2)" in proc.stderr
     saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert f"not saving the interval checkpoint at iteration {saved + 1}" in proc.stdout
     diverged = int(proc.stderr.split("training diverged at iteration ")[1].split(":")[0])
-    assert saved == diverged - 2  # the last iteration before the NaN streak
+    # The last iteration before the NaN streak, or the one before it when that iteration's
+    # loss was still finite but its update made the weights NaN/inf (not saved either).
+    assert diverged - 3 <= saved <= diverged - 2
+    _, state = read_model_state(str(ck))
+    assert all(bool(torch.isfinite(t).all()) for t in state.values())
+    again = run_training([*args, "--load", str(ck), "--log-json", str(tmp_path / "b.jsonl")])
+    assert again.returncode == 3, again.stderr[-3000:]
+    assert f"training diverged at iteration {diverged}:" in again.stderr
+    a, b = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
+    assert sorted(b) == list(range(saved + 1, diverged + 1))
+    for it in b:
+        assert b[it].get("lm loss") == a[it].get("lm loss"), it
+        assert b[it]["loss-scale"] == a[it]["loss-scale"] and b[it]["nan"] == a[it]["nan"]
 
 
 def test_validation_perplexity_of_nan_is_nan():
