@@ -144,7 +144,7 @@ def test_max_token_id_is_cached_with_the_index(tmp_path, monkeypatch):
     def no_scan(_):
         raise AssertionError("scanned the .bin again")
 
-    monkeypatch.setattr(token_range, "_scan_max", no_scan)
+    monkeypatch.setattr(token_range, "_scan_range", no_scan)
     assert token_range.max_token_id(IndexedDataset(str(tmp_path / "c")),
                                     str(tmp_path / "cache")) == 99
     with pytest.raises(ConfigError, match="holds token id 99, but the model's vocabulary has 99"):
@@ -153,6 +153,41 @@ def test_max_token_id_is_cached_with_the_index(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert token_range.max_token_id(IndexedDataset(str(tmp_path / "c")),
                                     str(tmp_path / "cache")) == 150
+
+
+def test_out_of_range_ids_in_any_blended_file_name_that_file_and_the_range(tmp_path):
+    """A blend whose second file holds an id past the vocabulary, or a negative id (an int32
+    corpus written by another tool): the error names that file and the ids."""
+    from megazero.data.builder import DataConfig, build_train_valid_test_datasets
+    from megazero.data.indexed_dataset import data_file_path
+
+    _corpus(tmp_path / "good", 99)
+    _corpus(tmp_path / "bad", 130)
+    with IndexedDatasetBuilder(str(tmp_path / "neg"), np.int32) as b:
+        b.add_document(np.arange(10))
+        b.finalize()
+    with open(data_file_path(str(tmp_path / "neg")), "r+b") as f:  # token 3 becomes -1
+        f.seek(3 * 4)
+        f.write(np.array([-1], dtype=np.int32).tobytes())
+
+    def build(*prefixes):
+        path = [x for p in prefixes for x in ("1", str(tmp_path / p))]
+        cfg = DataConfig(data_path=tuple(path), split="98,1,1", seq_length=8,
+                         num_samples=(8, 0, 0),
+                         seed=1, vocab_size=128, cache_dir=str(tmp_path / "cache"))
+        return build_train_valid_test_datasets(cfg, is_builder=True, barrier=lambda: None)
+
+    assert build("good")[0] is not None
+    with pytest.raises(ConfigError) as e:
+        build("good", "bad")
+    assert str(e.value).startswith(f"--data-path {tmp_path / 'bad'}: {tmp_path / 'bad.bin'} "
+                                   f"holds token id 130, but the model's vocabulary has 128 "
+                                   f"tokens (ids 0..127, ")
+    with pytest.raises(ConfigError) as e:
+        build("neg", "good")
+    assert str(e.value).startswith(f"--data-path {tmp_path / 'neg'}: {tmp_path / 'neg.bin'} "
+                                   f"holds token id -1, but token ids run 0..127 (the "
+                                   f"tokenizer / --vocab-size); ids -1..9 are in the file")
 
 
 def test_save_directory_is_checked_before_training(tmp_path):
