@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
+from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
 from megazero.errors import claim_report
@@ -50,7 +50,7 @@ from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
 from megazero.peers import PeerRegistry
 from megazero.resume_checks import check_resume
-from megazero.save_check import check_save_dir, checkpoint_bytes, explain_write_error
+from megazero.save_check import check_save_dir, checkpoint_bytes
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
     Batching,
@@ -216,16 +216,13 @@ def _save(run: Run) -> None:
     if not ck.save:
         return
     t0 = time.perf_counter()
-    try:
-        save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
-                        optimizer=run.engine, scheduler=run.scheduler,
-                        consumed_samples=run.state.consumed_samples, config=run.cfg,
-                        zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
-                        writer=run.checkpoint_writer)
-    except CheckpointError:
-        raise
-    except (OSError, RuntimeError) as e:  # a full disk, a directory gone or made read-only
-        raise CheckpointError(explain_write_error(ck.save, run.state.iteration, e)) from e
+    # A write that fails (a full disk, a directory gone or made read-only) is a CheckpointError
+    # on every rank; a collective that fails (a peer died mid-save) stays the backend's error.
+    save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
+                    optimizer=run.engine, scheduler=run.scheduler,
+                    consumed_samples=run.state.consumed_samples, config=run.cfg,
+                    zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
+                    writer=run.checkpoint_writer)
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 

@@ -23,7 +23,8 @@ import torch
 from ckpt_runs import train_in_rank
 from test_e2e import REPO, SCRIPT, TINY, TORCHRUN, env, read_metrics
 
-from megazero.checkpointing import MARKER, iteration_dir, read_model_state, read_tracker
+from megazero.checkpoint.reader import complete_iterations
+from megazero.checkpointing import read_model_state, read_tracker
 from megazero.testing.distributed import run_distributed
 from megazero.testing.faults import launched_ranks
 
@@ -56,14 +57,18 @@ def _launch_and_hit(tmp_path, sig, victim, at, extra=()):
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *ARGS, "--save", str(ck),
            "--save-interval", "2", "--log-json", str(tmp_path / "m.jsonl"), *extra]
     err = open(tmp_path / "stderr.txt", "w+")
-    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=err,
+    # torchrun waits this long for a worker to act on its SIGTERM before a SIGKILL: a stopped
+    # rank cannot act, so without the survivor ending it the job would last two minutes more.
+    launcher_env = {**env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
+    proc = subprocess.Popen(cmd, env=launcher_env, cwd=REPO, stdout=subprocess.PIPE, stderr=err,
                             text=True)
     pid, lines = None, []
     try:
         for line in proc.stdout:
             lines.append(line)
+            if pid is None and re.search(r"iteration\s+1/", line):
+                pid = launched_ranks(proc.pid)[victim]  # looked up ahead: /proc scans are slow
             if re.search(rf"iteration\s+{at}/", line):
-                pid = launched_ranks(proc.pid)[victim]
                 os.kill(pid, sig)
                 hit = time.monotonic()
                 break
@@ -95,10 +100,10 @@ def _check_resume(tmp_path, reference, at):
     ck = str(tmp_path / "ck")
     latest = read_tracker(ck)
     # Saved every 2 iterations, after rank 0 logs the iteration: a hit after the log line of
-    # an even iteration may land in its save (latest is the one before), and the save after
-    # the hit cannot complete without the victim.
-    assert latest % 2 == 0 and at - 2 <= latest <= at + 1, (latest, at)
-    assert os.path.isfile(os.path.join(iteration_dir(ck, latest), MARKER))
+    # an even iteration may land in its save (latest is the one before). No save after the
+    # hit completes, and latest names the newest complete one.
+    assert latest == complete_iterations(ck)[-1], (latest, complete_iterations(ck))
+    assert latest % 2 == 0 and latest >= at - 2 and latest < ITERS, (latest, at)
     _, state = read_model_state(ck)
     assert all(bool(torch.isfinite(t).all()) for t in state.values())
     logged = read_metrics(tmp_path / "m.jsonl")  # the faulty run up to the hit
@@ -118,7 +123,10 @@ def test_killed_rank_ends_the_job_and_resumes(tmp_path, reference, victim, at):
     print(f"SIGKILL rank {victim} after iteration {at} (seed {SEED})")
     proc, out, err, took, pid = _launch_and_hit(tmp_path, signal.SIGKILL, victim, at)
     assert proc.returncode != 0
-    assert took < 10, took  # the survivor sees the closed connection at once (observed < 1 s)
+    # The survivor sees the closed connection at once (observed < 1 s on an idle machine; the
+    # bound leaves room for a loaded one).
+    assert took < 20, took
+    assert "Unable to shutdown process" not in err  # torchrun did not have to force anything
     _check_one_message(err, 1 - victim, f"rank {victim} (pid {pid}) has died")
     _check_resume(tmp_path, reference, at)
 
@@ -132,7 +140,9 @@ def test_frozen_rank_ends_the_job_and_resumes(tmp_path, reference, victim, at):
         ["--distributed-timeout-minutes", str(FREEZE_TIMEOUT_S / 60)])
     assert proc.returncode != 0
     # The survivor waits out the timeout, then ends the stopped rank (torchrun's SIGTERM
-    # cannot: it would wait its 30 s --shutdown_timeout before a SIGKILL).
-    assert FREEZE_TIMEOUT_S - 1 < took < FREEZE_TIMEOUT_S + 10, took
+    # cannot: it would wait TORCH_ELASTIC_SHUTDOWN_TIMEOUT before a SIGKILL). Observed: 5 s
+    # on an idle machine; the bound leaves room for a loaded one.
+    assert FREEZE_TIMEOUT_S - 1 < took < FREEZE_TIMEOUT_S + 30, took
+    assert "Unable to shutdown process" not in err
     _check_one_message(err, 1 - victim, f"rank {victim} (pid {pid}) is stopped (SIGSTOP")
     _check_resume(tmp_path, reference, at)
