@@ -107,7 +107,7 @@ PARENT = textwrap.dedent("""
     import subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=open(sys.argv[2], "w"),
                              stderr=subprocess.STDOUT)
-    for _ in range(200):
+    for _ in range(1200):  # up to 60 s: the child must own its watchdog before we leave
         if open(sys.argv[2]).read().startswith("ready"):
             break
         time.sleep(0.05)
