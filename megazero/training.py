@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
-from megazero.errors import claim_report
+from megazero.errors import claim_report, expected_errors
 from megazero.exit_conditions import ExitFlags, should_exit
 from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.initialize import (
@@ -469,6 +469,8 @@ def _train_or_explain(run: Run) -> TrainState:
     try:
         return train(run)
     except RuntimeError as e:
+        if isinstance(e, expected_errors()):  # agreed by every rank (a checkpoint write error)
+            raise
         reason = run.watchdog.failure_message(e) if run.watchdog is not None else None
         if reason is None:
             raise
