@@ -67,7 +67,7 @@ FULL_DISK = {"rank 1's shard": (1, 1 + 1), "metadata.json": (0, FILES_PER_SAVE +
 
 def _full_disk(rank, world, tmp):
     base = [*TINY, "--save-interval", "2", "--zero-stage", "1", "--num-layers", "2",
-            "--train-iters", "5", "--distributed-timeout-minutes", "0.2"]
+            "--train-iters", "5", "--distributed-timeout-minutes", "0.5"]
     ref = train_in_rank(rank, world, base)
     out = {}
     for what, (who, at) in FULL_DISK.items():

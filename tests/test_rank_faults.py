@@ -34,7 +34,7 @@ ARGS = [*TINY, "--num-layers", "2", "--train-iters", str(ITERS), "--lr-decay-ite
 _rng = random.Random(SEED)
 KILL = (_rng.randrange(2), _rng.randint(3, 7))  # (rank, iteration after which it is hit)
 FREEZE = (_rng.randrange(2), _rng.randint(3, 7))
-FREEZE_TIMEOUT_S = 6  # --distributed-timeout-minutes 0.1: how long a frozen peer is waited for
+FREEZE_TIMEOUT_S = 8  # --distributed-timeout-minutes: how long a frozen peer is waited for
 
 
 def _train(rank, world, runs):
