@@ -148,3 +148,61 @@ def test_orphaned_rank_exits_when_its_launcher_dies(tmp_path):
     assert lines[0] == "ready"
     assert lines[1].startswith("[rank 5] watchdog: the launcher (parent pid ")
     assert len(lines) == 2 and lines[1].endswith("is gone; ending this orphaned rank")
+
+
+class _Store:
+    """The two calls PeerRegistry makes of a torch.distributed store."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_peer_registry_names_dead_and_stopped_peers_and_ends_the_stopped():
+    import signal
+    import socket
+
+    from megazero.peers import PeerRegistry, _stat
+
+    store = _Store()
+    PeerRegistry(store, 0).register()
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        for rank, proc in ((1, stopped), (2, dead)):
+            start = _stat(proc.pid)[1] if rank == 1 else "1"
+            store.set(f"megazero/proc/{rank}", f"{socket.gethostname()} {proc.pid} {start}")
+        store.set("megazero/proc/3", "elsewhere 1 1")  # another host: cannot be looked at
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _stat(stopped.pid)[0] not in "Tt" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        killed = []
+        reg = PeerRegistry(store, 0, kill=lambda pid, sig: killed.append((pid, sig)))
+        assert reg.diagnose([0, 3]) is None  # itself and a peer elsewhere: nothing to say
+        said = reg.diagnose([0, 1, 2, 3, 4])  # rank 4 never registered
+        assert said == (f"rank 2 (pid {dead.pid}) has died (killed or crashed; see its own "
+                        f"output and the launcher's); rank 1 (pid {stopped.pid}) is stopped "
+                        f"(SIGSTOP or a debugger), so it was sent SIGKILL"), said
+        assert killed == [(stopped.pid, signal.SIGKILL)]
+        wd = Watchdog(1.0, 0, watch_parent=False, diagnose=PeerRegistry(store, 0).diagnose)
+        with pytest.raises(RuntimeError), wd.phase("iteration 2: gradient sync", "dp", [0, 1]):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+        msg = wd.failure_message(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+        assert msg.endswith(f"Connection closed by peer [127.0.0.1]:1234. rank 1 (pid "
+                            f"{stopped.pid}) is stopped (SIGSTOP or a debugger), so it was sent "
+                            f"SIGKILL; ending the job"), msg
+        assert stopped.wait(timeout=10) == -signal.SIGKILL  # really ended
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait()
