@@ -182,6 +182,8 @@ def test_peer_registry_names_dead_and_stopped_peers_and_ends_the_stopped():
             start = _stat(proc.pid)[1] if rank == 1 else "1"
             store.set(f"megazero/proc/{rank}", f"{socket.gethostname()} {proc.pid} {start}")
         store.set("megazero/proc/3", "elsewhere 1 1")  # another host: cannot be looked at
+        # a recycled pid: this very process, but not the start time registered for rank 5
+        store.set("megazero/proc/5", f"{socket.gethostname()} {os.getpid()} 1")
         os.kill(stopped.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
         while _stat(stopped.pid)[0] not in "Tt" and time.monotonic() < deadline:
@@ -189,10 +191,11 @@ def test_peer_registry_names_dead_and_stopped_peers_and_ends_the_stopped():
         killed = []
         reg = PeerRegistry(store, 0, kill=lambda pid, sig: killed.append((pid, sig)))
         assert reg.diagnose([0, 3]) is None  # itself and a peer elsewhere: nothing to say
-        said = reg.diagnose([0, 1, 2, 3, 4])  # rank 4 never registered
-        assert said == (f"rank 2 (pid {dead.pid}) has died (killed or crashed; see its own "
-                        f"output and the launcher's); rank 1 (pid {stopped.pid}) is stopped "
-                        f"(SIGSTOP or a debugger), so it was sent SIGKILL"), said
+        said = reg.diagnose([0, 1, 2, 3, 4, 5])  # rank 4 never registered
+        assert said == (f"rank 2 (pid {dead.pid}), rank 5 (pid {os.getpid()}) have died "
+                        f"(killed or crashed; see its own output and the launcher's); rank 1 "
+                        f"(pid {stopped.pid}) is stopped (SIGSTOP or a debugger), so it was "
+                        f"sent SIGKILL"), said
         assert killed == [(stopped.pid, signal.SIGKILL)]
         wd = Watchdog(1.0, 0, watch_parent=False, diagnose=PeerRegistry(store, 0).diagnose)
         with pytest.raises(RuntimeError), wd.phase("iteration 2: gradient sync", "dp", [0, 1]):
