@@ -62,7 +62,7 @@ def _launch_and_hit(tmp_path, sig, victim, at, extra=()):
     launcher_env = {**env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
     proc = subprocess.Popen(cmd, env=launcher_env, cwd=REPO, stdout=subprocess.PIPE, stderr=err,
                             text=True)
-    pid, lines = None, []
+    pid, hit, lines = None, None, []
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -72,7 +72,7 @@ def _launch_and_hit(tmp_path, sig, victim, at, extra=()):
                 os.kill(pid, sig)
                 hit = time.monotonic()
                 break
-        assert pid is not None, "".join(lines)[-3000:]
+        assert hit is not None, "".join(lines)[-3000:] + open(tmp_path / "stderr.txt").read()
         rest, _ = proc.communicate(timeout=60)
         took = time.monotonic() - hit
     finally:
