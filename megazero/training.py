@@ -475,7 +475,7 @@ def _train_or_explain(run: Run) -> TrainState:
         if reason is None:
             raise
         run.watchdog.stop()  # one message: not the watchdog's as well
-        if claim_report(run.env.rank, unsure=True):
+        if run.watchdog.take_voice() and claim_report(run.env.rank, unsure=True):
             print(reason, file=sys.stderr, flush=True)
         run.monitor.close()
         os._exit(WATCHDOG_EXIT_CODE)

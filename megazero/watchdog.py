@@ -74,6 +74,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._current: tuple[str, str | None, tuple[int, ...], float] | None = None
         self._stop = threading.Event()
+        self._voice = threading.Lock()  # taken by whichever path prints this rank's one message
         self._thread: threading.Thread | None = None
         self.fired: str | None = None
         self.failed: tuple[str, str | None, tuple[int, ...], float] | None = None
@@ -119,6 +120,11 @@ class Watchdog:
         finally:
             with self._lock:
                 self._current = previous
+
+    def take_voice(self) -> bool:
+        """True once per process: the thread's stuck-phase exit and the loop's failed
+        collective may see the same hang at the same moment; only the first one speaks."""
+        return self._voice.acquire(blocking=False)
 
     def failure_message(self, exc: BaseException) -> str | None:
         """One line for a collective that failed inside a phase (the backend's own timeout
@@ -168,7 +174,8 @@ class Watchdog:
                 self.fired = reason
                 out = self.out or sys.stderr
                 try:
-                    print(reason, file=out, flush=True)
+                    if self.take_voice():
+                        print(reason, file=out, flush=True)
                 finally:
                     self._exit(WATCHDOG_EXIT_CODE)
                 return

@@ -64,6 +64,7 @@ def test_watchdog_phases_nest_and_stay_quiet_within_the_limit():
             assert "inner over the tp group (ranks [2, 3])" in wd.check()
         assert "[rank 3] watchdog: outer over the world group" in wd.check()
     assert wd.check() is None and not fired
+    assert wd.take_voice() and not wd.take_voice()  # the thread and the loop: one speaks
 
 
 def _group_timeout(rank, world_size, tmp):
