@@ -38,7 +38,7 @@ from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
 from megazero.errors import claim_report, expected_errors
-from megazero.exit_conditions import ExitFlags, should_exit
+from megazero.exit_conditions import ExitFlags, should_exit, sigterm_deferred
 from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.initialize import (
     DistEnv,
@@ -465,20 +465,22 @@ def _train_or_explain(run: Run) -> TrainState:
     a peer that closed its connection) ends this rank with one line naming the phase and the
     group instead of a traceback. The group is broken then: nothing is torn down in order.
     Of the ranks that see the failure (every survivor, and the ranks that then see a survivor
-    leave), the first to claim the job's error slot speaks; the others exit quietly."""
-    try:
-        return train(run)
-    except RuntimeError as e:
-        if isinstance(e, expected_errors()):  # agreed by every rank (a checkpoint write error)
-            raise
-        reason = run.watchdog.failure_message(e) if run.watchdog is not None else None
-        if reason is None:
-            raise
-        run.watchdog.stop()  # one message: not the watchdog's as well
-        if run.watchdog.take_voice() and claim_report(run.env.rank, unsure=True):
-            print(reason, file=sys.stderr, flush=True)
-        run.monitor.close()
-        os._exit(WATCHDOG_EXIT_CODE)
+    leave), the first to claim the job's error slot speaks; the others exit quietly. The
+    launcher's SIGTERM, sent as soon as a peer died, waits until that line is out."""
+    with sigterm_deferred():
+        try:
+            return train(run)
+        except RuntimeError as e:
+            if isinstance(e, expected_errors()):  # agreed by every rank (a write error)
+                raise
+            reason = run.watchdog.failure_message(e) if run.watchdog is not None else None
+            if reason is None:
+                raise
+            run.watchdog.stop()  # one message: not the watchdog's as well
+            if run.watchdog.take_voice() and claim_report(run.env.rank, unsure=True):
+                print(reason, file=sys.stderr, flush=True)
+            run.monitor.close()
+            os._exit(WATCHDOG_EXIT_CODE)
 
 
 def shutdown(run: Run) -> None:

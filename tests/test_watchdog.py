@@ -210,3 +210,23 @@ def test_peer_registry_names_dead_and_stopped_peers_and_ends_the_stopped():
         if stopped.poll() is None:
             stopped.kill()
             stopped.wait()
+
+
+def test_sigterm_is_held_until_the_survivor_has_spoken():
+    """torchrun SIGTERMs a survivor the moment its peer dies; the line naming the dead peer
+    must come out first. Inside the block the signal is recorded; after it, delivered."""
+    import signal
+
+    from megazero.exit_conditions import sigterm_deferred
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("handler"))
+    try:
+        with sigterm_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            seen.append("message")
+        time.sleep(0.05)
+        assert seen == ["message", "handler"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
