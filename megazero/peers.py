@@ -21,22 +21,28 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 _KEY = "megazero/proc/{}"
 
 
+_PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is in its exit (a kill -9 under way)
+
+
 def _stat(pid: int) -> tuple[str, str] | None:
     """(state letter, start time in clock ticks) of ``pid``, or None when there is no such
-    process."""
+    process. A process inside its exit reads as ``X``: its sockets close (the survivor sees
+    "Connection reset") before it turns into a zombie."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
             text = f.read()
     except OSError:
         return None
     rest = text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
-    return rest[0], rest[19]
+    state = "X" if int(rest[6]) & _PF_EXITING else rest[0]
+    return state, rest[19]
 
 
 def this_process() -> str:
@@ -65,9 +71,18 @@ class PeerRegistry:
         except Exception:  # noqa: BLE001 - no store (its host is gone too): nothing to say
             return None
 
-    def diagnose(self, ranks: Sequence[int]) -> str | None:
-        """What is wrong with the peers among ``ranks`` on this host, or None if nothing seen.
-        Ends a stopped peer (see the module docstring)."""
+    def diagnose(self, ranks: Sequence[int], settle_s: float = 1.0) -> str | None:
+        """What is wrong with the peers among ``ranks`` on this host, or None if nothing seen
+        within ``settle_s`` (a killed peer may still be finishing its exit when its closed
+        connection is noticed). Ends a stopped peer (see the module docstring)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            said = self._look(ranks)
+            if said is not None or time.monotonic() >= deadline:
+                return said
+            time.sleep(0.05)
+
+    def _look(self, ranks: Sequence[int]) -> str | None:
         host = socket.gethostname()
         dead, stopped = [], []
         for r in ranks:
