@@ -53,9 +53,9 @@ def this_process() -> str:
 class PeerRegistry:
     """This job's ranks' processes, read back from ``store`` (a ``torch.distributed`` store)."""
 
-    def __init__(self, store: Any, rank: int,
+    def __init__(self, store: Any, rank: int, world_size: int = 0,
                  kill: Callable[[int, int], None] = os.kill) -> None:
-        self.store, self.rank, self._kill = store, rank, kill
+        self.store, self.rank, self.world_size, self._kill = store, rank, world_size, kill
 
     def register(self) -> PeerRegistry:
         self.store.set(_KEY.format(self.rank), this_process())
@@ -76,8 +76,11 @@ class PeerRegistry:
         within ``settle_s`` (a killed peer may still be finishing its exit when its closed
         connection is noticed). Ends a stopped peer (see the module docstring)."""
         deadline = time.monotonic() + settle_s
+        # The rest of the world too: a phase names the group it waits on, but a collective of
+        # another group may run inside it (the dp gradient sync overlapped with the backward).
+        rest = [r for r in range(self.world_size) if r not in set(ranks)]
         while True:
-            said = self._look(ranks)
+            said = self._look(ranks) or self._look(rest)
             if said is not None or time.monotonic() >= deadline:
                 return said
             time.sleep(0.05)

@@ -333,7 +333,8 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     env = initialize_distributed(cfg.parallel.distributed_backend,
                                  cfg.parallel.distributed_timeout_minutes)
-    peers = PeerRegistry(dist.distributed_c10d._get_default_store(), env.rank).register()
+    peers = PeerRegistry(dist.distributed_c10d._get_default_store(), env.rank,
+                         env.world_size).register()
     watchdog = Watchdog(timeout.total_seconds(), env.rank, diagnose=peers.diagnose).start()
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
                                   timeout=timeout)

@@ -193,6 +193,10 @@ def test_peer_registry_names_dead_and_stopped_peers_and_ends_the_stopped():
         reg = PeerRegistry(store, 0, kill=lambda pid, sig: killed.append((pid, sig)))
         # itself and a peer elsewhere: nothing to say (after a second's look)
         assert reg.diagnose([0, 3], settle_s=0.1) is None
+        # a phase over a group of this rank alone (the mp group at tp=pp=1): the world is
+        # looked at too
+        world = PeerRegistry(store, 0, 6, kill=lambda pid, sig: None)
+        assert f"rank 2 (pid {dead.pid})" in world.diagnose([0])
         said = reg.diagnose([0, 1, 2, 3, 4, 5])  # rank 4 never registered
         assert said == (f"rank 2 (pid {dead.pid}), rank 5 (pid {os.getpid()}) have died "
                         f"(killed or crashed; see its own output and the launcher's); rank 1 "
