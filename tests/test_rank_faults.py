@@ -106,9 +106,10 @@ def _check_resume(tmp_path, reference, at):
     assert latest % 2 == 0 and latest >= at - 2 and latest < ITERS, (latest, at)
     _, state = read_model_state(ck)
     assert all(bool(torch.isfinite(t).all()) for t in state.values())
-    logged = read_metrics(tmp_path / "m.jsonl")  # the faulty run up to the hit
-    assert sorted(logged)[:at] == list(range(1, at + 1))
-    for it in range(1, at + 1):
+    # The faulty run up to the hit (a killed rank 0 may take its last record with it).
+    logged = read_metrics(tmp_path / "m.jsonl")
+    assert set(range(1, at)) <= set(logged), sorted(logged)
+    for it in range(1, at):
         assert logged[it]["lm loss"] == reference[it], it  # the reference is this trajectory
     [resumed], _ = run_distributed(_train, 2, [[*ARGS, "--load", ck, "--save", ck]],
                                    timeout=120)
