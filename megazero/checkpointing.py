@@ -76,8 +76,8 @@ from megazero.checkpoint.reader import (
     VERSION,
     ShardReader,
     iteration_dir,
+    meta_digest,
     read_global_tensors,
-    read_json,
     read_meta,
     read_meta_at,
     read_model_state,
@@ -89,6 +89,7 @@ from megazero.checkpoint.tensors import (
     optimizer_state_per_param,
     param_infos,
 )
+from megazero.save_check import explain_write_error
 
 __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",
            "load_checkpoint", "read_global_tensors", "read_model_state", "read_tracker",
@@ -172,6 +173,46 @@ def _remove_debris(root: str, directory: str) -> None:
 
 # --- save -----------------------------------------------------------------------------------
 
+def _raise_first(problems: list[str | None]) -> None:
+    for p in problems:
+        if p:
+            raise CheckpointError(p)
+
+
+def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered: list[Any],
+                 config: Any, consumed_samples: int, topo: Any, zero_stage: int, scheduler: Any,
+                 engine: Any, has_optimizer: bool, tag: str | None = None) -> None:
+    """Rank 0, once every rank's files are on disk: config.json, metadata.json (the index and
+    checksums; its presence means "complete"), then the ``latest`` pointer (the iteration
+    tracker, or with ``tag`` DeepSpeed's ``latest`` tag file)."""
+    tensors: dict[str, Any] = {}
+    all_files: dict[str, Any] = {}
+    for idx, fl, _, _ in gathered:
+        all_files.update(fl)
+        for name, e in idx.items():
+            t = tensors.setdefault(name, {k: v for k, v in e.items()
+                                          if k not in ("tp_rank", "dir")})
+            t.setdefault("dirs", [None] * e["tp"])[e["tp_rank"]] = e["dir"]
+    config_path = os.path.join(directory, "config.json")
+    w.text(json.dumps(config_dict(config), indent=1), config_path)
+    all_files["config.json"] = {"sha256": sha256(config_path),
+                                "bytes": os.path.getsize(config_path)}
+    meta = {"format": FORMAT, "version": VERSION, "iteration": iteration,
+            "consumed_samples": consumed_samples, "layout": layout_of(topo, zero_stage),
+            "world_size": topo.world_size,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "loss_scaler": engine.scaler.state_dict() if engine is not None else None,
+            "has_optimizer": has_optimizer, "opaque_optimizer": any(g[3] for g in gathered),
+            "tensors": tensors, "files": all_files}
+    meta["sha256"] = meta_digest(meta)
+    w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
+    if tag is not None:
+        w.text(tag, os.path.join(root, TAG_TRACKER))
+    else:
+        w.text(str(iteration), os.path.join(root, TRACKER))
+    _remove_debris(root, directory)
+
+
 def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[torch.nn.Module],
                     optimizer: Any, scheduler: Any, consumed_samples: int, config: Any,
                     zero_stage: int = 0, rng_tracker: Any = None,
@@ -208,53 +249,41 @@ def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[to
         w.torch(obj, path)
         files[rel] = {"sha256": sha256(path), "bytes": os.path.getsize(path)}
 
-    if writes_pair:
-        pair = _pair_dir(c.tp, c.pp)
-        put({i.name: weights[id(i.param)].clone() for i in mine}, f"{pair}/model.pt")
-        if optim is not None:
-            put({i.name: optim[id(i.param)] for i in mine if id(i.param) in optim},
-                f"{pair}/optim.pt")
-        for i in mine:
-            index[i.name] = {"shape": i.global_shape(tuple(shapes[id(i.param)]), topo.tp_size),
-                             "dim": i.dim, "stride": i.stride,
-                             "tp": topo.tp_size if i.dim is not None else 1,
-                             "vocab": i.vocab, "dtype": str(weights[id(i.param)].dtype),
-                             "tp_rank": c.tp if i.dim is not None else 0, "dir": pair,
-                             "optim": optim is not None and id(i.param) in optim}
-    opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
-    put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
-        f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
-    if extra_state is not None and topo.rank == 0:
-        put(extra_state, "extra_state.pt")
+    problem = None  # why this rank's files could not be written (a full disk, a quota...)
+    try:
+        if writes_pair:
+            pair = _pair_dir(c.tp, c.pp)
+            put({i.name: weights[id(i.param)].clone() for i in mine}, f"{pair}/model.pt")
+            if optim is not None:
+                put({i.name: optim[id(i.param)] for i in mine if id(i.param) in optim},
+                    f"{pair}/optim.pt")
+            for i in mine:
+                index[i.name] = {
+                    "shape": i.global_shape(tuple(shapes[id(i.param)]), topo.tp_size),
+                    "dim": i.dim, "stride": i.stride,
+                    "tp": topo.tp_size if i.dim is not None else 1,
+                    "vocab": i.vocab, "dtype": str(weights[id(i.param)].dtype),
+                    "tp_rank": c.tp if i.dim is not None else 0, "dir": pair,
+                    "optim": optim is not None and id(i.param) in optim}
+        opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
+        put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
+            f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
+        if extra_state is not None and topo.rank == 0:
+            put(extra_state, "extra_state.pt")
+    except (OSError, RuntimeError) as e:  # reported on every rank below; a death passes
+        problem, opaque = explain_write_error(root, iteration, e), None
     barrier()  # every shard is on disk before the checkpoint is declared complete
-    gathered = gather((index, files))
+    gathered = gather((index, files, problem, opaque is not None))
+    # A rank that could not write makes every rank raise (none waits at a barrier for it),
+    # before anything declares this checkpoint complete.
+    _raise_first([p for _, _, p, _ in gathered])
     if topo.rank == 0:
-        tensors: dict[str, Any] = {}
-        all_files: dict[str, Any] = {}
-        for idx, fl in gathered:
-            all_files.update(fl)
-            for name, e in idx.items():
-                t = tensors.setdefault(name, {k: v for k, v in e.items()
-                                              if k not in ("tp_rank", "dir")})
-                t.setdefault("dirs", [None] * e["tp"])[e["tp_rank"]] = e["dir"]
-        w.text(json.dumps(config_dict(config), indent=1), os.path.join(directory, "config.json"))
-        all_files["config.json"] = {"sha256": sha256(os.path.join(directory, "config.json")),
-                                    "bytes": os.path.getsize(os.path.join(directory,
-                                                                          "config.json"))}
-        meta = {"format": FORMAT, "version": VERSION, "iteration": iteration,
-                "consumed_samples": consumed_samples, "layout": layout_of(topo, zero_stage),
-                "world_size": topo.world_size,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "loss_scaler": engine.scaler.state_dict() if engine is not None else None,
-                "has_optimizer": optimizer is not None, "opaque_optimizer": opaque is not None,
-                "tensors": tensors, "files": all_files}
-        w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
-        if tag is not None:
-            w.text(tag, os.path.join(root, TAG_TRACKER))
-        else:
-            w.text(str(iteration), os.path.join(root, TRACKER))
-        _remove_debris(root, directory)
-    barrier()
+        try:
+            _write_index(w, root, directory, iteration, gathered, config, consumed_samples,
+                         topo, zero_stage, scheduler, engine, optimizer is not None, tag)
+        except (OSError, RuntimeError) as e:  # as above
+            problem = explain_write_error(root, iteration, e)
+    _raise_first(gather(problem if topo.rank == 0 else None))
     return directory
 
 
@@ -283,6 +312,7 @@ def write_model_state(root: str, config: dict, state: dict[str, torch.Tensor],
             "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero_stage": 0}, "world_size": 1,
             "scheduler": None, "loss_scaler": None, "has_optimizer": False,
             "opaque_optimizer": False, "tensors": tensors, "files": files}
+    meta["sha256"] = meta_digest(meta)
     w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
     w.text(str(iteration), os.path.join(root, TRACKER))
     _remove_debris(root, directory)
@@ -373,7 +403,8 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
         if found is None:
             return {"found": False}
         iteration, directory, meta = found
-    saved_cfg = read_json(os.path.join(directory, "config.json"))
+    reader = ShardReader(directory, meta)
+    saved_cfg = reader.json("config.json")
     now_cfg = config_dict(config) if config is not None else None
     diff = _config_difference(saved_cfg, now_cfg)
     if diff:
@@ -392,7 +423,6 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
     if load_optim and engine is not None and not meta["has_optimizer"]:
         raise CheckpointError(f"checkpoint {directory} holds weights only (no optimizer state); "
                               "load it with --finetune or --no-load-optim")
-    reader = ShardReader(directory, meta)
     c = topo.coord
     infos = param_infos(models, c.pp, topo.pp_size)
     missing = [i.name for i in infos if i.name not in meta["tensors"]]

@@ -59,8 +59,10 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def _claim_report(rank: int, head_start_s: float) -> bool:
-    """True if this rank is the one that prints the job's error (first claimant wins)."""
+def claim_report(rank: int, head_start_s: float = 0.0, unsure: bool | None = None) -> bool:
+    """True if this rank is the one that prints the job's error (first claimant wins).
+    ``unsure``: the answer when no store can be asked (default: rank 0 speaks)."""
+    unsure = rank == 0 if unsure is None else unsure
     try:
         import torch.distributed as dist
 
@@ -68,14 +70,14 @@ def _claim_report(rank: int, head_start_s: float) -> bool:
     except Exception:  # no store to agree through
         store = None
     if store is None:
-        return rank == 0
+        return unsure
     if rank != 0:
         time.sleep(head_start_s)
     try:
         winner = store.compare_set(_ERROR_KEY, "", str(rank))
         return winner.decode() == str(rank)
     except Exception:
-        return rank == 0
+        return unsure
 
 
 def already_reported() -> bool:
@@ -105,7 +107,7 @@ def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
     code = getattr(error, "exit_code", EXIT_CODE)
     if debug_enabled():
         traceback.print_exception(error, file=sys.stderr)
-    if _claim_report(rank, head_start_s):
+    if claim_report(rank, head_start_s):
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
         return code
     time.sleep(grace_s)

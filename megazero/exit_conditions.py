@@ -7,8 +7,11 @@ same checkpoint.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +35,23 @@ class ExitFlags:
     def uninstall(self) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
+
+
+@contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """Hold SIGTERM over the block and deliver it after (to the previous handler).
+
+    Why: when a peer dies, ``torchrun`` sends SIGTERM to the survivors at once. A survivor
+    that has just left the training loop (whose handler only sets a flag) is about to print
+    the one line naming the dead peer; the default action would end it silently first."""
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if got:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_votes(train_cfg: Any, flags: ExitFlags, start: float) -> list[float]:

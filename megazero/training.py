@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.checkpointing import CheckpointError, config_dict, load_checkpoint, save_checkpoint
+from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.dist_init import (
     DistEnv,
@@ -44,12 +44,14 @@ from megazero.dist_init import (
     set_seed,
 )
 from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
-from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes
+from megazero.errors import claim_report, expected_errors
+from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes, sigterm_deferred
 from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
+from megazero.peers import PeerRegistry
 from megazero.resume_checks import check_resume
-from megazero.save_check import check_save_dir, checkpoint_bytes, explain_write_error
+from megazero.save_check import check_save_dir, checkpoint_bytes
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
     Batching,
@@ -230,16 +232,13 @@ def _save(run: Run) -> None:
     if not ck.save:
         return
     t0 = time.perf_counter()
-    try:
-        save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
-                        optimizer=run.engine, scheduler=run.scheduler,
-                        consumed_samples=run.state.consumed_samples, config=run.cfg,
-                        zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
-                        writer=run.checkpoint_writer)
-    except CheckpointError:
-        raise
-    except (OSError, RuntimeError) as e:  # a full disk, a directory gone or made read-only
-        raise CheckpointError(explain_write_error(ck.save, run.state.iteration, e)) from e
+    # A write that fails (a full disk, a directory gone or made read-only) is a CheckpointError
+    # on every rank; a collective that fails (a peer died mid-save) stays the backend's error.
+    save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
+                    optimizer=run.engine, scheduler=run.scheduler,
+                    consumed_samples=run.state.consumed_samples, config=run.cfg,
+                    zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
+                    writer=run.checkpoint_writer)
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 
@@ -358,7 +357,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     env = initialize_distributed(cfg.parallel.distributed_backend,
                                  cfg.parallel.distributed_timeout_minutes)
-    watchdog = Watchdog(timeout.total_seconds(), env.rank).start()
+    peers = PeerRegistry(dist.distributed_c10d._get_default_store(), env.rank,
+                         env.world_size).register()
+    watchdog = Watchdog(timeout.total_seconds(), env.rank, diagnose=peers.diagnose).start()
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
                                   timeout=timeout)
     set_seed(cfg.train.seed, topo.pp_rank)
@@ -488,17 +489,24 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
 def _train_or_explain(run: Run) -> TrainState:
     """:func:`train`; a collective that fails inside a watched phase (the backend's timeout,
     a peer that closed its connection) ends this rank with one line naming the phase and the
-    group instead of a traceback. The group is broken then: nothing is torn down in order."""
-    try:
-        return train(run)
-    except RuntimeError as e:
-        reason = run.watchdog.failure_message(e) if run.watchdog is not None else None
-        if reason is None:
-            raise
-        run.watchdog.stop()  # one message: not the watchdog's as well
-        print(reason, file=sys.stderr, flush=True)
-        run.monitor.close()
-        os._exit(WATCHDOG_EXIT_CODE)
+    group instead of a traceback. The group is broken then: nothing is torn down in order.
+    Of the ranks that see the failure (every survivor, and the ranks that then see a survivor
+    leave), the first to claim the job's error slot speaks; the others exit quietly. The
+    launcher's SIGTERM, sent as soon as a peer died, waits until that line is out."""
+    with sigterm_deferred():
+        try:
+            return train(run)
+        except RuntimeError as e:
+            if isinstance(e, expected_errors()):  # agreed by every rank (a write error)
+                raise
+            reason = run.watchdog.failure_message(e) if run.watchdog is not None else None
+            if reason is None:
+                raise
+            run.watchdog.stop()  # one message: not the watchdog's as well
+            if run.watchdog.take_voice() and claim_report(run.env.rank, unsure=True):
+                print(reason, file=sys.stderr, flush=True)
+            run.monitor.close()
+            os._exit(WATCHDOG_EXIT_CODE)
 
 
 def shutdown(run: Run) -> None:

@@ -50,13 +50,16 @@ class Watchdog:
 
     ``out`` receives the one message (default stderr); ``exit`` ends the process (default
     ``os._exit``); both are injectable for tests. ``watch_parent`` compares the parent pid
-    with the one seen at start: a re-parented process has lost its launcher.
+    with the one seen at start: a re-parented process has lost its launcher. ``diagnose``
+    (:meth:`megazero.peers.PeerRegistry.diagnose`) names the dead or stopped peers among a
+    group's ranks in the message.
     """
 
     def __init__(self, limit_s: float, rank: int, *, poll_s: float | None = None,
                  watch_parent: bool = True, out: TextIO | None = None,
                  exit: Callable[[int], None] = os._exit,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 diagnose: Callable[[Sequence[int]], str | None] | None = None) -> None:
         if limit_s <= 0:
             raise ValueError(f"watchdog limit must be > 0 seconds, got {limit_s}")
         self.limit_s = float(limit_s)
@@ -66,10 +69,12 @@ class Watchdog:
         self.out = out
         self._exit = exit
         self._clock = clock
+        self._diagnose = diagnose
         self._parent = os.getppid()
         self._lock = threading.Lock()
         self._current: tuple[str, str | None, tuple[int, ...], float] | None = None
         self._stop = threading.Event()
+        self._voice = threading.Lock()  # taken by whichever path prints this rank's one message
         self._thread: threading.Thread | None = None
         self.fired: str | None = None
         self.failed: tuple[str, str | None, tuple[int, ...], float] | None = None
@@ -116,6 +121,11 @@ class Watchdog:
             with self._lock:
                 self._current = previous
 
+    def take_voice(self) -> bool:
+        """True once per process: the thread's stuck-phase exit and the loop's failed
+        collective may see the same hang at the same moment; only the first one speaks."""
+        return self._voice.acquire(blocking=False)
+
     def failure_message(self, exc: BaseException) -> str | None:
         """One line for a collective that failed inside a phase (the backend's own timeout
         fired, or a peer closed its connection), or None when ``exc`` is no such failure."""
@@ -124,8 +134,17 @@ class Watchdog:
         what, group, ranks, _ = self.failed
         where = f" over the {group} group (ranks {list(ranks)})" if group else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cause = self._cause(ranks) or "A peer rank is stuck or dead (see its own output)"
         return (f"[rank {self.rank}] {what}{where} failed after {self.failed_after:.1f}s: "
-                f"{first}. A peer rank is stuck or dead (see its own output); ending the job")
+                f"{first}. {cause}; ending the job")
+
+    def _cause(self, ranks: Sequence[int]) -> str | None:
+        if self._diagnose is None:
+            return None
+        try:
+            return self._diagnose(ranks)
+        except Exception:  # noqa: BLE001 - the message must go out whatever the diagnosis does
+            return None
 
     # --- the thread ----------------------------------------------------------------------------
 
@@ -143,9 +162,10 @@ class Watchdog:
         if waited <= self.limit_s:
             return None
         where = f" over the {group} group (ranks {list(ranks)})" if group else ""
+        cause = self._cause(ranks) or "a peer rank is stuck, dead or in another collective"
         return (f"[rank {self.rank}] watchdog: {what}{where} has not finished after "
-                f"{waited:.1f}s (limit {self.limit_s:g}s, --distributed-timeout-minutes); a "
-                f"peer rank is stuck, dead or in another collective. Ending the job")
+                f"{waited:.1f}s (limit {self.limit_s:g}s, --distributed-timeout-minutes); "
+                f"{cause}. Ending the job")
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -154,7 +174,8 @@ class Watchdog:
                 self.fired = reason
                 out = self.out or sys.stderr
                 try:
-                    print(reason, file=out, flush=True)
+                    if self.take_voice():
+                        print(reason, file=out, flush=True)
                 finally:
                     self._exit(WATCHDOG_EXIT_CODE)
                 return

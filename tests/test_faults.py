@@ -16,9 +16,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from test_e2e import TINY, check, read_metrics, run_training
 
 from megazero.arguments import load_config
+from megazero.checkpointing import read_model_state
 from megazero.config import ConfigError, LoggingConfig
 from megazero.data import token_range
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -57,16 +59,35 @@ def test_divergence_skips_stops_and_keeps_latest(tmp_path):
         assert b[it]["lm loss"] == a[it]["lm loss"], it
 
 
-def test_bf16_divergence_stops_without_saving(tmp_path):
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_half_precision_divergence_stops_without_saving_and_resumes(tmp_path, precision):
+    """fp32 above; in bf16 and fp16 (whose loss scaler skips overflowing steps on its own) a
+    NaN run also ends with exit 3 and one message, and the last finite checkpoint resumes
+    exactly: the same flags give the same losses and diverge again at the same iteration."""
     ck = tmp_path / "ck"
-    proc = run_training([*TINY, "--bf16", "--train-iters", "12", "--lr", "1e6", "--save",
-                         str(ck), "--save-interval", "1", "--max-nonfinite-steps", "2"])
+    args = [*TINY, precision, "--train-iters", "12", "--lr", "1e6", "--save", str(ck),
+            "--save-interval", "1", "--max-nonfinite-steps", "2"]
+    proc = run_training([*args, "--log-json", str(tmp_path / "a.jsonl")])
     assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stderr.count("pretrain_gpt.py: error: training diverged at iteration") == 1
+    assert "Traceback" not in proc.stderr
     assert "NaN/inf for 2 iterations in a row (--max-nonfinite-steps 2)" in proc.stderr
     saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert f"not saving the interval checkpoint at iteration {saved + 1}" in proc.stdout
     diverged = int(proc.stderr.split("training diverged at iteration ")[1].split(":")[0])
-    assert saved == diverged - 2  # the last iteration before the NaN streak
+    # The last iteration before the NaN streak, or the one before it when that iteration's
+    # loss was still finite but its update made the weights NaN/inf (not saved either).
+    assert diverged - 3 <= saved <= diverged - 2
+    _, state = read_model_state(str(ck))
+    assert all(bool(torch.isfinite(t).all()) for t in state.values())
+    again = run_training([*args, "--load", str(ck), "--log-json", str(tmp_path / "b.jsonl")])
+    assert again.returncode == 3, again.stderr[-3000:]
+    assert f"training diverged at iteration {diverged}:" in again.stderr
+    a, b = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
+    assert sorted(b) == list(range(saved + 1, diverged + 1))
+    for it in b:
+        assert b[it].get("lm loss") == a[it].get("lm loss"), it
+        assert b[it]["loss-scale"] == a[it]["loss-scale"] and b[it]["nan"] == a[it]["nan"]
 
 
 def test_validation_perplexity_of_nan_is_nan():
@@ -123,7 +144,7 @@ def test_max_token_id_is_cached_with_the_index(tmp_path, monkeypatch):
     def no_scan(_):
         raise AssertionError("scanned the .bin again")
 
-    monkeypatch.setattr(token_range, "_scan_max", no_scan)
+    monkeypatch.setattr(token_range, "_scan_range", no_scan)
     assert token_range.max_token_id(IndexedDataset(str(tmp_path / "c")),
                                     str(tmp_path / "cache")) == 99
     with pytest.raises(ConfigError, match="holds token id 99, but the model's vocabulary has 99"):
@@ -132,6 +153,41 @@ def test_max_token_id_is_cached_with_the_index(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert token_range.max_token_id(IndexedDataset(str(tmp_path / "c")),
                                     str(tmp_path / "cache")) == 150
+
+
+def test_out_of_range_ids_in_any_blended_file_name_that_file_and_the_range(tmp_path):
+    """A blend whose second file holds an id past the vocabulary, or a negative id (an int32
+    corpus written by another tool): the error names that file and the ids."""
+    from megazero.data.builder import DataConfig, build_train_valid_test_datasets
+    from megazero.data.indexed_dataset import data_file_path
+
+    _corpus(tmp_path / "good", 99)
+    _corpus(tmp_path / "bad", 130)
+    with IndexedDatasetBuilder(str(tmp_path / "neg"), np.int32) as b:
+        b.add_document(np.arange(10))
+        b.finalize()
+    with open(data_file_path(str(tmp_path / "neg")), "r+b") as f:  # token 3 becomes -1
+        f.seek(3 * 4)
+        f.write(np.array([-1], dtype=np.int32).tobytes())
+
+    def build(*prefixes):
+        path = [x for p in prefixes for x in ("1", str(tmp_path / p))]
+        cfg = DataConfig(data_path=tuple(path), split="98,1,1", seq_length=8,
+                         num_samples=(8, 0, 0),
+                         seed=1, vocab_size=128, cache_dir=str(tmp_path / "cache"))
+        return build_train_valid_test_datasets(cfg, is_builder=True, barrier=lambda: None)
+
+    assert build("good")[0] is not None
+    with pytest.raises(ConfigError) as e:
+        build("good", "bad")
+    assert str(e.value).startswith(f"--data-path {tmp_path / 'bad'}: {tmp_path / 'bad.bin'} "
+                                   f"holds token id 130, but the model's vocabulary has 128 "
+                                   f"tokens (ids 0..127, ")
+    with pytest.raises(ConfigError) as e:
+        build("neg", "good")
+    assert str(e.value).startswith(f"--data-path {tmp_path / 'neg'}: {tmp_path / 'neg.bin'} "
+                                   f"holds token id -1, but token ids run 0..127 (the "
+                                   f"tokenizer / --vocab-size); ids -1..9 are in the file")
 
 
 def test_save_directory_is_checked_before_training(tmp_path):

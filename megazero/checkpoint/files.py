@@ -76,20 +76,26 @@ def remove_stale_tmp(directory: str) -> list[str]:
 def verified_load(path: str, expected: dict[str, Any] | None, mmap: bool = True) -> Any:
     """``torch.load`` with ``weights_only=True`` after checking the file against its recorded
     size and SHA-256; every failure is a :class:`CheckpointError` naming ``path``."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete "
-                              "(copy it again or load an earlier iteration)")
-    if expected is not None:
-        size = os.path.getsize(path)
-        if size != expected["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} has {size} bytes, metadata.json "
-                                  f"records {expected['bytes']}: the file is truncated or "
-                                  "replaced; copy it again or load an earlier iteration")
-        if sha256(path) != expected["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} fails its SHA-256 check (corrupted); "
-                                  "copy it again or load an earlier iteration")
+    verify(path, expected)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         raise CheckpointError(f"checkpoint file {path} cannot be read safely "
                               f"(weights_only load failed: {str(e).splitlines()[0]})") from None
+
+
+def verify(path: str, expected: dict[str, Any] | None) -> None:
+    """``path`` exists, with the size and SHA-256 that ``metadata.json`` records for it."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete "
+                              "(copy it again or load an earlier iteration)")
+    if expected is None:
+        return
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} has {size} bytes, metadata.json "
+                              f"records {expected['bytes']}: the file is truncated or "
+                              "replaced; copy it again or load an earlier iteration")
+    if sha256(path) != expected["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} fails its SHA-256 check (corrupted); "
+                              "copy it again or load an earlier iteration")

@@ -3,14 +3,16 @@ tensors or this rank's slices of them (see :mod:`megazero.checkpointing` for the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from megazero.checkpoint.files import CheckpointError, verified_load
+from megazero.checkpoint.files import CheckpointError, verified_load, verify
 from megazero.checkpoint.tensors import ParamInfo, assemble, read_slice
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -18,6 +20,7 @@ TAG_TRACKER = "latest"  # names the newest tagged checkpoint (DeepSpeed's layout
 MARKER = "metadata.json"
 FORMAT = "megazero-portable"
 VERSION = 2
+_ITER_DIR = re.compile(r"iter_(\d{7,})")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -61,13 +64,47 @@ def _foreign(root: str) -> None:
                                           f"not a megazero one: {IMPORT_HINT}")
 
 
+def complete_iterations(root: str) -> list[int]:
+    """Iterations under ``root`` whose save completed (``iter_NNNNNNN/metadata.json``)."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        m = _ITER_DIR.fullmatch(name)
+        if m and os.path.isfile(os.path.join(root, name, MARKER)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _instead(root: str, named: int | None = None) -> str:
+    """What to write into the tracker instead: the newest complete checkpoint, if any."""
+    done = [i for i in complete_iterations(root) if i != named]
+    if not done:
+        return f"{root} holds no complete checkpoint; point --load elsewhere or drop it"
+    return (f"the newest complete checkpoint is iteration {done[-1]}: write {done[-1]} into "
+            f"{os.path.join(root, TRACKER)} to resume from it")
+
+
 def read_tracker(root: str) -> int | None:
-    """The iteration ``latest`` names, or ``None`` when ``root`` has no checkpoint."""
+    """The iteration ``latest`` names, or ``None`` when ``root`` has no checkpoint.
+
+    The tracker is authoritative, as in Megatron-LM and DeepSpeed: it may name an older
+    checkpoint than the newest on disk (that is how a run is rolled back), and a tracker that
+    cannot be used is an error naming the newest complete checkpoint, never a silent fallback
+    to another iteration than the one the user (or the last save) chose. A missing tracker
+    means "no checkpoint" only when no save ever completed; beside complete checkpoints it
+    was deleted or lost, and starting from scratch would overwrite them."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         _foreign(root)
+        done = complete_iterations(root)
+        if done:
+            raise CheckpointError(f"{root} has no {TRACKER}, but holds complete checkpoints; "
+                                  f"{_instead(root)} (or point --load at an empty directory "
+                                  f"to start from scratch)")
         return None
-    text = open(path, encoding="utf-8").read().strip()
+    try:
+        text = open(path, encoding="utf-8").read().strip()
+    except (OSError, ValueError) as e:  # unreadable, or not UTF-8 text
+        text = repr(e)
     if text == "release":
         release = os.path.join(root, "release")
         found = _megatron_files(release)
@@ -75,10 +112,10 @@ def read_tracker(root: str) -> int | None:
             raise CheckpointError(f"{path} names Megatron's 'release' directory ({found or release}"
                                   f"), not a megazero checkpoint: {IMPORT_HINT}")
         return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number") from None
+    if not text.isdigit() or not text.isascii():
+        raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number (damaged, "
+                              f"or written by hand); {_instead(root)}")
+    return int(text)
 
 
 def read_json(path: str) -> Any:
@@ -139,24 +176,49 @@ def refuse_foreign(root: str) -> None:
 
 
 def read_meta(root: str, iteration: int | None) -> tuple[int, str, dict[str, Any]] | None:
+    named = iteration is None  # chosen by the tracker, not by the caller
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
             return None
     directory = iteration_dir(root, iteration)
-    return iteration, directory, read_meta_at(directory, f"iteration {iteration}")
+    where = f"{os.path.join(root, TRACKER)} names iteration {iteration}, but " if named else ""
+    hint = f"; {_instead(root, iteration)}" if named else ("; point --load at a complete "
+                                                          "checkpoint")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{where}{directory} does not exist{hint}")
+    return iteration, directory, read_meta_at(directory, f"iteration {iteration}", where, hint)
 
 
-def read_meta_at(directory: str, what: str) -> dict[str, Any]:
-    """``metadata.json`` of one checkpoint directory (``what`` names it in errors)."""
+def read_meta_at(directory: str, what: str, where: str = "",
+                 hint: str = "; point --load at a complete checkpoint") -> dict[str, Any]:
+    """``metadata.json`` of one checkpoint directory, checked (``what`` names the save in
+    errors; ``where`` and ``hint`` say who named the directory and what to do instead)."""
     marker = os.path.join(directory, MARKER)
     if not os.path.isfile(marker):
         _refuse_megatron(directory)
-        raise CheckpointError(f"{directory} has no {MARKER}: the save of {what} did not "
-                              "complete; point --load at a complete checkpoint")
+        raise CheckpointError(f"{where}{directory} has no {MARKER}: the save of {what} did not "
+                              f"complete{hint}")
     meta = read_json(marker)
     check_format(marker, meta)
+    check_meta_digest(meta, marker)
     return meta
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of ``metadata.json``'s content without its own ``sha256`` entry, as written
+    (``json.dumps(indent=1)``; ``json.load`` keeps the key order, so it re-serialises to the
+    same text)."""
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, indent=1).encode("utf-8")).hexdigest()
+
+
+def check_meta_digest(meta: dict[str, Any], path: str) -> None:
+    """A bit flipped in ``metadata.json`` that leaves valid JSON (a digit of a size, a consumed
+    sample count) is caught by its own checksum (absent in older saves: not checked)."""
+    if "sha256" in meta and meta["sha256"] != meta_digest(meta):
+        raise CheckpointError(f"checkpoint file {path} fails its SHA-256 check (corrupted); "
+                              "copy it again or load an earlier iteration")
 
 
 class ShardReader:
@@ -172,6 +234,12 @@ class ShardReader:
                 raise CheckpointError(f"{self.directory}/{MARKER} lists no checksum for {rel}")
             self.cache[rel] = verified_load(os.path.join(self.directory, rel), expected)
         return self.cache[rel]
+
+    def json(self, rel: str) -> Any:
+        """A JSON file of the checkpoint (``config.json``), checked against its checksum."""
+        path = os.path.join(self.directory, rel)
+        verify(path, self.meta["files"].get(rel))
+        return read_json(path)
 
     def piece(self, name: str, kind: str, r: int) -> torch.Tensor:
         d = self.meta["tensors"][name]["dirs"][r]
@@ -219,7 +287,7 @@ def read_model_state(root: str, iteration: int | None = None
     if found is None:
         raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
     iteration, directory, meta = found
-    config = read_json(os.path.join(directory, "config.json"))
+    config = ShardReader(directory, meta).json("config.json")
     has_masters = all(e.get("optim") for e in meta["tensors"].values())
     kind = "master" if has_masters and meta["tensors"] else "weight"
     state = read_global_tensors(root, iteration, (kind,))[kind]

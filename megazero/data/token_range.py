@@ -18,25 +18,33 @@ import numpy as np
 from megazero.data.index_cache import IndexCache, default_barrier, default_is_builder
 from megazero.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 
-_FORMAT = 1
+_FORMAT = 2  # 2: the smallest id too (an int32 corpus written by another tool may hold -1)
 _CHUNK_TOKENS = 1 << 24  # bounded memory for the scan of a large .bin
 
 
-def _scan_max(ds: IndexedDataset) -> int:
-    """Largest token id in ``ds`` (-1 when it holds no tokens), chunk by chunk."""
+def _scan_range(ds: IndexedDataset) -> tuple[int, int]:
+    """Smallest and largest token id in ``ds`` ((0, -1) when it holds no tokens), chunk by
+    chunk."""
     total = int(ds.sequence_lengths.sum(dtype=np.int64))
     tokens = np.frombuffer(ds._bin_map, dtype=ds.dtype, count=total) if total else None
-    best = -1
+    lo, hi = 0, -1
     for start in range(0, total, _CHUNK_TOKENS):
-        best = max(best, int(tokens[start:start + _CHUNK_TOKENS].max()))
-    return best
+        chunk = tokens[start:start + _CHUNK_TOKENS]
+        lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
+    return lo, hi
 
 
 def max_token_id(ds: IndexedDataset, cache_dir: str, is_builder: bool | None = None,
                  barrier: Callable[[], None] | None = None, group=None) -> int:
-    """The largest token id in ``ds``, from the index cache in ``cache_dir`` when present.
+    """The largest token id in ``ds`` (see :func:`token_id_range`)."""
+    return token_id_range(ds, cache_dir, is_builder, barrier, group)[1]
 
-    One rank builds (as for the sample indices); the others read its result."""
+
+def token_id_range(ds: IndexedDataset, cache_dir: str, is_builder: bool | None = None,
+                   barrier: Callable[[], None] | None = None, group=None) -> tuple[int, int]:
+    """The smallest (at most 0) and largest token id in ``ds``, from the index cache in
+    ``cache_dir`` when present. One rank builds (as for the sample indices); the others read
+    its result."""
     prefix = ds.path_prefix
     files = {}
     for kind, path in (("bin", data_file_path(prefix)), ("idx", index_file_path(prefix))):
@@ -44,24 +52,32 @@ def max_token_id(ds: IndexedDataset, cache_dir: str, is_builder: bool | None = N
         files[kind] = {"path": os.path.abspath(path), "size": st.st_size,
                        "mtime_ns": st.st_mtime_ns}
     cache = IndexCache(cache_dir, {"class": "MaxTokenId", "format": _FORMAT, **files},
-                       ["max_token_id"])
+                       ["token_id_range"])
     if is_builder is None:
         is_builder = default_is_builder(group)
         if barrier is None:
             barrier = default_barrier(group)
     arrays, _ = cache.get_or_build(
-        lambda: {"max_token_id": np.array([_scan_max(ds)], dtype=np.int64)}, is_builder, barrier)
-    return int(arrays["max_token_id"][0])
+        lambda: {"token_id_range": np.array(_scan_range(ds), dtype=np.int64)}, is_builder,
+        barrier)
+    lo, hi = arrays["token_id_range"]
+    return int(lo), int(hi)
 
 
 def check_token_ids(ds: IndexedDataset, vocab_size: int, cache_dir: str,
                     is_builder: bool | None = None, barrier: Callable[[], None] | None = None,
                     group=None) -> int:
-    """Raise :class:`~megazero.config.ConfigError` when ``ds`` holds an id >= ``vocab_size``;
-    returns the largest id."""
+    """Raise :class:`~megazero.config.ConfigError` when ``ds`` holds an id outside
+    ``0 .. vocab_size-1``; returns the largest id."""
     from megazero.config import ConfigError
 
-    top = max_token_id(ds, cache_dir, is_builder, barrier, group)
+    low, top = token_id_range(ds, cache_dir, is_builder, barrier, group)
+    if low < 0:
+        raise ConfigError(
+            f"--data-path {ds.path_prefix}: {data_file_path(ds.path_prefix)} holds token id "
+            f"{low}, but token ids run 0..{vocab_size - 1} (the tokenizer / --vocab-size); ids "
+            f"{low}..{top} are in the file. It was written by another tool or is damaged: "
+            f"preprocess the text again with this run's tokenizer")
     if top >= vocab_size:
         raise ConfigError(
             f"--data-path {ds.path_prefix}: {data_file_path(ds.path_prefix)} holds token id "
