@@ -21,7 +21,6 @@ mode, or a backward in eval mode, is refused. Each is an :class:`EngineStateErro
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch import nn
 
 from megazero.config import MegazeroConfig
 from megazero.errors import MegazeroError
+from megazero.monitor import Timers
 
 
 class EngineStateError(MegazeroError, RuntimeError):
@@ -65,7 +65,10 @@ class MegazeroEngine:
         self._loss_sum: Any = 0.0  # a tensor once losses arrive: read only when a line is printed
         self._loss_count = 0
         self._last_result: Any = None
-        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        # wall_clock_breakdown: forward / backward / step and each collective inside them
+        self.timers = Timers(enabled=cfg.logging.wall_clock_breakdown)
+        if self.timers.enabled:
+            optimizer.comms.set_timers(self.timers)
         # A client scheduler object steers the client optimizer's groups: copy its learning
         # rates to the shards' optimizer before each update.
         self._lr_source = client_optimizer if (
@@ -145,11 +148,9 @@ class MegazeroEngine:
         return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
         self._last_forward_eval = not self.module.training
-        out = self.module(*inputs, **kwargs)
-        self._times["forward"] += time.perf_counter() - t0
-        return out
+        with self.timers.region("forward"):
+            return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -170,7 +171,7 @@ class MegazeroEngine:
             raise EngineStateError("engine.backward() needs the loss tensor of a training "
                                    "forward (it does not require grad: computed under "
                                    "torch.no_grad(), or detached)")
-        t0 = time.perf_counter()
+        self.timers.start("backward")
         gas = self.gradient_accumulation_steps()
         scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
         if self.fp16_enabled():
@@ -181,7 +182,7 @@ class MegazeroEngine:
         self._backward_done = True
         self._loss_sum = self._loss_sum + loss.detach().float()
         self._loss_count += 1
-        self._times["backward"] += time.perf_counter() - t0
+        self.timers.stop("backward")
         return loss
 
     def step(self) -> None:
@@ -189,8 +190,8 @@ class MegazeroEngine:
             raise EngineStateError("engine.step() called without engine.backward() since the "
                                    "last step(); each micro-step is forward, backward, step")
         self._backward_done = False
-        t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
+            self.timers.start("step")
             self._sync_lr()
             result = self.optimizer.step()
             self._last_result = result
@@ -203,7 +204,7 @@ class MegazeroEngine:
                 self.skipped_steps += 1
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self._times["step"] += time.perf_counter() - t0
+            self.timers.stop("step")
             self._report()
         else:
             self._step_applied = False
@@ -225,10 +226,9 @@ class MegazeroEngine:
         line = (f"[megazero] step={self.global_steps} samples={self.global_samples} lr=[{lr}] "
                 f"loss={loss:.6f} grad_norm={r.grad_norm:.4f} loss_scale={r.loss_scale:g} "
                 f"skipped={self.skipped_steps}")
-        if self.wall_clock_breakdown():
-            t = self._times
-            line += " | " + " ".join(f"{k}={v * 1000 / every:.1f}ms" for k, v in t.items())
-            self._times = dict.fromkeys(t, 0.0)
+        if self.timers.enabled:
+            line += " | " + " ".join(f"{k}={v * 1000 / every:.1f}ms"
+                                     for k, v in self.timers.pop_all().items())
         self.log_fn(line)
 
     # --- checkpoints --------------------------------------------------------------------------
