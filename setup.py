@@ -13,6 +13,6 @@ setup(
     packages=find_packages(include=["megazero", "megazero.*"]),
     py_modules=["pretrain_gpt"],
     install_requires=["torch>=2.11", "numpy", "sentencepiece", "tensorboard", "hjson"],
-    extras_require={"dev": ["pytest>=7", "ruff", "transformers>=4.40", "safetensors"]},
+    extras_require={"dev": ["pytest>=7", "ruff", "mypy", "transformers>=4.40", "safetensors"]},
     license="Apache-2.0",
 )

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
 
@@ -138,7 +139,7 @@ class ParallelTopology:
 
     layout: ParallelLayout
     rank: int
-    groups: dict[str, Any] = field(default_factory=dict)
+    groups: dict[str, ProcessGroup | None] = field(default_factory=dict)
 
     @classmethod
     def single(cls) -> ParallelTopology:
@@ -164,7 +165,7 @@ class ParallelTopology:
         world_size = dist.get_world_size() if world_size is None else world_size
         rank = dist.get_rank() if rank is None else rank
         layout = ParallelLayout(world_size, tp, pp, vpp)
-        mine: dict[str, Any] = {}
+        mine: dict[str, ProcessGroup | None] = {}
         for kind in GROUP_KINDS:
             for ranks in layout.all_groups(kind):
                 group = dist.new_group(ranks, timeout=timeout)
@@ -182,18 +183,53 @@ class ParallelTopology:
     def world_size(self) -> int:
         return self.layout.world_size
 
-    tp_size = property(lambda self: self.layout.tp)
-    pp_size = property(lambda self: self.layout.pp)
-    dp_size = property(lambda self: self.layout.dp)
-    vpp_size = property(lambda self: self.layout.vpp)
-    tp_rank = property(lambda self: self.coord.tp)
-    pp_rank = property(lambda self: self.coord.pp)
-    dp_rank = property(lambda self: self.coord.dp)
-    tp_group = property(lambda self: self.groups.get("tp"))
-    pp_group = property(lambda self: self.groups.get("pp"))
-    dp_group = property(lambda self: self.groups.get("dp"))
-    mp_group = property(lambda self: self.groups.get("mp"))
-    embedding_group = property(lambda self: self.groups.get("embedding"))
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def vpp_size(self) -> int | None:
+        return self.layout.vpp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord.dp
+
+    @property
+    def tp_group(self) -> ProcessGroup | None:
+        return self.groups.get("tp")
+
+    @property
+    def pp_group(self) -> ProcessGroup | None:
+        return self.groups.get("pp")
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        return self.groups.get("dp")
+
+    @property
+    def mp_group(self) -> ProcessGroup | None:
+        return self.groups.get("mp")
+
+    @property
+    def embedding_group(self) -> ProcessGroup | None:
+        return self.groups.get("embedding")
 
     def ranks(self, kind: str) -> list[int]:
         """Global ranks of this process's ``kind`` group."""
