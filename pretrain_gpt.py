@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     warnings.formatwarning = _format_warning
     try:
-        from megazero.arguments import load_config
+        from megazero.config import load_config
 
         # Every rank reads the same flags and JSON: rank 0 alone speaks about them.
         with warnings.catch_warnings():

@@ -57,8 +57,8 @@ class AnonPeak:
 
 
 def _rank(rank, world, tmp, layout, save):
-    from megazero.arguments import load_config
     from megazero.checkpointing import load_checkpoint
+    from megazero.config import load_config
     from megazero.train_setup import ChunkTrackers
     from megazero.training import setup, train
 

@@ -33,6 +33,10 @@ class MegazeroError(Exception):
     """A problem the user can fix; the message names what was given and the fix."""
 
 
+class ConfigError(MegazeroError, ValueError):
+    """A setting that is wrong; the message names the key, what was given and the fix."""
+
+
 class DataError(MegazeroError, ValueError):
     """A data file or tokenizer the flags name is missing or unusable."""
 

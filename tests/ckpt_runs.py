@@ -18,7 +18,7 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
 
 def train_in_rank(rank: int, world: int, args: list[str], writer=None, keep_run=False):
     """Set up and train one run on this rank; returns ``{iteration: loss}`` (and the run)."""
-    from megazero.arguments import load_config
+    from megazero.config import load_config
     from megazero.training import setup, train
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

@@ -24,7 +24,7 @@ def _train_zero3_tp2(rank, world, tmp):
 
 
 def _load_tp1(rank, world, tmp, ck, flags):
-    from megazero.arguments import load_config
+    from megazero.config import load_config
     from megazero.tensor_parallel.utils import full_model_state_dict
     from megazero.training import setup
 

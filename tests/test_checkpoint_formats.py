@@ -86,7 +86,7 @@ def test_deepspeed_tag_is_refused_not_ignored(tmp_path):
 def test_refused_before_the_run_starts(tmp_path):
     """pretrain_gpt.py checks the format with the other resume checks, before the process
     group, the data and the model exist."""
-    from megazero.arguments import load_config
+    from megazero.config import load_config
     from megazero.resume_checks import check_resume
 
     root = str(tmp_path / "mg")

@@ -52,7 +52,7 @@ def _layout_b(rank, world, tmp, ds):
 
 
 def _layout_c(rank, world, tmp, flag):
-    from megazero.arguments import load_config
+    from megazero.config import load_config
     from megazero.training import setup
 
     run = setup(load_config([*MODEL, "--train-iters", "4", "--load", f"{tmp}/b_trained",

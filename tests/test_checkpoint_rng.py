@@ -53,7 +53,7 @@ def _a_world(rank, world, tmp):
 
 def _other_dp(rank, world, tmp):
     """Load at pp2 x dp1; compare the restored states with the saved ones of (pp, dp 0)."""
-    from megazero.arguments import load_config
+    from megazero.config import load_config
     from megazero.train_setup import ChunkTrackers
     from megazero.training import setup
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.arguments import load_config, parse_args
-from megazero.config import ConfigError
+from megazero.config import ConfigError, load_config, parse_args
 
 
 @pytest.mark.parametrize("flag, not_suggested", [

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from megazero.arguments import FLAGS, build_parser, load_config
-from megazero.flag_help import GROUPS
+from megazero.config import FLAGS, build_parser, load_config
+from megazero.config.flag_help import GROUPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = sorted(f for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_e2e import check, run_training
 
-from megazero.arguments import load_config
+from megazero.config import load_config
 
 # Megatron's examples/gpt3 flag set; only the sizes are shrunk, --mock-data replaces the corpus.
 MEGATRON_GPT3 = [

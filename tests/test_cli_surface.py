@@ -10,16 +10,17 @@ import warnings
 
 import pytest
 
-from megazero.arguments import (
+from megazero.config import (
     FLAGS,
+    ConfigError,
+    MegazeroConfig,
     build_parser,
     field_default,
     flag_values,
     load_config,
     parse_args,
 )
-from megazero.config import ConfigError, MegazeroConfig
-from megazero.ds_config import DS_CONFIG_KEYS, SCHEDULER_TYPES
+from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES
 
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megazero.arguments import load_config
-from megazero.config import ConfigError
-from megazero.ds_config import UnimplementedConfigWarning
-from megazero.ds_json import load_ds_json, parse_ds_json
+from megazero.config import ConfigError, load_config
+from megazero.config.deepspeed import UnimplementedConfigWarning
+from megazero.config.jsonc import load_ds_json, parse_ds_json
 
 CONFIGS = Path(__file__).parent / "configs"
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]

@@ -19,9 +19,8 @@ import pytest
 import torch
 from test_e2e import TINY, check, read_metrics, run_training
 
-from megazero.arguments import load_config
 from megazero.checkpointing import read_model_state
-from megazero.config import ConfigError, LoggingConfig
+from megazero.config import ConfigError, LoggingConfig, load_config
 from megazero.data import token_range
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megazero.lr_scheduler import build_lr_function

@@ -6,8 +6,7 @@ in-flight micro-batches (1F1B: pp on the first stage; interleaved: pv + p - 1 ch
 import pytest
 import torch
 
-from megazero.arguments import load_config
-from megazero.config import ConfigError
+from megazero.config import ConfigError, load_config
 from megazero.model.activation_memory import measure_saved_bytes, megatron_layer_activation_bytes
 from megazero.planner.activations import inflight_chunk_forwards, layer_bytes
 from megazero.planner.cluster import load_cluster

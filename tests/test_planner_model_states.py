@@ -12,8 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from megazero.arguments import load_config
-from megazero.config import OffloadConfig
+from megazero.config import OffloadConfig, load_config
 from megazero.planner.model_states import model_state_report
 from megazero.planner.shapes import meta_chunks, shape_topology
 from megazero.testing import run_distributed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from test_e2e import TINY, check, read_metrics, run_training
 
-from megazero.arguments import load_config
+from megazero.config import load_config
 from megazero.planner.model_states import model_state_report
 from megazero.planner.shapes import meta_chunks, shape_topology
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 from test_e2e import TINY, check, read_metrics, run_training
 
-from megazero.arguments import load_config
-from megazero.config import ConfigError
+from megazero.config import ConfigError, load_config
 from megazero.train_setup import Batching, get_batch
 
 DS_CONFIG = """{

@@ -302,7 +302,7 @@ def test_checkpoint_files_round_trip_with_nvme_offload(tmp_path):
 # ------------------------------------------------------------------ the JSON
 
 def test_deepspeed_json_nvme_and_aio_keys_land_in_the_config(tmp_path):
-    from megazero.arguments import load_config
+    from megazero.config import load_config
 
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", '

@@ -23,8 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megazero.arguments import load_config  # noqa: E402
-from megazero.config import ConfigError  # noqa: E402
+from megazero.config import (
+    ConfigError,  # noqa: E402
+    load_config,  # noqa: E402
+)
 from megazero.planner.cluster import builtin_clusters, load_cluster  # noqa: E402
 from megazero.planner.presets import MODEL_PRESETS, hf_config_argv, preset_argv  # noqa: E402
 

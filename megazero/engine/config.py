@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from megazero.config import ConfigError, MegazeroConfig
-from megazero.ds_config import SCHEDULER_TYPES, get_path
-from megazero.ds_json import load_ds_json
+from megazero.config.deepspeed import SCHEDULER_TYPES, get_path
+from megazero.config.jsonc import load_ds_json
 
 #: JSON key absent -> DeepSpeed's value (megazero's CLI defaults follow Megatron instead).
 #: (JSON keys that set the field, the OptimizerConfig field, DeepSpeed's default)
@@ -50,7 +50,7 @@ def _config_source(args: Any, config: Any, config_params: Any) -> tuple[Any, str
 def load_engine_config(args: Any, config: Any, config_params: Any,
                        world_size: int) -> MegazeroConfig:
     """The run's config from whichever source was given (exactly one)."""
-    from megazero.ds_merge import config_from_dict
+    from megazero.config.merge import config_from_dict
 
     source, where = _config_source(args, config, config_params)
     if isinstance(source, (str, os.PathLike)):

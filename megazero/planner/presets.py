@@ -1,7 +1,7 @@
 """Well-known model sizes as pretrain_gpt.py flags, and Hugging Face config.json -> flags.
 
 Presets are flags rather than config objects so that they go through the same parser and
-validation as a real launch (``megazero.arguments.load_config``).
+validation as a real launch (``megazero.config.load_config``).
 """
 
 from __future__ import annotations

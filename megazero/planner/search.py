@@ -14,8 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from megazero.arguments import load_config
-from megazero.config import ConfigError, valid_microbatch_group_sizes
+from megazero.config import ConfigError, load_config, valid_microbatch_group_sizes
 from megazero.planner.cluster import Cluster
 from megazero.planner.estimate import Estimate, estimate
 

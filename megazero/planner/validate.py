@@ -130,7 +130,7 @@ class LiveStorageBytes(TorchDispatchMode):
 def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int = 2,
                     track_memory: bool = True) -> list[dict[str, Any]]:
     """Run every layout (full flag lists) ``iters`` iterations on this rank; one row each."""
-    from megazero.arguments import load_config
+    from megazero.config import load_config
     from megazero.pipeline.executor import forward_backward
     from megazero.planner.activations import core_attention_saves_scores, peak_saved_bytes
     from megazero.planner.estimate import FRAGMENTATION_ITEM, rank_memory

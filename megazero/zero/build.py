@@ -15,8 +15,8 @@ from megazero.zero.offload import OffloadPlan
 from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off").
-# The DeepSpeed-config loader (megazero/ds_config.py) marks the same keys TODO and warns once when
-# a config sets them, so the engine does not warn again for these.
+# The DeepSpeed-config loader (megazero/config/deepspeed.py) marks the same keys TODO and warns
+# once when a config sets them, so the engine does not warn again for these.
 NO_EFFECT_KEYS: tuple[tuple[str, Any], ...] = (
     ("round_robin_gradients", False),
     ("elastic_checkpoint", False),

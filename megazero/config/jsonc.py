@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 

@@ -2,7 +2,7 @@
 
 Rules, in order:
 
-1. Every JSON key is checked against :data:`~megazero.ds_config.DS_CONFIG_KEYS` (unknown key,
+1. Every JSON key is checked against :data:`~megazero.config.deepspeed.DS_CONFIG_KEYS` (unknown key,
    wrong type: error; known but not implemented: one warning per key).
 2. A flag typed on the command line and a JSON value (not ``"auto"``) for the same field must
    agree; two JSON keys for one field (``optimizer.params.lr`` and
@@ -25,11 +25,19 @@ import warnings
 from dataclasses import replace
 from typing import Any
 
-from megazero.arguments import flag_values
-from megazero.config import (
+from megazero.config.cli import flag_values
+from megazero.config.deepspeed import (
+    DS_CONFIG_KEYS,
+    OPTIMIZER_TYPES,
+    SCHEDULER_TYPES,
+    UnimplementedConfigWarning,
+    check_ds_config,
+    get_path,
+    json_field_values,
+)
+from megazero.config.schema import (
     AioConfig,
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     LoggingConfig,
     MegazeroConfig,
@@ -41,15 +49,7 @@ from megazero.config import (
     TrainConfig,
     ZeroConfig,
 )
-from megazero.ds_config import (
-    DS_CONFIG_KEYS,
-    OPTIMIZER_TYPES,
-    SCHEDULER_TYPES,
-    UnimplementedConfigWarning,
-    check_ds_config,
-    get_path,
-    json_field_values,
-)
+from megazero.errors import ConfigError
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
              "precision": PrecisionConfig, "data": DataConfig, "train": TrainConfig,

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
 
 IMPL, TODO = True, False
 INT, FLOAT, BOOL, STR, BETAS, BLOCK, OPEN = "int", "float", "bool", "str", "betas", "block", "open"

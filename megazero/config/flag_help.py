@@ -1,6 +1,6 @@
 """What ``pretrain_gpt.py --help`` says about each flag, and under which heading.
 
-Kept beside :data:`megazero.arguments.FLAGS` rather than inside it so the flag table stays one
+Kept beside :data:`megazero.config.cli.FLAGS` rather than inside it so the flag table stays one
 line per flag. Headings follow Megatron's argument groups. A flag's group comes from
 :data:`GROUP_OF_FLAG` when listed there, else from the section of the config field it fills
 (:data:`GROUP_OF_SECTION`), so a new flag lands under a sensible heading without an edit here.

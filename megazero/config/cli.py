@@ -1,26 +1,25 @@
-"""Megatron-style command line + DeepSpeed JSON config -> one validated :class:`MegazeroConfig`.
+"""The Megatron-style command line: the flag table and its argparse parser.
 
-``load_config(argv, world_size)`` is the one entry point. Every flag in :data:`FLAGS` fills one
-dataclass field; every JSON key is described in :data:`megazero.ds_config.DS_CONFIG_KEYS`. A flag
-given on the command line and a JSON value for the same field must agree; ``"auto"`` in the JSON
-takes the flag's value (or the default). The merge itself is :mod:`megazero.ds_merge`.
+Every flag in :data:`FLAGS` fills one :class:`~megazero.config.MegazeroConfig` field; every JSON
+key is described in :data:`megazero.config.deepspeed.DS_CONFIG_KEYS`. A flag given on the command
+line and a JSON value for the same field must agree; ``"auto"`` in the JSON takes the flag's value
+(or the default). The merge itself is :mod:`megazero.config.merge`; the entry point is
+:func:`megazero.config.load_config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from megazero.config import ConfigError, MegazeroConfig
+from megazero.config.flag_aliases import rewrite_aliases, suggest
+from megazero.config.flag_help import GROUP_OF_FLAG, GROUP_OF_SECTION, GROUPS, HELP
+from megazero.config.schema import MegazeroConfig
 from megazero.data.tokenizers import TOKENIZER_TYPES
-from megazero.ds_json import load_ds_json
-from megazero.flag_aliases import rewrite_aliases, suggest
-from megazero.flag_help import GROUP_OF_FLAG, GROUP_OF_SECTION, GROUPS, HELP
+from megazero.errors import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -246,7 +245,7 @@ def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Only the flags given in ``argv``; an unknown flag is an error that names the equivalent
-    flag (:mod:`megazero.flag_aliases`) or the closest spelling. ``-h``/``--help`` prints the
+    flag (:mod:`megazero.config.flag_aliases`) or the closest spelling. ``-h``/``--help`` prints the
     help and exits 0, as argparse does."""
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv[:argv.index("--") if "--" in argv else None]):
@@ -275,31 +274,3 @@ def flag_values(args: argparse.Namespace | dict[str, Any]) -> dict[str, tuple[st
             continue  # --no-flash-attn and --use-flash-attn share a dest: name the one typed
         out[flag.field] = (flag.names[0], flag.convert(value) if flag.convert else value)
     return out
-
-
-def load_config(argv: Sequence[str] | None, world_size: int | None = None,
-                ds_config: dict[str, Any] | None = None) -> MegazeroConfig:
-    """Parse ``argv``, read ``--deepspeed_config`` (or take ``ds_config``), merge, validate.
-
-    ``argv`` None means ``sys.argv[1:]``. ``world_size`` is the number of processes (None:
-    torchrun's ``WORLD_SIZE`` variable, else 1); the data-parallel size is
-    ``world_size / (tp * pp)``.
-    """
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    path = getattr(args, "deepspeed_config", None)
-    if path is not None and ds_config is not None:
-        raise ConfigError("give the DeepSpeed config either as --deepspeed_config or as a dict, "
-                          "not both")
-    if path is not None:
-        ds_config = load_ds_json(path)
-    return config_from_dict(ds_config, args, world_size)
-
-
-def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
-                     world_size: int) -> MegazeroConfig:
-    """See :func:`megazero.ds_merge.config_from_dict` (``args``: only the flags typed)."""
-    from megazero.ds_merge import config_from_dict as merge
-
-    return merge(ds, args, world_size)

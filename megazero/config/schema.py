@@ -2,7 +2,7 @@
 
 The dataclasses below are the single source of truth for every setting. They are filled from
 Megatron-style command-line flags and an optional DeepSpeed-style JSON config by
-:func:`megazero.arguments.load_config`; components receive the sub-config they need.
+:func:`megazero.config.load_config`; components receive the sub-config they need.
 """
 
 from __future__ import annotations
@@ -10,11 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megazero.errors import MegazeroError
-
-
-class ConfigError(MegazeroError, ValueError):
-    """A setting that is wrong; the message names the key, what was given and the fix."""
+from megazero.errors import ConfigError
 
 
 def _check(cond: bool, message: str) -> None:
