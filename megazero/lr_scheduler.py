@@ -22,8 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from megazero.config import ConfigError, OptimizerConfig
+from megazero.config.deepspeed import SCHEDULER_TYPES
 
-DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+#: the DeepSpeed scheduler types megazero implements (the key table says which)
+DEEPSPEED_SCHEDULERS = tuple(kind for kind, (done, _, _) in SCHEDULER_TYPES.items() if done)
 MEGATRON_STYLES = ("constant", "linear", "cosine")
 
 
@@ -94,16 +96,6 @@ def warmup_cosine_lr(it: int, base_lr: float, total_num_steps: int,
     return base_lr * max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * ratio)
 
 
-_DS_KEYS = {
-    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                 "last_batch_iteration"},
-    "WarmupDecayLR": {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
-                      "warmup_type", "last_batch_iteration"},
-    "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps",
-                       "cos_min_ratio", "warmup_type", "last_batch_iteration"},
-}
-
-
 def build_lr_function(config: OptimizerConfig, train_iters: int | None) -> Callable[[int], float]:
     """``f(step) -> lr`` for the configured schedule; ``step`` = optimizer steps already taken."""
     if config.scheduler_type:
@@ -112,10 +104,11 @@ def build_lr_function(config: OptimizerConfig, train_iters: int | None) -> Calla
             raise ConfigError(f"scheduler.type {kind!r} is not supported; expected one of "
                               f"{DEEPSPEED_SCHEDULERS}")
         params: dict[str, Any] = dict(config.scheduler_params)
-        unknown = set(params) - _DS_KEYS[kind]
+        allowed = set(SCHEDULER_TYPES[kind][1])
+        unknown = set(params) - allowed
         if unknown:
             raise ConfigError(f"scheduler.params for {kind}: unknown keys {sorted(unknown)}; "
-                              f"expected some of {sorted(_DS_KEYS[kind])}")
+                              f"expected some of {sorted(allowed)}")
         start = int(params.pop("last_batch_iteration", -1))
         if params.get("warmup_type", "log") not in ("log", "linear"):
             raise ConfigError(f"scheduler.params.warmup_type {params['warmup_type']!r}: expected "

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megazero.config.rules import check_vpp_needs_pp, check_world_size
+
 GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
 
 
@@ -31,10 +33,6 @@ class Coord(NamedTuple):
     pp: int
     dp: int
     tp: int
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -58,19 +56,8 @@ class ParallelLayout:
         if self.vpp is not None:
             if not isinstance(self.vpp, int) or isinstance(self.vpp, bool) or self.vpp < 1:
                 raise TopologyError(f"vpp must be a positive integer or None, got {self.vpp!r}")
-            if self.vpp > 1 and self.pp == 1:
-                raise TopologyError(
-                    f"vpp={self.vpp} (virtual pipeline chunks) needs pipeline parallelism, but "
-                    f"pp=1; use pp > 1 or drop vpp (valid: vpp=None or vpp=1 when pp=1)"
-                )
-        if self.world_size % (self.tp * self.pp) != 0:
-            valid = [
-                (t, p) for t in _divisors(self.world_size) for p in _divisors(self.world_size // t)
-            ]
-            raise TopologyError(
-                f"world_size={self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = "
-                f"{self.tp * self.pp}; valid (tp, pp) pairs for this world size: {valid}"
-            )
+        check_vpp_needs_pp(self.pp, self.vpp, error=TopologyError)
+        check_world_size(self.world_size, self.tp, self.pp, error=TopologyError)
 
     @property
     def dp(self) -> int:

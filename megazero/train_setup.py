@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megazero.config import ConfigError, MegazeroConfig
+from megazero.config.rules import num_microbatches, sequence_parallel_active
 from megazero.errors import DataError, MegazeroError
 from megazero.topology import ParallelTopology
 
@@ -31,15 +32,13 @@ class Batching:
     def from_config(cls, cfg: MegazeroConfig, dp: int) -> Batching:
         t = cfg.train
         gbs = t.global_batch_size or t.micro_batch_size * dp
-        if gbs % (t.micro_batch_size * dp):
-            raise ConfigError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
-                              f"{t.micro_batch_size} x data-parallel size {dp}")
+        count = num_microbatches(gbs, t.micro_batch_size, dp)
         iters = t.train_iters
         if iters is None and t.train_samples is not None:
             iters = t.train_samples // gbs
         if not iters:
             raise ConfigError("set --train-iters (or --train-samples) to say how long to train")
-        return cls(t.micro_batch_size, gbs, gbs // (t.micro_batch_size * dp), iters)
+        return cls(t.micro_batch_size, gbs, count, iters)
 
 
 def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
@@ -152,7 +151,7 @@ def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
     from megazero.pipeline.partition import build_model_chunks
     from megazero.zero import build_zero_optimizer
 
-    sp = cfg.parallel.sequence_parallel and topo.tp_size > 1
+    sp = sequence_parallel_active(cfg.parallel.sequence_parallel, topo.tp_size)
     chunks = build_model_chunks(cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
                                 sequence_parallel=sp, recompute=recompute_spec(cfg),
                                 seed=cfg.train.seed)

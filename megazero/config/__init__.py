@@ -3,6 +3,8 @@
 Modules:
 
 * :mod:`~megazero.config.schema`: the frozen dataclasses, the single source of truth.
+* :mod:`~megazero.config.rules`: one function per rule about sizes (divisibility, batch, SP),
+  called by the config's validation and by the topology, partition, model, setup and planner.
 * :mod:`~megazero.config.cli`: the flag table and its argparse parser (help text in
   :mod:`~megazero.config.flag_help`, other tools' spellings in
   :mod:`~megazero.config.flag_aliases`).
@@ -24,6 +26,12 @@ from megazero.config.cli import FLAGS, build_parser, field_default, flag_values,
 from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES, UnimplementedConfigWarning
 from megazero.config.jsonc import load_ds_json, parse_ds_json
 from megazero.config.merge import config_from_dict
+from megazero.config.rules import (
+    check_microbatch_groups,
+    check_tensor_parallel_split,
+    valid_microbatch_group_sizes,
+    validate,
+)
 from megazero.config.schema import (
     AioConfig,
     CheckpointConfig,
@@ -37,10 +45,6 @@ from megazero.config.schema import (
     PrecisionConfig,
     TrainConfig,
     ZeroConfig,
-    check_microbatch_groups,
-    check_tensor_parallel_split,
-    valid_microbatch_group_sizes,
-    validate,
 )
 from megazero.errors import ConfigError
 

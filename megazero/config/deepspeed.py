@@ -1,8 +1,8 @@
 """The DeepSpeed JSON config schema: the table of every known key, and checking a config with it.
 
 :data:`DS_CONFIG_KEYS` is the one table of known keys: for each dotted key path its JSON type,
-DeepSpeed's default, the :class:`~megazero.config.MegazeroConfig` field it fills (``None``: kept
-only in ``MegazeroConfig.ds_config``) and whether megazero implements it. A known key that is not
+DeepSpeed's default, the :class:`~megazero.config.MegazeroConfig` field it fills (``None``: read
+with another key, or no field) and whether megazero implements it. A known key that is not
 implemented is accepted with one warning; an unknown key is an error. Flip ``TODO`` to ``IMPL``
 when a feature lands.
 """
@@ -241,6 +241,17 @@ SCHEDULER_TYPES: dict[str, tuple[bool, tuple[str, ...], str | None]] = {
     "LRRangeTest": (TODO, tuple(k.split(".")[-1] for k in DS_CONFIG_KEYS
                                 if k.startswith(f"{_SP}.lr_range_test")), None),
 }
+
+
+def unimplemented_zero_keys() -> tuple[tuple[str, Any], ...]:
+    """``(ZeroConfig field, DeepSpeed default)`` of each ``zero_optimization`` key that fills a
+    field but has no effect yet (marked ``TODO`` above): the ZeRO engine accepts these."""
+    out: dict[str, Any] = {}
+    for path, key in DS_CONFIG_KEYS.items():
+        if path.startswith(f"{_Z}.") and not key.implemented and isinstance(key.field, str) \
+                and key.field.count(".") == 1:
+            out.setdefault(key.field.split(".")[1], key.default)
+    return tuple(out.items())
 
 
 def _children(parent: str) -> list[str]:

@@ -11,7 +11,8 @@ Rules, in order:
 3. The batch triad ``train_batch_size = micro x gradient_accumulation_steps x dp_size`` is derived
    or checked, with ``dp_size = world_size / (tp * pp)``.
 4. The dataclasses are built (each validates itself, :func:`megazero.config.validate` checks
-   across them) and ``MegazeroConfig.ds_config`` keeps the JSON with every ``"auto"`` filled in.
+   across them); they are the only copy of the settings (the scheduler's ``params`` are kept
+   with every ``"auto"`` filled in, as :mod:`megazero.lr_scheduler` reads them).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from megazero.config.deepspeed import (
     get_path,
     json_field_values,
 )
+from megazero.config.rules import num_microbatches
 from megazero.config.schema import (
     AioConfig,
     CheckpointConfig,
@@ -88,6 +90,8 @@ def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]])
         w_mode = get_path(ds, "optimizer.params.adam_w_mode")
         decoupled = opt_type.lower() == "adamw" or w_mode in (None, True, "auto")
         found["optimizer.optimizer"] = [("optimizer.type", "adamw" if decoupled else "adam")]
+    if "optimizer" in ds:
+        found["optimizer.from_ds_config"] = [("optimizer", True)]
     sched = ds.get("scheduler")
     found.pop("optimizer.scheduler_type", None)
     if sched is not None:
@@ -173,13 +177,8 @@ def _batch_triad(merged: dict[str, tuple[str, Any]], dp: int, parallel: Parallel
         return micro, gbs, gas
     known, name = (micro, "train_micro_batch_size_per_gpu (--micro-batch-size)") \
         if micro is not None else (gas, "gradient_accumulation_steps")
-    step = known * dp
-    if gbs % step:
-        lower, upper = max(step, gbs - gbs % step), gbs - gbs % step + step
-        raise ConfigError(f"train_batch_size (--global-batch-size) {gbs} is not divisible by "
-                          f"{name} {known} x {where} = {step}; use a multiple of {step} "
-                          f"(e.g. {lower} or {upper})")
-    return (micro, gbs, gbs // step) if micro is not None else (gbs // step, gbs, gas)
+    count = num_microbatches(gbs, known, dp, micro_name=name, dp_name=where)
+    return (micro, gbs, count) if micro is not None else (count, gbs, gas)
 
 
 def _section(name: str, merged: dict[str, tuple[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -328,7 +327,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                          **sections, **top)
     cfg = _schedule_lengths(cfg, {f for f, (src, _) in merged.items()})
     filled = _fill_auto(copy.deepcopy(ds_checked), cfg)
-    optimizer = cfg.optimizer
-    if optimizer.scheduler_type is not None:
-        optimizer = replace(optimizer, scheduler_params=dict(filled["scheduler"].get("params", {})))
-    return replace(cfg, optimizer=optimizer, ds_config=filled)
+    if cfg.optimizer.scheduler_type is None:
+        return cfg
+    params = dict(filled["scheduler"].get("params", {}))
+    return replace(cfg, optimizer=replace(cfg.optimizer, scheduler_params=params))

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megazero.errors import ConfigError
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
+from megazero.config.rules import check as _check
+from megazero.config.rules import (
+    check_vpp_needs_pp,
+    check_world_size,
+    sequence_parallel_active,
+    validate,
+)
 
 
 @dataclass(frozen=True)
@@ -129,18 +130,12 @@ class ParallelConfig:
         _check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
                "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
         if self.world_size is not None:
-            mp = self.tp * self.pp
-            _check(self.world_size >= 1 and self.world_size % mp == 0,
-                   f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
-                   f"{self.tp} x --pipeline-model-parallel-size {self.pp} = {mp}; launch a "
-                   f"multiple of {mp} processes or choose TP/PP sizes whose product divides "
-                   f"{self.world_size}")
+            check_world_size(self.world_size, self.tp, self.pp)
         if self.num_layers_per_virtual_pipeline_stage is not None:
             _check(self.num_layers_per_virtual_pipeline_stage >= 1, "--num-layers-per-virtual-"
                    f"pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
-            _check(self.pp > 1,
-                   "--num-layers-per-virtual-pipeline-stage (interleaved schedule) needs "
-                   "--pipeline-model-parallel-size > 1; drop it or use more pipeline stages")
+            check_vpp_needs_pp(self.pp, self.num_layers_per_virtual_pipeline_stage,
+                               "--num-layers-per-virtual-pipeline-stage (interleaved schedule)")
         _check(self.recompute_granularity in (None, "full", "selective"),
                f"--recompute-granularity {self.recompute_granularity!r}: expected full or "
                f"selective")
@@ -155,6 +150,11 @@ class ParallelConfig:
         return self.tensor_model_parallel_size
 
     @property
+    def sequence_parallel_active(self) -> bool:
+        """--sequence-parallel and tp > 1 (it is a mode of the TP group)."""
+        return sequence_parallel_active(self.sequence_parallel, self.tp)
+
+    @property
     def pp(self) -> int:
         return self.pipeline_model_parallel_size
 
@@ -163,7 +163,7 @@ class ParallelConfig:
         """Data-parallel size: world_size / (tp * pp); TP and PP ranks are not replicas."""
         _check(self.world_size is not None, "the data-parallel size needs the world size; build "
                "the config with load_config(argv, world_size)")
-        return self.world_size // (self.tp * self.pp)
+        return check_world_size(self.world_size, self.tp, self.pp)
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,9 @@ class OptimizerConfig:
     lr_warmup_samples: int | None = None  # sample-based lengths, turned into iterations
     lr_decay_samples: int | None = None  # by ds_merge once the global batch is known
     scheduler_type: str | None = None  # DeepSpeed scheduler block: WarmupLR, WarmupDecayLR, ...
-    scheduler_params: dict = field(default_factory=dict)
+    scheduler_params: dict = field(default_factory=dict)  # its params, "auto" filled in
+    # The DeepSpeed JSON has an "optimizer" block: the engine builds the optimizer from it.
+    from_ds_config: bool = False
 
 
 @dataclass(frozen=True)
@@ -370,7 +372,6 @@ class MegazeroConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     deepspeed: bool = False  # Megatron-DeepSpeed's --deepspeed switch; accepted, has no effect
     deepspeed_config: str | None = None  # path of the DeepSpeed JSON config, if one was given
-    ds_config: dict = field(default_factory=dict)  # that JSON, checked, with "auto" filled in
 
     def __post_init__(self) -> None:
         validate(self)
@@ -389,140 +390,3 @@ class MegazeroConfig:
                "config with load_config(argv, world_size)")
         return ParallelLayout(self.parallel.world_size, self.parallel.tp, self.parallel.pp,
                               self.vpp)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_tensor_parallel_split(m: ModelConfig, tp: int, sequence_parallel: bool) -> None:
-    """Can this model be split over ``tp`` ranks? One rule for the CLI config and for a model
-    built directly from a :class:`ModelConfig`; every message names the numbers and the fix."""
-    _check(m.num_attention_heads % tp == 0,
-           f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-           f"--tensor-model-parallel-size {tp}; use a TP size that divides the heads "
-           f"({_divisors(m.num_attention_heads)}) or a multiple of {tp} heads")
-    _check(m.query_groups % tp == 0,
-           f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size "
-           f"{tp}; each TP rank needs whole key/value groups: use a TP size in "
-           f"{_divisors(m.query_groups)} or a multiple of {tp} groups")
-    _check(m.ffn_size % tp == 0,
-           f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
-           f"{tp}; use a multiple of {tp}")
-    if sequence_parallel and tp > 1:
-        _check(m.seq_length % tp == 0,
-               f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size "
-               f"{tp}, which --sequence-parallel needs (the sequence is split across TP ranks); "
-               f"use a multiple of {tp}")
-
-
-_GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
-
-
-def valid_microbatch_group_sizes(pp: int, num_microbatches: int) -> list[int]:
-    """Group sizes N the interleaved schedule accepts for M micro-batches on pp stages:
-    ``pp <= N <= M`` and a last group (``M mod N``) that is empty or at least pp."""
-    m = num_microbatches
-    return [n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp]
-
-
-def check_microbatch_groups(pp: int, num_microbatches: int | None, group_size: int | None,
-                            samples_per_microbatch: int | None = None) -> int:
-    """The one rule for the interleaved schedule's micro-batch groups; returns the group size N
-    (``group_size``, or pp when None). ``num_microbatches=None`` checks only what N alone can;
-    ``samples_per_microbatch`` (micro-batch size x data-parallel size), when known, lets the
-    messages name global batch sizes that work.
-
-    Micro-batches go through each model chunk N at a time (Megatron's
-    ``--microbatch-group-size-per-virtual-pipeline-stage``). N < pp leaves the ring of virtual
-    stages short of work; a last group of 1..pp-1 micro-batches would need the first stage to
-    receive an activation before the last stage has produced it.
-    """
-    n = pp if group_size is None else group_size
-    where = f"{_GROUP_FLAG} {n}" if group_size is not None else f"the default group size pp={pp}"
-    _check(isinstance(n, int) and n >= pp,
-           f"{_GROUP_FLAG} {n} is smaller than --pipeline-model-parallel-size {pp}: each model "
-           f"chunk must see at least pp={pp} micro-batches in a row; use a value >= {pp} "
-           f"(or leave it out: the default is pp)")
-    if num_microbatches is None:
-        return n
-    m = num_microbatches
-    per = samples_per_microbatch
-    gbs = f"--global-batch-size {m * per}" if per else "--global-batch-size"
-    count = (f"{m} (--global-batch-size / (--micro-batch-size x data-parallel size)"
-             f"{f' = {m * per} / {per}' if per else ''})")
-    _check(m >= pp,
-           f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) needs "
-           f"at least --pipeline-model-parallel-size {pp} micro-batches per iteration, got "
-           f"{count}; raise --global-batch-size to "
-           f"{pp * per if per else f'{pp} micro-batches'} or more, or drop "
-           f"--num-layers-per-virtual-pipeline-stage to use 1F1B")
-    valid = ", ".join(map(str, valid_microbatch_group_sizes(pp, m)))
-    _check(n <= m,
-           f"{_GROUP_FLAG} {n} is larger than the {count} micro-batches per iteration; use a "
-           f"value from {pp} to {m} whose last group is empty or >= {pp}: {valid}")
-    last = m % n
-    fits = (f"{gbs} rounded to a multiple of {n * per} (e.g. {m // n * n * per} or "
-            f"{(m // n + 1) * n * per})" if per else
-            f"a number of micro-batches that is a multiple of {n}")
-    _check(last == 0 or last >= pp,
-           f"{count} micro-batches in groups of {n} ({where}) leave a last group of {last}, "
-           f"but the interleaved pipeline schedule needs the last group to be empty or at "
-           f"least --pipeline-model-parallel-size {pp}; set {_GROUP_FLAG} to one of {valid}, "
-           f"or use {fits}")
-    return n
-
-
-def validate(cfg: MegazeroConfig) -> None:
-    """Checks that involve more than one sub-config; each message names the numbers and the fix."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, pp = p.tp, p.pp
-    check_tensor_parallel_split(m, tp, p.sequence_parallel)
-    _check(m.num_layers % pp == 0,
-           f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
-           f"{pp}; use a multiple of {pp} layers or a PP size in {_divisors(m.num_layers)}")
-    per_chunk = p.num_layers_per_virtual_pipeline_stage
-    if per_chunk is not None:
-        _check(m.num_layers % (pp * per_chunk) == 0,
-               f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
-               f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk} = {pp * per_chunk}; "
-               f"use a multiple of {pp * per_chunk} layers or layers-per-virtual-stage in "
-               f"{_divisors(m.num_layers // pp) if m.num_layers % pp == 0 else []}")
-        num_microbatches = step = None
-        if p.world_size is not None and t.global_batch_size is not None:
-            step = t.micro_batch_size * p.dp
-            if step > 0 and t.global_batch_size % step == 0:
-                num_microbatches = t.global_batch_size // step
-        check_microbatch_groups(pp, num_microbatches, p.microbatch_group_size_per_vp_stage, step)
-    _check(p.recompute_num_layers is None or p.recompute_num_layers >= 1,
-           f"--recompute-num-layers must be >= 1, got {p.recompute_num_layers}")
-    _check(t.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1 (non-finite "
-           f"steps in a row before the run stops), got {t.max_nonfinite_steps}")
-    _check(p.distributed_timeout_minutes > 0, f"--distributed-timeout-minutes must be > 0, got "
-           f"{p.distributed_timeout_minutes}")
-    _check(t.micro_batch_size >= 1, f"--micro-batch-size (train_micro_batch_size_per_gpu) must "
-           f"be >= 1, got {t.micro_batch_size}")
-    _check(t.train_iters is None or t.train_samples is None,
-           f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are both given; "
-           f"give only one of them")
-    o = cfg.optimizer
-    for flag, value, ok in (
-            ("--lr (optimizer.params.lr)", o.lr, o.lr >= 0),
-            ("--min-lr", o.min_lr, o.min_lr >= 0),
-            ("--adam-beta1 (optimizer.params.betas[0])", o.adam_beta1, 0 <= o.adam_beta1 < 1),
-            ("--adam-beta2 (optimizer.params.betas[1])", o.adam_beta2, 0 <= o.adam_beta2 < 1),
-            ("--adam-eps (optimizer.params.eps)", o.adam_eps, o.adam_eps >= 0),
-            ("--weight-decay (optimizer.params.weight_decay)", o.weight_decay, o.weight_decay >= 0),
-            ("--clip-grad (gradient_clipping)", o.clip_grad, o.clip_grad >= 0),
-            ("--lr-warmup-iters (scheduler.params.warmup_num_steps)", o.lr_warmup_iters,
-             o.lr_warmup_iters >= 0)):
-        _check(ok, f"{flag}: got {value}, expected a value >= 0 (betas: 0 <= beta < 1)")
-    if p.world_size is not None and None not in (t.global_batch_size,
-                                                 t.gradient_accumulation_steps):
-        dp = p.dp
-        want = t.micro_batch_size * t.gradient_accumulation_steps * dp
-        _check(t.global_batch_size == want,
-               f"batch sizes do not add up: train_batch_size {t.global_batch_size} != "
-               f"train_micro_batch_size_per_gpu {t.micro_batch_size} x "
-               f"gradient_accumulation_steps {t.gradient_accumulation_steps} x dp_size {dp} "
-               f"= {want}; set train_batch_size to {want}")

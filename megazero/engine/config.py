@@ -76,8 +76,9 @@ def load_engine_config(args: Any, config: Any, config_params: Any,
 
 
 def has_optimizer_block(cfg: MegazeroConfig) -> bool:
-    return "optimizer" in cfg.ds_config
+    return cfg.optimizer.from_ds_config
 
 
 def has_scheduler_block(cfg: MegazeroConfig) -> bool:
-    return "scheduler" in cfg.ds_config
+    """A scheduler block of an unimplemented type is refused by :func:`load_engine_config`."""
+    return cfg.optimizer.scheduler_type is not None

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megazero.config import ConfigError, ModelConfig, check_tensor_parallel_split
+from megazero.config.rules import check_sequence_split, sequence_parallel_active
 from megazero.model.attention import BACKENDS
 from megazero.model.dropout import dropout
 from megazero.model.init import initialize_parameters
@@ -112,7 +113,7 @@ class GPTModel(nn.Module):
         if attention_backend == "auto" and not config.use_flash_attn:
             attention_backend = "sdpa"
         self.config, self.topo = config, topo
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.sequence_parallel = sequence_parallel_active(sequence_parallel, tp)
         self.layer_range = layer_range
         self.pre_process, self.post_process = pre_process, post_process
         self.seed = seed
@@ -177,9 +178,7 @@ class GPTModel(nn.Module):
         if self.pre_process:
             if tokens is None:
                 raise ValueError("the first pipeline chunk (pre_process=True) needs tokens")
-            if self.sequence_parallel and tokens.shape[1] % tp:
-                raise ConfigError(f"sequence length {tokens.shape[1]} is not divisible by "
-                                  f"tensor-model-parallel size {tp} (sequence parallelism)")
+            check_sequence_split(tokens.shape[1], tp, self.sequence_parallel)
             x = self.embedding(tokens)
         else:
             if hidden_states is None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.config.rules import sequence_parallel_active
 from megazero.topology import ParallelTopology
 
 
@@ -91,7 +92,7 @@ def finalize_model_grads(
         for e in {id(e): e for e in engines}.values():  # one call per distinct engine
             e.finish_grad_sync()
         return
-    if sequence_parallel and topo.tp_size > 1:
+    if sequence_parallel_active(sequence_parallel, topo.tp_size):
         from megazero.tensor_parallel.grads import allreduce_sequence_parallel_grads
 
         allreduce_sequence_parallel_grads(_params(model_chunks), topo)

@@ -13,13 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from megazero.config import ConfigError, ModelConfig
+from megazero.config.rules import pipeline_chunks
 from megazero.topology import ParallelTopology
 
 LayerRange = tuple[int, int]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def num_model_chunks(num_layers: int, pp: int, layers_per_virtual_stage: int | None) -> int:
@@ -31,22 +28,11 @@ def chunk_layer_ranges(
     num_layers: int, pp: int, layers_per_virtual_stage: int | None = None
 ) -> list[list[LayerRange]]:
     """Global layer ranges ``[start, end)`` indexed ``[pp_rank][chunk]``."""
-    if num_layers < 1 or pp < 1:
-        raise ConfigError(f"--num-layers ({num_layers}) and pipeline size ({pp}) must be >= 1")
-    if num_layers % pp:
-        raise ConfigError(
-            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-            f"valid pipeline sizes for {num_layers} layers: {_divisors(num_layers)}")
+    vpp = pipeline_chunks(num_layers, pp, layers_per_virtual_stage)
     per_stage = num_layers // pp
     if layers_per_virtual_stage is None:
         return [[(p * per_stage, (p + 1) * per_stage)] for p in range(pp)]
     n = layers_per_virtual_stage
-    if n < 1 or per_stage % n:
-        raise ConfigError(
-            f"--num-layers-per-virtual-pipeline-stage {n} does not divide the {per_stage} layers "
-            f"per pipeline stage (--num-layers {num_layers} / pp {pp}); valid values: "
-            f"{_divisors(per_stage)}")
-    vpp = per_stage // n
     return [[((c * pp + p) * n, (c * pp + p + 1) * n) for c in range(vpp)] for p in range(pp)]
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.config import ConfigError, check_microbatch_groups
+from megazero.config.rules import check_vpp_needs_pp
 
 COMPUTE_KINDS = ("F", "B")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -302,9 +303,8 @@ def build_schedule(
     """The steps of one pipeline rank: picks the schedule from (pp, vpp). ``group_size`` is
     the interleaved schedule's micro-batch group size N (default pp); 1F1B ignores it."""
     vpp = vpp or 1
+    check_vpp_needs_pp(pp, vpp)
     if pp == 1:
-        if vpp != 1:
-            raise ConfigError(f"vpp={vpp} needs pp > 1; with pp=1 use vpp=None or 1")
         return no_pipelining(num_microbatches, forward_only)
     if vpp == 1:
         return one_f_one_b(pp, num_microbatches, pp_rank, forward_only)

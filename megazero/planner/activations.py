@@ -35,6 +35,7 @@ i.e. ``p (1 + (p-1)/(pv))`` micro-batches of its layers), at most all ``v m`` of
 from __future__ import annotations
 
 from megazero.config import MegazeroConfig
+from megazero.config.rules import sequence_parallel_active
 
 
 def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False,
@@ -45,7 +46,7 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
     s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
     kv = m.query_groups * m.head_dim
     f = m.ffn_size
-    sp = p.sequence_parallel and tp > 1
+    sp = sequence_parallel_active(p.sequence_parallel, tp)
     mask = 1 if (m.hidden_dropout > 0) else 0
     replicated = s * b * (4 * e * h + 2 * mask * h)
     if sp:
@@ -71,7 +72,7 @@ def layer_stat_bytes(cfg: MegazeroConfig, b: int, tp: int, *, flash: bool = Fals
     gpt2-style layers within 3% (fp32) and 2% (bf16) per layer."""
     m = cfg.model
     s = m.seq_length
-    sp = cfg.parallel.sequence_parallel and tp > 1
+    sp = sequence_parallel_active(cfg.parallel.sequence_parallel, tp)
     per_norm = 2 if m.normalization == "LayerNorm" else 1
     out = 2 * per_norm * 4 * s * b / (tp if sp else 1)
     if flash:
@@ -113,7 +114,7 @@ def recompute_layer_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int, *,
     if p.recompute_granularity != "full":
         return layers * full
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
-    sp = p.sequence_parallel and tp > 1
+    sp = sequence_parallel_active(p.sequence_parallel, tp)
     boundary = e * cfg.model.seq_length * b * cfg.model.hidden_size / (tp if sp else 1)
     k = p.recompute_num_layers or 1
     if p.recompute_method == "uniform":
@@ -141,7 +142,7 @@ def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, la
     m = cfg.model
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
     s, h = m.seq_length, m.hidden_size
-    sp = cfg.parallel.sequence_parallel and tp > 1
+    sp = sequence_parallel_active(cfg.parallel.sequence_parallel, tp)
     out = 0.0
     if first and m.hidden_dropout > 0:
         out += s * b * h / (tp if sp else 1)

@@ -85,7 +85,7 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     layout = cfg.layout()
     dp = layout.dp
     chunks = meta_chunks(cfg, shape_topology(layout, pp_rank, 0, 0))
-    sp = p.sequence_parallel and p.tp > 1
+    sp = p.sequence_parallel_active
     rep = model_state_report(chunks, z, cfg.precision, dp=dp, tp=p.tp, pp=p.pp,
                              sequence_parallel=sp)
     out = RankMemory(pp_rank)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megazero.config import PrecisionConfig, ZeroConfig
+from megazero.config.rules import sequence_parallel_active
 from megazero.zero.accounting import MemoryReport
 from megazero.zero.optimizer import _DTYPES
 from megazero.zero.stage3 import unit_param_groups
@@ -37,7 +38,7 @@ def _size(dtype: torch.dtype) -> int:
 
 
 def _deferred(p: nn.Parameter, tp: int, pp: int, sp: bool) -> str | None:
-    if sp and tp > 1 and getattr(p, "sequence_parallel", False):
+    if sequence_parallel_active(sp, tp) and getattr(p, "sequence_parallel", False):
         return "sp"
     if pp > 1 and getattr(p, "shared_embedding", False):
         return "emb"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megazero.config import ConfigError, load_config, valid_microbatch_group_sizes
+from megazero.config.rules import divisors, sequence_parallel_active
 from megazero.planner.cluster import Cluster
 from megazero.planner.estimate import Estimate, estimate
 
@@ -35,19 +36,15 @@ class Candidate:
                 f"mbs={c.train.micro_batch_size}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
                     max_pp: int = 64, stages: tuple[int, ...] = (0, 1, 2, 3)
                     ) -> list[list[str]]:
     out = []
-    for tp in [d for d in _divisors(gpus_per_node) if world % d == 0]:
-        for pp in [d for d in _divisors(num_layers) if world % (tp * d) == 0 and d <= max_pp]:
+    for tp in [d for d in divisors(gpus_per_node) if world % d == 0]:
+        for pp in [d for d in divisors(num_layers) if world % (tp * d) == 0 and d <= max_pp]:
             dp = world // (tp * pp)
             per_stage = num_layers // pp
-            vpps = [None] + ([k for k in _divisors(per_stage) if 2 <= per_stage // k <= 4]
+            vpps = [None] + ([k for k in divisors(per_stage) if 2 <= per_stage // k <= 4]
                              if pp > 1 else [])
             for mbs in (1, 2, 4, 8):
                 if gbs % (mbs * dp):
@@ -56,7 +53,7 @@ def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
                 for vl, stage, off, rc, sp in itertools.product(
                         vpps, stages, (False, True), ("none", "selective", "full"),
                         (False, True)):
-                    if (sp and tp == 1) or (off and stage == 0):
+                    if (sp and not sequence_parallel_active(sp, tp)) or (off and stage == 0):
                         continue
                     if vl is not None and pp not in valid_microbatch_group_sizes(pp, m):
                         continue

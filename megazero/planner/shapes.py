@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import MegazeroConfig
+from megazero.config.rules import sequence_parallel_active
 from megazero.topology import GROUP_KINDS, ParallelLayout, ParallelTopology
 
 
@@ -62,7 +63,8 @@ def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Mo
     search asks for the same shapes many times; nothing here mutates them)."""
     key = (cfg.model, topo.tp_size, topo.pp_size, topo.pp_rank, topo.tp_rank,
            cfg.parallel.num_layers_per_virtual_pipeline_stage,
-           cfg.parallel.sequence_parallel and topo.tp_size > 1, cfg.precision.params_dtype)
+           sequence_parallel_active(cfg.parallel.sequence_parallel, topo.tp_size),
+           cfg.precision.params_dtype)
     if key not in _CACHE:
         if len(_CACHE) > 64:
             _CACHE.clear()
@@ -73,7 +75,7 @@ def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Mo
 def _build(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]:
     from megazero.pipeline.partition import build_model_chunks
 
-    sp = cfg.parallel.sequence_parallel and topo.tp_size > 1
+    sp = sequence_parallel_active(cfg.parallel.sequence_parallel, topo.tp_size)
     with torch.device("meta"), _shape_only():
         chunks = build_model_chunks(cfg.model, topo,
                                     cfg.parallel.num_layers_per_virtual_pipeline_stage,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megazero.config import MegazeroConfig
+from megazero.config.rules import sequence_parallel_active
 from megazero.flops import model_flops_per_iteration
 from megazero.planner.cluster import Cluster
 from megazero.zero.accounting import formula_comm_bytes
@@ -100,7 +101,7 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     if pp > 1:
         out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb)
         cross = tp * dp >= node and layout.world_size > node
-        act = e * s * b * h / (tp if p.sequence_parallel and tp > 1 else 1)
+        act = e * s * b * h / (tp if sequence_parallel_active(p.sequence_parallel, tp) else 1)
         bw = cluster.inter_node_gbps if cross else cluster.intra_node_gbps
         out.terms["pipeline p2p"] = 2 * mb * vpp * (act / (bw * 1e9) + lat)
     if tp > 1:

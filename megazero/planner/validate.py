@@ -151,7 +151,7 @@ def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int 
         topo = ParallelTopology.build(tp=p.tp, pp=p.pp, vpp=cfg.vpp)
         m = (t.global_batch_size or t.micro_batch_size * topo.dp_size) // (
             t.micro_batch_size * topo.dp_size)
-        sp = p.sequence_parallel and p.tp > 1
+        sp = p.sequence_parallel_active
         stats: dict[str, Any] = {}
         tracker: Any = None
         if track_memory:

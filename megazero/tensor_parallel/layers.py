@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.config.rules import sequence_parallel_active
 from megazero.tensor_parallel.mappings import (
     Group,
     all_gather_dim0,
@@ -175,7 +176,7 @@ class ColumnParallelLinear(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         super().__init__()
         self.group, self.gather_output = group, gather_output
-        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        self.sequence_parallel = sequence_parallel_active(sequence_parallel, group_size(group))
         self.input_size, self.output_size = input_size, output_size
         local = divide(output_size, group_size(group))
         self.weight = nn.Parameter(torch.empty(local, input_size, dtype=params_dtype,
@@ -209,7 +210,7 @@ class RowParallelLinear(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
-        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        self.sequence_parallel = sequence_parallel_active(sequence_parallel, group_size(group))
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
         self.input_size, self.output_size = input_size, output_size

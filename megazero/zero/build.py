@@ -9,22 +9,17 @@ from typing import Any
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.config.deepspeed import unimplemented_zero_keys
+from megazero.config.rules import sequence_parallel_active
 from megazero.zero.buffers import GradBuffer
 from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
 from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
 
-# zero_optimization keys accepted without an implementation yet: (key, value meaning "off").
-# The DeepSpeed-config loader (megazero/config/deepspeed.py) marks the same keys TODO and warns
-# once when a config sets them, so the engine does not warn again for these.
-NO_EFFECT_KEYS: tuple[tuple[str, Any], ...] = (
-    ("round_robin_gradients", False),
-    ("elastic_checkpoint", False),
-    ("stage3_gather_16bit_weights_on_model_save", False),
-    ("zero_hpz_partition_size", 1),
-    ("zero_quantized_weights", False),
-    ("zero_quantized_gradients", False),
-)
+# zero_optimization keys accepted without an implementation yet: (key, value meaning "off"). The
+# DeepSpeed key table marks them TODO and warns once when a config sets them, so the engine does
+# not warn again for these.
+NO_EFFECT_KEYS: tuple[tuple[str, Any], ...] = unimplemented_zero_keys()
 
 # Keys with a real effect, by stage (the rest of the block is accepted; see NO_EFFECT_KEYS).
 IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
@@ -65,7 +60,8 @@ def _deferred_kind(params: list[nn.Parameter], topo: Any, sequence_parallel: boo
                    ) -> dict[int, str]:
     kinds = {}
     for p in params:
-        if sequence_parallel and topo.tp_size > 1 and getattr(p, "sequence_parallel", False):
+        if sequence_parallel_active(sequence_parallel, topo.tp_size) \
+                and getattr(p, "sequence_parallel", False):
             kinds[id(p)] = "sp"
         elif topo.pp_size > 1 and getattr(p, "shared_embedding", False):
             kinds[id(p)] = "emb"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.config import PrecisionConfig, ZeroConfig
+from megazero.config.rules import sequence_parallel_active
 from megazero.zero import clip_grads
 from megazero.zero.accounting import MemoryReport, StorageCounter
 from megazero.zero.comm import CommLog, GroupComm
@@ -165,7 +166,7 @@ class ZeroOptimizer:
             store.wait()
         for store in self.stores:
             store.absorb_deferred()
-        if self.sequence_parallel and self.comms.tp.size > 1:
+        if sequence_parallel_active(self.sequence_parallel, self.comms.tp.size):
             for store in self.stores:
                 for t in store.deferred_grads("sp"):
                     self.comms.tp.all_reduce(t)
