@@ -7,11 +7,20 @@ setup) raises the same words as the command line does.
 
 import subprocess
 import sys
+import typing
 import warnings
 
 import pytest
 
-from megazero.config import ConfigError, ModelConfig, ParallelConfig, load_config, rules
+from megazero.config import (
+    DS_CONFIG_KEYS,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    build_parser,
+    load_config,
+    rules,
+)
 from megazero.pipeline.partition import chunk_layer_ranges
 from megazero.pipeline.schedules import build_schedule
 from megazero.topology import ParallelLayout, TopologyError
@@ -103,3 +112,17 @@ def test_rules_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONPATH": ":".join(sys.path)})
     assert out.stdout.strip() == "[]"
+
+
+def test_choices_come_from_the_literal_types():
+    parser = build_parser()
+    choices = {a.option_strings[0]: tuple(a.choices) for a in parser._actions if a.choices}
+    assert choices["--normalization"] == typing.get_args(
+        typing.get_type_hints(ModelConfig)["normalization"]) == ("LayerNorm", "RMSNorm")
+    assert choices["--recompute-granularity"] == ("full", "selective")  # None is "not given"
+    assert choices["--zero-stage"] == (0, 1, 2, 3)
+    assert DS_CONFIG_KEYS["zero_optimization.offload_param.device"].choices == (
+        "none", "cpu", "nvme")
+    assert "invalid choice: 'BatchNorm'" in _cli_error(["--normalization", "BatchNorm"], 1)
+    with pytest.raises(ConfigError, match='zero_optimization.stage: got 4, expected one of 0, '):
+        load_config([], 1, ds_config={"zero_optimization": {"stage": 4}})

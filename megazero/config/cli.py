@@ -17,7 +17,7 @@ from typing import Any
 
 from megazero.config.flag_aliases import rewrite_aliases, suggest
 from megazero.config.flag_help import GROUP_OF_FLAG, GROUP_OF_SECTION, GROUPS, HELP
-from megazero.config.schema import MegazeroConfig
+from megazero.config.schema import MegazeroConfig, field_choices
 from megazero.data.tokenizers import TOKENIZER_TYPES
 from megazero.errors import ConfigError
 
@@ -52,8 +52,9 @@ def _f(names: str, field: str, convert: Callable[[Any], Any] | None = None, **kw
     return Flag(tuple(names.split()), field, kw, convert)
 
 
-_I, _FL = {"type": int}, {"type": float}
-_ON = {"action": "store_true"}
+_I: dict[str, Any] = {"type": int}
+_FL: dict[str, Any] = {"type": float}
+_ON: dict[str, Any] = {"action": "store_true"}
 
 FLAGS: tuple[Flag, ...] = (
     # parallelism
@@ -64,15 +65,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("--microbatch-group-size-per-virtual-pipeline-stage",
        "parallel.microbatch_group_size_per_vp_stage", **_I),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
-    _f("--recompute-granularity", "parallel.recompute_granularity", choices=("full", "selective")),
-    _f("--recompute-method", "parallel.recompute_method", choices=("uniform", "block")),
+    _f("--recompute-granularity", "parallel.recompute_granularity"),
+    _f("--recompute-method", "parallel.recompute_method"),
     _f("--recompute-num-layers", "parallel.recompute_num_layers", **_I),
-    _f("--distributed-backend", "parallel.distributed_backend", choices=("nccl", "gloo")),
+    _f("--distributed-backend", "parallel.distributed_backend"),
     _f("--distributed-timeout-minutes", "parallel.distributed_timeout_minutes", **_FL,
        help="timeout of every process group's collectives, and the watchdog's limit for one "
             "iteration (default: %(default)s)"),
     # model
-    _f("--model-preset", "model.model_preset", choices=("gpt2", "llama"),
+    _f("--model-preset", "model.model_preset",
        help="start the model from a preset; flags given explicitly override it"),
     _f("--num-layers", "model.num_layers", **_I),
     _f("--hidden-size", "model.hidden_size", **_I),
@@ -82,10 +83,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--ffn-hidden-size", "model.ffn_hidden_size", **_I),
     _f("--seq-length", "model.seq_length", **_I),
     _f("--max-position-embeddings", "model.max_position_embeddings", **_I),
-    _f("--position-embedding-type", "model.position_embedding_type",
-       choices=("learned_absolute", "rope")),
+    _f("--position-embedding-type", "model.position_embedding_type"),
     _f("--rotary-base", "model.rotary_base", **_FL),
-    _f("--normalization", "model.normalization", choices=("LayerNorm", "RMSNorm")),
+    _f("--normalization", "model.normalization"),
     _f("--norm-epsilon", "model.norm_epsilon", **_FL),
     _f("--swiglu", "model.swiglu", **_ON),
     _f("--openai-gelu", "model.openai_gelu", **_ON),
@@ -122,7 +122,7 @@ FLAGS: tuple[Flag, ...] = (
     # optimizer and learning rate
     _f("--lr", "optimizer.lr", **_FL),
     _f("--min-lr", "optimizer.min_lr", **_FL),
-    _f("--lr-decay-style", "optimizer.lr_decay_style", choices=("constant", "linear", "cosine")),
+    _f("--lr-decay-style", "optimizer.lr_decay_style"),
     _f("--lr-warmup-iters", "optimizer.lr_warmup_iters", **_I),
     _f("--lr-decay-iters", "optimizer.lr_decay_iters", **_I),
     _f("--lr-warmup-fraction", "optimizer.lr_warmup_fraction", **_FL),
@@ -144,7 +144,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--loss-scale-window", "precision.loss_scale_window", **_I),
     _f("--hysteresis", "precision.hysteresis", **_I),
     # ZeRO and the DeepSpeed config
-    _f("--zero-stage", "zero.stage", type=int, choices=(0, 1, 2, 3),
+    _f("--zero-stage", "zero.stage", type=int,
        help="ZeRO stage; the same as zero_optimization.stage in the JSON"),
     _f("--deepspeed_config --deepspeed-config", "deepspeed_config", dest="deepspeed_config",
        help="DeepSpeed JSON config (// and /* */ comments allowed; \"auto\" takes the flags)"),
@@ -231,6 +231,9 @@ def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     for flag in FLAGS:
         kw = dict(flag.kwargs)
+        choices = field_choices(flag.field)
+        if choices is not None and "action" not in kw and flag.convert is None:
+            kw["choices"] = choices
         if explicit_only:
             kw["default"] = argparse.SUPPRESS
             kw.pop("help", None)

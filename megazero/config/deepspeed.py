@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from megazero.config.schema import field_choices
 from megazero.errors import ConfigError
 
 IMPL, TODO = True, False
@@ -39,7 +40,10 @@ class Key:
 
 
 def _k(kind: str, default: Any = None, field: str | tuple[str, ...] | None = None,
-       implemented: bool = IMPL, choices: tuple[Any, ...] = ()) -> Key:
+       implemented: bool = IMPL, choices: tuple[Any, ...] | None = None) -> Key:
+    """``choices`` None: the values of the field's ``Literal`` type, if it has one."""
+    if choices is None:
+        choices = (field_choices(field) if isinstance(field, str) else None) or ()
     return Key(kind, default, field, implemented, choices)
 
 
@@ -56,8 +60,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "steps_per_print": _k(INT, 10, "logging.steps_per_print"),
     "wall_clock_breakdown": _k(BOOL, False, "logging.wall_clock_breakdown"),
     "gradient_clipping": _k(FLOAT, 0.0, "optimizer.clip_grad"),
-    "communication_data_type": _k(STR, None, "precision.communication_data_type",
-                                  choices=("fp32", "fp16", "bf16")),
+    "communication_data_type": _k(STR, None, "precision.communication_data_type"),
     "memory_breakdown": _k(BOOL, False, None, TODO),
     "dump_state": _k(BOOL, False, None, TODO),
     "prescale_gradients": _k(BOOL, False, None, TODO),
@@ -72,7 +75,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "graph_harvesting": _k(BOOL, False, None, TODO),
     # optimizer: type Adam/AdamW (see OPTIMIZER_TYPES); params of all DeepSpeed Adam variants
     "optimizer": _k(BLOCK),
-    "optimizer.type": _k(STR, "AdamW", "optimizer.optimizer"),
+    "optimizer.type": _k(STR, "AdamW", "optimizer.optimizer", choices=()),  # any case: merge.py
     "optimizer.params": _k(BLOCK),
     "optimizer.legacy_fusion": _k(BOOL, False, None, TODO),
     "optimizer.params.lr": _k(FLOAT, 1e-3, "optimizer.lr"),
@@ -129,7 +132,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "amp": _k(OPEN, None, None, TODO),
     # ZeRO
     _Z: _k(BLOCK),
-    f"{_Z}.stage": _k(INT, 0, "zero.stage", choices=(0, 1, 2, 3)),
+    f"{_Z}.stage": _k(INT, 0, "zero.stage"),
     f"{_Z}.reduce_scatter": _k(BOOL, True, "zero.reduce_scatter"),
     f"{_Z}.allgather_partitions": _k(BOOL, True, "zero.allgather_partitions"),
     f"{_Z}.allgather_bucket_size": _k(INT, 500_000_000, "zero.allgather_bucket_size"),
@@ -164,11 +167,10 @@ DS_CONFIG_KEYS: dict[str, Key] = {
         ("log_trace_cache_warnings", BOOL), ("use_multi_rank_bucket_allreduce", BOOL),
         ("enable_sanity_checks", BOOL))},
     _OO: _k(BLOCK),
-    f"{_OO}.device": _k(STR, "none", "zero.offload_optimizer.device",
-                        choices=("none", "cpu", "nvme")),
+    f"{_OO}.device": _k(STR, "none", "zero.offload_optimizer.device"),
     f"{_OO}.pin_memory": _k(BOOL, False, "zero.offload_optimizer.pin_memory"),
     _OP: _k(BLOCK),
-    f"{_OP}.device": _k(STR, "none", "zero.offload_param.device", choices=("none", "cpu", "nvme")),
+    f"{_OP}.device": _k(STR, "none", "zero.offload_param.device"),
     f"{_OP}.pin_memory": _k(BOOL, False, "zero.offload_param.pin_memory"),
     # NVMe offload (ZeRO-Infinity); checked together in megazero.zero.offload.check_offload
     **{f"{blk}.{name}": _k(kind, None, f"zero.{blk.rsplit('.', 1)[1]}.{name}")

@@ -23,6 +23,7 @@ import difflib
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -53,14 +54,15 @@ from megazero.config.schema import (
 )
 from megazero.errors import ConfigError
 
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
-             "precision": PrecisionConfig, "data": DataConfig, "train": TrainConfig,
-             "logging": LoggingConfig, "checkpoint": CheckpointConfig}
+_SECTIONS: dict[str, Callable[..., Any]] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig, "data": DataConfig, "train": TrainConfig,
+    "logging": LoggingConfig, "checkpoint": CheckpointConfig}
 _MICRO, _GLOBAL, _GAS = ("train.micro_batch_size", "train.global_batch_size",
                          "train.gradient_accumulation_steps")
 
 #: "auto" ZeRO-3 sizes that depend on the model, as Hugging Face's integration fills them.
-_AUTO_FROM_HIDDEN = {
+_AUTO_FROM_HIDDEN: dict[str, Callable[[int], int]] = {
     "zero_optimization.reduce_bucket_size": lambda h: h * h,
     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
@@ -71,7 +73,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float | int) and isinstance(b, float | int) and not isinstance(a, bool) \
             and not isinstance(b, bool):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
-    return a == b
+    return bool(a == b)
 
 
 def _js(value: Any) -> str:
@@ -175,10 +177,13 @@ def _batch_triad(merged: dict[str, tuple[str, Any]], dp: int, parallel: Parallel
                               f"gradient_accumulation_steps {gas} x {where} = {want}; set "
                               f"train_batch_size (--global-batch-size) to {want}{alt}")
         return micro, gbs, gas
-    known, name = (micro, "train_micro_batch_size_per_gpu (--micro-batch-size)") \
-        if micro is not None else (gas, "gradient_accumulation_steps")
-    count = num_microbatches(gbs, known, dp, micro_name=name, dp_name=where)
-    return (micro, gbs, count) if micro is not None else (count, gbs, gas)
+    if micro is not None:
+        name = "train_micro_batch_size_per_gpu (--micro-batch-size)"
+        return micro, gbs, num_microbatches(gbs, micro, dp, micro_name=name, dp_name=where)
+    assert gas is not None  # one of the two is known here
+    count = num_microbatches(gbs, gas, dp, micro_name="gradient_accumulation_steps",
+                             dp_name=where)
+    return count, gbs, gas
 
 
 def _section(name: str, merged: dict[str, tuple[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -243,6 +248,7 @@ def _schedule_lengths(cfg: MegazeroConfig, given: set[str]) -> MegazeroConfig:
         raise ConfigError("--lr-decay-iters and --lr-decay-samples both set the decay length; "
                           "give one of them")
     gbs = t.global_batch_size
+    assert gbs is not None  # the batch triad is filled in before the schedule lengths
 
     def iters(flag: str, samples: int) -> int:
         if samples < 0 or samples % gbs:

@@ -7,8 +7,9 @@ Megatron-style command-line flags and an optional DeepSpeed-style JSON config by
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megazero.config.rules import check as _check
 from megazero.config.rules import (
@@ -17,6 +18,12 @@ from megazero.config.rules import (
     sequence_parallel_active,
     validate,
 )
+from megazero.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from megazero.topology import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class ModelConfig:
     kv_channels: int | None = None  # Megatron's per-head width; must be hidden / heads here
     use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
     group_query_attention: bool = False  # Megatron's switch; the group count is num_query_groups
-    model_preset: str | None = None  # "gpt2" / "llama": the preset the fields were started from
+    model_preset: Literal["gpt2", "llama"] | None = None  # the preset the fields started from
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -121,7 +128,7 @@ class ParallelConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
-    distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+    distributed_backend: Literal["nccl", "gloo"] | None = None  # None: nccl on GPU, gloo on CPU
     # Every process group's collective timeout; also the watchdog's limit for one iteration.
     distributed_timeout_minutes: float = 10.0
     world_size: int | None = None  # all ranks; None when the config is built without a launcher
@@ -161,8 +168,9 @@ class ParallelConfig:
     @property
     def dp(self) -> int:
         """Data-parallel size: world_size / (tp * pp); TP and PP ranks are not replicas."""
-        _check(self.world_size is not None, "the data-parallel size needs the world size; build "
-               "the config with load_config(argv, world_size)")
+        if self.world_size is None:
+            raise ConfigError("the data-parallel size needs the world size; build the config "
+                              "with load_config(argv, world_size)")
         return check_world_size(self.world_size, self.tp, self.pp)
 
 
@@ -210,7 +218,7 @@ class AioConfig:
 class ZeroConfig:
     """DeepSpeed's ``zero_optimization`` block (same key names and defaults)."""
 
-    stage: int = 0
+    stage: Literal[0, 1, 2, 3] = 0
     reduce_scatter: bool = True
     allgather_partitions: bool = True
     allgather_bucket_size: int = 500_000_000
@@ -255,7 +263,7 @@ class PrecisionConfig:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
-    communication_data_type: str | None = None  # None: the parameters' dtype
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None  # None: params' dtype
 
     def __post_init__(self) -> None:
         _check(not (self.fp16 and self.bf16),
@@ -270,7 +278,7 @@ class PrecisionConfig:
                f"fp16 or bf16")
 
     @property
-    def params_dtype(self):
+    def params_dtype(self) -> torch.dtype:
         import torch
 
         return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
@@ -297,7 +305,7 @@ class OptimizerConfig:
     lr_warmup_samples: int | None = None  # sample-based lengths, turned into iterations
     lr_decay_samples: int | None = None  # by ds_merge once the global batch is known
     scheduler_type: str | None = None  # DeepSpeed scheduler block: WarmupLR, WarmupDecayLR, ...
-    scheduler_params: dict = field(default_factory=dict)  # its params, "auto" filled in
+    scheduler_params: dict[str, Any] = field(default_factory=dict)  # its params, "auto" filled in
     # The DeepSpeed JSON has an "optimizer" block: the engine builds the optimizer from it.
     from_ds_config: bool = False
 
@@ -341,8 +349,8 @@ class LoggingConfig:
     wall_clock_breakdown: bool = False
     log_memory_phases: bool = False  # memory after forward / backward / step, per logged iteration
     steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
-    wandb: dict = field(default_factory=dict)
-    csv_monitor: dict = field(default_factory=dict)
+    wandb: dict[str, Any] = field(default_factory=dict)
+    csv_monitor: dict[str, Any] = field(default_factory=dict)
     log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
 
 
@@ -382,11 +390,26 @@ class MegazeroConfig:
         per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
         return None if per_chunk is None else self.model.num_layers // self.parallel.pp // per_chunk
 
-    def layout(self):
+    def layout(self) -> ParallelLayout:
         """The :class:`~megazero.topology.ParallelLayout` of this run (needs the world size)."""
         from megazero.topology import ParallelLayout
 
-        _check(self.parallel.world_size is not None, "the layout needs the world size; build the "
-               "config with load_config(argv, world_size)")
+        if self.parallel.world_size is None:
+            raise ConfigError("the layout needs the world size; build the config with "
+                              "load_config(argv, world_size)")
         return ParallelLayout(self.parallel.world_size, self.parallel.tp, self.parallel.pp,
                               self.vpp)
+
+
+def field_choices(path: str) -> tuple[Any, ...] | None:
+    """The values a ``Literal``-typed field such as ``model.normalization`` accepts (None is
+    left out: it is the "not given" default), or None for a field of another type."""
+    cls: Any = MegazeroConfig
+    hint: Any = None
+    for part in path.split("."):
+        hint = typing.get_type_hints(cls)[part]
+        cls = hint
+    literals = [a for a in (typing.get_args(hint) if typing.get_origin(hint) is not Literal
+                            else (hint,)) if typing.get_origin(a) is Literal]
+    values = tuple(v for lit in literals for v in typing.get_args(lit))
+    return values or None

@@ -18,6 +18,7 @@ from typing import Any
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.deepspeed import SCHEDULER_TYPES, get_path
 from megazero.config.jsonc import load_ds_json
+from megazero.lr_scheduler import DEEPSPEED_SCHEDULERS
 
 #: JSON key absent -> DeepSpeed's value (megazero's CLI defaults follow Megatron instead).
 #: (JSON keys that set the field, the OptimizerConfig field, DeepSpeed's default)
@@ -63,9 +64,8 @@ def load_engine_config(args: Any, config: Any, config_params: Any,
     cfg = config_from_dict(ds, {}, world_size)
     kind = get_path(ds, "scheduler.type")
     if kind is not None and not SCHEDULER_TYPES.get(kind, (False,))[0]:
-        supported = [k for k, v in SCHEDULER_TYPES.items() if v[0]]
         raise ConfigError(f"scheduler.type {kind!r} is not supported by the megazero engine; "
-                          f"use one of {', '.join(supported)}, or pass lr_scheduler= to "
+                          f"use one of {', '.join(DEEPSPEED_SCHEDULERS)}, or pass lr_scheduler= to "
                           "megazero.initialize")
     opt = cfg.optimizer
     changes = {fld: value for paths, fld, value in DS_DEFAULTS
