@@ -308,7 +308,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
     preset = model_kw.get("model_preset")
     model = ModelConfig.preset(preset, **model_kw) if preset else ModelConfig(**model_kw)
     parallel = ParallelConfig(**_section("parallel", merged, world_size=world_size))
-    if parallel.sequence_parallel and parallel.tp == 1:
+    if parallel.sequence_parallel and not parallel.sequence_parallel_active:
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                       "turning it off", UserWarning, stacklevel=2)
         parallel = replace(parallel, sequence_parallel=False)
