@@ -30,6 +30,7 @@ from torch import nn  # noqa: E402
 
 from megazero.config import ModelConfig  # noqa: E402
 from megazero.model import GPTModel  # noqa: E402
+from megazero.tensor_parallel import ParallelContext  # noqa: E402
 from megazero.topology import ParallelTopology  # noqa: E402
 
 
@@ -112,7 +113,8 @@ def main() -> None:
         cfg = ModelConfig.preset("gpt2", num_layers=1, hidden_size=h, num_attention_heads=a,
                                  seq_length=s, vocab_size=1000, attention_dropout=p,
                                  hidden_dropout=p, use_flash_attn=False)
-        model = GPTModel(cfg, ParallelTopology.single(), attention_backend="sdpa")
+        model = GPTModel(cfg, ParallelTopology.single(),
+                         parallel=ParallelContext(attention_backend="sdpa"))
         ours = model.decoder.layers["0"].to(device=device, dtype=dtype)
         plain = PlainLayer(h, a, p)
         copy_weights(plain, ours)

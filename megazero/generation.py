@@ -69,7 +69,7 @@ def _check_whole(model) -> None:
                          "read_model_state + megazero.convert.load_global_state)")
     if model.sequence_parallel:
         raise ValueError("generation runs without --sequence-parallel; build the model with "
-                         "sequence_parallel=False")
+                         "parallel=ParallelContext(sequence_parallel=False)")
 
 
 def _attention(attn, x, offset: int, cache: KVCache, layer: int, rotary) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megazero.config import ConfigError, MegazeroConfig
-from megazero.config.rules import num_microbatches, sequence_parallel_active
+from megazero.config.rules import num_microbatches
 from megazero.errors import DataError, MegazeroError
 from megazero.topology import ParallelTopology
 
@@ -135,29 +135,22 @@ def get_batch(data_iterator: Iterator[dict],
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
 
-def recompute_spec(cfg: MegazeroConfig) -> Any:
-    p = cfg.parallel
-    if p.recompute_granularity == "selective":
-        return "selective"
-    if p.recompute_granularity == "full":
-        return ("full", p.recompute_method, p.recompute_num_layers or 1)
-    return None
-
-
 def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
                               device: torch.device) -> tuple[list[torch.nn.Module], Any]:
     """Model chunks for this rank (fp32 init, identical at every layout), then the ZeRO engine,
     which casts them to the training dtype and keeps fp32 masters."""
     from megazero.pipeline.partition import build_model_chunks
+    from megazero.tensor_parallel.context import ParallelContext
     from megazero.zero import build_zero_optimizer
 
-    sp = sequence_parallel_active(cfg.parallel.sequence_parallel, topo.tp_size)
+    parallel = ParallelContext.from_topology(topo,
+                                             sequence_parallel=cfg.parallel.sequence_parallel)
     chunks = build_model_chunks(cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
-                                sequence_parallel=sp, recompute=recompute_spec(cfg),
+                                parallel=parallel, recompute=cfg.parallel.recompute,
                                 seed=cfg.train.seed)
     chunks = [c.to(device) for c in chunks]
     engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
-                                  sequence_parallel=sp)
+                                  sequence_parallel=parallel.sequence_parallel)
     return chunks, engine
 
 

@@ -17,6 +17,7 @@ import torch
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.model import GPTModel
+from megazero.tensor_parallel import ParallelContext
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 from tests.test_e2e import REPO, SCRIPT, TINY, env, read_metrics
@@ -42,9 +43,9 @@ def test_forward_backward_on_gpu_equals_cpu(preset):
     cfg = tiny_config(preset)
     topo = ParallelTopology.single()
     tokens, labels = batch()
-    cpu = GPTModel(cfg, topo, attention_backend="sdpa")
+    cpu = GPTModel(cfg, topo, parallel=ParallelContext(attention_backend="sdpa"))
     ref_loss, ref_grads = _loss_and_grads(cpu, tokens, labels)
-    gpu = GPTModel(cfg, topo, attention_backend="sdpa").cuda()
+    gpu = GPTModel(cfg, topo, parallel=ParallelContext(attention_backend="sdpa")).cuda()
     loss, grads = _loss_and_grads(gpu, tokens.cuda(), labels.cuda())
     assert_close(loss, ref_loss, "fp32 loss", rel=1e-5)
     for name, g in grads.items():
@@ -63,7 +64,8 @@ def test_every_attention_backend_agrees_on_gpu():
     backends = ["unfused", "sdpa"] + (["flash"] if flash_attn_func is not None else [])
     results = {}
     for backend in backends:
-        model = GPTModel(cfg, topo, attention_backend=backend).cuda().to(torch.bfloat16)
+        model = GPTModel(cfg, topo, parallel=ParallelContext(attention_backend=backend))
+        model = model.cuda().to(torch.bfloat16)
         results[backend] = _loss_and_grads(model, tokens, labels)
     ref_loss, ref_grads = results["unfused"]
     for backend, (loss, grads) in results.items():

@@ -4,8 +4,10 @@ are replayed exactly by recomputation."""
 import torch
 import torch.distributed as dist
 
+from megazero.config import RecomputeConfig
 from megazero.model import GPTModel
 from megazero.tensor_parallel import allreduce_sequence_parallel_grads, full_model_state_dict
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
 from tests.test_model_tp_equivalence import assert_close, batch, loss_and_grads, tiny_config
@@ -22,9 +24,10 @@ def _pipeline_chunks(rank, world):
             cfg = tiny_config(preset)
             ref_loss, ref_grads = loss_and_grads(GPTModel(cfg, ParallelTopology.single()),
                                                  ParallelTopology.single(), tokens, labels)
-            first = GPTModel(cfg, topo, sequence_parallel=sp, layer_range=(0, 1),
+            parallel = ParallelContext.from_topology(topo, sequence_parallel=sp)
+            first = GPTModel(cfg, topo, parallel=parallel, layer_range=(0, 1),
                              post_process=False)
-            last = GPTModel(cfg, topo, sequence_parallel=sp, layer_range=(1, 2),
+            last = GPTModel(cfg, topo, parallel=parallel, layer_range=(1, 2),
                             pre_process=False)
             hidden = first(tokens)
             assert hidden.shape == (16 // (tp if sp else 1), 2, cfg.hidden_size)
@@ -68,12 +71,15 @@ def _recompute_replays_masks(rank, world):
     out = {}
     for sp in (False, True):
         runs = {}
-        for recompute in (None, "selective", ("full", "uniform", 2), ("full", "block", 1)):
-            model = GPTModel(_dropout_cfg(), topo, sequence_parallel=sp, recompute=recompute,
-                             attention_backend="unfused")
+        for recompute in (RecomputeConfig(), RecomputeConfig("selective"),
+                          RecomputeConfig("full", "uniform", 2),
+                          RecomputeConfig("full", "block", 1)):
+            model = GPTModel(_dropout_cfg(), topo, recompute=recompute,
+                             parallel=ParallelContext.from_topology(
+                                 topo, sequence_parallel=sp, attention_backend="unfused"))
             loss, grads = loss_and_grads(model, topo, tokens, labels)
             runs[str(recompute)] = (loss, grads)
-        base_loss, base_grads = runs["None"]
+        base_loss, base_grads = runs[str(RecomputeConfig())]
         model.eval()
         with torch.no_grad():
             eval_loss = model(tokens, labels)
@@ -107,8 +113,8 @@ def _mask_agreement(rank, world):
         for sp in (False, True):
             masks.clear()
             kept.clear()
-            model = GPTModel(_dropout_cfg(), topo, sequence_parallel=sp,
-                             attention_backend="unfused")
+            model = GPTModel(_dropout_cfg(), topo, parallel=ParallelContext.from_topology(
+                topo, sequence_parallel=sp, attention_backend="unfused"))
             model(tokens)
             # Per call: embedding, then (attention probs, attn hidden, mlp hidden) per layer.
             kinds = ["hidden"] + ["attention", "hidden", "hidden"] * 2

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megazero.config import ConfigError
 from megazero.model import GPTModel
 from megazero.model.positional import RotaryEmbedding, apply_rotary
-from megazero.tensor_parallel import full_model_state_dict
+from megazero.tensor_parallel import ParallelContext, full_model_state_dict
 from megazero.topology import ParallelTopology
 from tests.test_model_tp_equivalence import assert_close, batch, tiny_config
 
@@ -76,7 +76,7 @@ def plain_gpt_loss(sd, cfg, tokens, labels):
 def test_model_matches_plain_reference(preset, backend):
     cfg = tiny_config(preset)
     topo = ParallelTopology.single()
-    model = GPTModel(cfg, topo, attention_backend=backend, seed=99)
+    model = GPTModel(cfg, topo, parallel=ParallelContext(attention_backend=backend), seed=99)
     sd = full_model_state_dict(model, topo)
     tokens, labels = batch(5)
     loss = model(tokens, labels)
@@ -107,8 +107,8 @@ def test_attention_backend_selection():
     cfg = tiny_config("gpt2")
     topo = ParallelTopology.single()
     with pytest.raises(ConfigError, match="attention_backend 'fast'"):
-        GPTModel(cfg, topo, attention_backend="fast")
-    model = GPTModel(cfg, topo, attention_backend="flash")
+        GPTModel(cfg, topo, parallel=ParallelContext(attention_backend="fast"))
+    model = GPTModel(cfg, topo, parallel=ParallelContext(attention_backend="flash"))
     tokens, labels = batch(6)
     with pytest.raises(RuntimeError, match="flash-attn installed and CUDA fp16/bf16"):
         model(tokens, labels)

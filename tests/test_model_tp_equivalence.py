@@ -10,13 +10,14 @@ misplaced shard gives O(1) relative errors).
 
 import torch
 
-from megazero.config import ModelConfig
+from megazero.config import ModelConfig, RecomputeConfig
 from megazero.model import GPTModel
 from megazero.tensor_parallel import (
     allreduce_sequence_parallel_grads,
     full_model_state_dict,
     gather_from_tensor_parallel_region,
 )
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
 
@@ -72,11 +73,14 @@ def _equivalence(rank, world):
             ref_loss, ref_grads = loss_and_grads(ref, ParallelTopology.single(), tokens, labels)
             ref_weights = full_model_state_dict(ref, ParallelTopology.single())
             for sp in (False, True):
-                for recompute in (None, "selective", ("full", "uniform", 1),
-                                  ("full", "block", 1)):
-                    if tp == 1 and (sp or recompute not in (None, "selective")):
+                for recompute in (RecomputeConfig(), RecomputeConfig("selective"),
+                                  RecomputeConfig("full", "uniform", 1),
+                                  RecomputeConfig("full", "block", 1)):
+                    if tp == 1 and (sp or recompute.granularity == "full"):
                         continue
-                    model = GPTModel(cfg, topo, sequence_parallel=sp, recompute=recompute)
+                    model = GPTModel(cfg, topo, recompute=recompute,
+                                     parallel=ParallelContext.from_topology(
+                                         topo, sequence_parallel=sp))
                     what = f"tp={tp} {preset} sp={sp} recompute={recompute}"
                     weights = full_model_state_dict(model, topo)
                     for name, w in weights.items():  # bitwise slices of the tp=1 model
@@ -87,8 +91,9 @@ def _equivalence(rank, world):
                         worst = max(worst, assert_close(g, ref_grads[name], f"{what}: d{name}"))
                     results.append((what, worst))
             if tp == 4:  # the unfused core attention (memory measurements use it)
-                model = GPTModel(cfg, topo, sequence_parallel=True, attention_backend="unfused",
-                                 recompute="selective")
+                model = GPTModel(cfg, topo, recompute=RecomputeConfig("selective"),
+                                 parallel=ParallelContext.from_topology(
+                                     topo, sequence_parallel=True, attention_backend="unfused"))
                 loss, grads = loss_and_grads(model, topo, tokens, labels)
                 assert_close(loss, ref_loss, f"unfused {preset}: loss")
                 for name, g in grads.items():
@@ -116,7 +121,7 @@ def test_recompute_without_input_grad_keeps_parameter_grads():
     tokens, labels = batch(4)
     ref = GPTModel(cfg, topo, layer_range=(0, 2), pre_process=False)
     full = GPTModel(cfg, topo, layer_range=(0, 2), pre_process=False,
-                    recompute=("full", "uniform", 2))
+                    recompute=RecomputeConfig("full", "uniform", 2))
     hidden = torch.randn(SEQ, BATCH, cfg.hidden_size)  # does not require grad
     grads = []
     for model in (ref, full):

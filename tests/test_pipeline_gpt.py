@@ -13,10 +13,11 @@ differs (TP partial sums, micro-batch accumulation), so errors are ~1e-7.
 
 import pytest
 
-from megazero.config import ModelConfig
+from megazero.config import ModelConfig, RecomputeConfig
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.grads import finalize_model_grads
 from megazero.pipeline.partition import build_model_chunks
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
@@ -49,24 +50,26 @@ def reference(cfg: ModelConfig, batches: list[dict]) -> tuple[list[float], dict]
     return losses, full_model_state_dict(model, topo, grads=True)
 
 
+SELECTIVE = RecomputeConfig("selective")
+FULL_UNIFORM_1 = RecomputeConfig("full", "uniform", 1)
 # (tp, pp, vpp, m, tied, sequence_parallel, recompute)
 CASES = [
     (2, 4, None, 4, True, False, None),
-    (2, 4, None, 8, False, True, ("full", "uniform", 1)),
+    (2, 4, None, 8, False, True, FULL_UNIFORM_1),
     (2, 4, 2, 4, False, True, None),
-    (2, 4, 2, 8, True, True, "selective"),
-    (2, 2, None, 2, False, False, ("full", "block", 2)),
+    (2, 4, 2, 8, True, True, SELECTIVE),
+    (2, 2, None, 2, False, False, RecomputeConfig("full", "block", 2)),
     (2, 2, None, 4, True, True, None),
     (2, 2, 2, 2, True, False, None),
-    (2, 2, 2, 4, False, True, ("full", "uniform", 2)),
+    (2, 2, 2, 4, False, True, RecomputeConfig("full", "uniform", 2)),
     (1, 4, None, 4, False, False, None),
     (1, 4, None, 8, True, False, None),
     (1, 4, 2, 4, True, False, None),
     (1, 4, 2, 8, True, False, None),
     (1, 2, None, 2, True, False, None),
-    (1, 2, None, 4, False, False, "selective"),
-    (1, 2, 2, 2, False, False, ("full", "uniform", 1)),
-    (1, 2, 2, 4, True, False, ("full", "block", 1)),
+    (1, 2, None, 4, False, False, SELECTIVE),
+    (1, 2, 2, 2, False, False, FULL_UNIFORM_1),
+    (1, 2, 2, 4, True, False, RecomputeConfig("full", "block", 1)),
 ]
 
 
@@ -80,7 +83,9 @@ def _gpt_world(rank, world_size):
         batches = make_batches(m, seed=100 + topo.dp_rank)
         ref_losses, ref_grads = reference(cfg, batches)
         lpvs = None if vpp is None else LAYERS // (pp * vpp)
-        chunks = build_model_chunks(cfg, topo, lpvs, sequence_parallel=sp, recompute=recompute)
+        chunks = build_model_chunks(cfg, topo, lpvs, recompute=recompute,
+                                    parallel=ParallelContext.from_topology(topo,
+                                                                           sequence_parallel=sp))
         stats: dict = {}
         losses = forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN,
                                   sequence_parallel=sp, stats=stats)
@@ -116,7 +121,8 @@ def _with_zero_engine():
     topo = ParallelTopology.build(tp=2, pp=2, vpp=2)
     per_replica = [make_batches(m, seed=200 + d) for d in range(topo.dp_size)]
     _, ref_grads = reference(cfg, [b for batches in per_replica for b in batches])
-    chunks = build_model_chunks(cfg, topo, 2, sequence_parallel=True)
+    chunks = build_model_chunks(cfg, topo, 2, parallel=ParallelContext.from_topology(
+        topo, sequence_parallel=True))
     engine = build_zero_optimizer(chunks, OptimizerConfig(), ZeroConfig(
         stage=0, reduce_bucket_size=2000, overlap_comm=True), PrecisionConfig(), topo,
         sequence_parallel=True)

@@ -63,14 +63,15 @@ def test_layer_bytes_against_a_measured_layer():
     bf16, one rank: measured saved bytes within 5% of the prediction (gpt2 0.2%, llama 2.8%)."""
     from megazero.config import ModelConfig
     from megazero.model.gpt import GPTModel
+    from megazero.tensor_parallel.context import ParallelContext
     from megazero.topology import ParallelTopology
 
     llama = dict(num_query_groups=2, normalization="LayerNorm", group_query_attention=True)
     for preset, extra in (("gpt2", {}), ("llama", llama)):
         m = ModelConfig.preset(preset, num_layers=1, hidden_size=128, num_attention_heads=8,
                                seq_length=64, vocab_size=100, **extra)
-        model = GPTModel(m, ParallelTopology.single(), params_dtype=torch.bfloat16,
-                         attention_backend="unfused")
+        model = GPTModel(m, ParallelTopology.single(), parallel=ParallelContext(
+            params_dtype=torch.bfloat16, attention_backend="unfused"))
         layer = model.decoder.layers["0"]
         x = torch.randn(64, 2, 128, dtype=torch.bfloat16, requires_grad=True)
         rotary = model.rotary(64, x.dtype) if model.rotary is not None else None

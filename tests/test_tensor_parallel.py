@@ -10,6 +10,7 @@ from megazero.config import ConfigError, ModelConfig
 from megazero.model import GPTModel
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
+    ParallelContext,
     RNGStatesTracker,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -107,8 +108,9 @@ def _layers(rank, world):
     up = _same(5, 8, 2, 12)
     checks = 0
     for sp in (False, True):  # a row-parallel consumer needs contiguous (stride 1) shards
-        col = ColumnParallelLinear(16, 24, g, gather_output=False, sequence_parallel=sp)
-        row = RowParallelLinear(24, 12, g, sequence_parallel=sp)
+        ctx = ParallelContext(tp_group=g, sequence_parallel=sp)
+        col = ColumnParallelLinear(16, 24, parallel=ctx, gather_output=False)
+        row = RowParallelLinear(24, 12, parallel=ctx)
         with torch.no_grad():
             col.bias.copy_(shard_full_param(_same(6, 24), col.bias, topo))
             row.bias.normal_(generator=torch.Generator().manual_seed(8))
@@ -139,8 +141,9 @@ def _layers(rank, world):
         torch.testing.assert_close(_gather_grad(col.bias, topo), ref_c.bias.grad)
         checks += 1
     # gather_output of a strided ([gate; up]) column layer, and input_is_parallel=False
-    col = ColumnParallelLinear(16, 24, g, gather_output=True, partition_stride=2)
-    row = RowParallelLinear(24, 12, g, input_is_parallel=False)
+    ctx = ParallelContext(tp_group=g)
+    col = ColumnParallelLinear(16, 24, parallel=ctx, gather_output=True, partition_stride=2)
+    row = RowParallelLinear(24, 12, parallel=ctx, input_is_parallel=False)
     full_c = gather_full_param(col.weight, topo)
     full_r = gather_full_param(row.weight, topo)
     assert torch.equal(full_c[:12].chunk(4)[rank], col.weight[:3])  # gate block slice
@@ -159,7 +162,7 @@ def _layers(rank, world):
     assert col.weight.tensor_model_parallel and col.weight.partition_dim == 0
     assert row.weight.partition_dim == 1 and not hasattr(row.bias, "tensor_model_parallel")
     # vocab-parallel embedding: padded, pad rows zero, lookup equals the full table
-    emb = VocabParallelEmbedding(100, 8, g, make_vocab_size_divisible_by=16)
+    emb = VocabParallelEmbedding(100, 8, parallel=ctx, make_vocab_size_divisible_by=16)
     assert emb.padded_vocab_size == pad_vocab_size(100, 16, 4) == 128
     assert emb.weight.shape == (32, 8)
     table = gather_full_param(emb.weight, topo)
@@ -292,7 +295,8 @@ def test_config_errors_name_the_numbers(kwargs, tp, sp, fragment):
     cfg = ModelConfig(**{"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
                          "seq_length": 16, "vocab_size": 100, **kwargs})
     with pytest.raises(ConfigError) as err:
-        GPTModel(cfg, _fake_topo(tp), sequence_parallel=sp)
+        topo = _fake_topo(tp)
+        GPTModel(cfg, topo, parallel=ParallelContext.from_topology(topo, sequence_parallel=sp))
     assert fragment in str(err.value)
 
 

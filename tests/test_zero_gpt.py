@@ -25,7 +25,7 @@ from megazero.config import ModelConfig, OffloadConfig, OptimizerConfig, Precisi
 from megazero.model import GPTModel
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import build_model_chunks
-from megazero.tensor_parallel import full_model_state_dict
+from megazero.tensor_parallel import ParallelContext, full_model_state_dict
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
@@ -88,7 +88,7 @@ def _compare(chunks, topo, ref_w):
 
 def _run_flat(topo, cfg, zkw, sp, micro, ref_w):
     """tp x dp without pipelining: this dp rank's rows, ``micro`` micro-batches."""
-    model = GPTModel(cfg, topo, sequence_parallel=sp)
+    model = GPTModel(cfg, topo, parallel=ParallelContext.from_topology(topo, sequence_parallel=sp))
     engine = build_zero_optimizer([model], OPT, ZeroConfig(**zkw), PrecisionConfig(), topo,
                                   sequence_parallel=sp)
     rows = ROWS // topo.dp_size

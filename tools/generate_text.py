@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     from megazero.convert import load_global_state, model_config_from_dict
     from megazero.generation import SamplingConfig, generate
     from megazero.model import GPTModel
+    from megazero.tensor_parallel import ParallelContext
 
     sampling_flags = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
     if args.greedy and sampling_flags:
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> dict:
     if bad:
         raise SystemExit(f"prompt ids {bad} are outside the vocabulary of {mc.vocab_size}")
     topo, device = _topology()
-    model = GPTModel(mc, topo, attention_backend="sdpa").eval()
+    parallel = ParallelContext.from_topology(topo, attention_backend="sdpa")
+    model = GPTModel(mc, topo, parallel=parallel).eval()
     load_global_state(model, state, topo)
     model.to(args.device or device)
     eos = None if args.no_stop_at_eod or tokenizer is None else tokenizer.eod

@@ -43,6 +43,7 @@ from megazero.config.schema import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
+    RecomputeConfig,
     TrainConfig,
     ZeroConfig,
 )
@@ -51,7 +52,7 @@ from megazero.errors import ConfigError
 __all__ = [
     "DS_CONFIG_KEYS", "FLAGS", "SCHEDULER_TYPES", "AioConfig", "CheckpointConfig", "ConfigError",
     "DataConfig", "LoggingConfig", "MegazeroConfig", "ModelConfig", "OffloadConfig",
-    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "TrainConfig",
+    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "RecomputeConfig", "TrainConfig",
     "UnimplementedConfigWarning", "ZeroConfig", "build_parser", "check_microbatch_groups",
     "check_tensor_parallel_split", "config_from_dict", "field_default", "flag_values",
     "load_config", "load_ds_json", "parse_args", "parse_ds_json", "valid_microbatch_group_sizes",

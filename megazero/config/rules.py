@@ -193,8 +193,6 @@ def validate(cfg: MegazeroConfig) -> None:
             if step > 0 and t.global_batch_size % step == 0:
                 count = t.global_batch_size // step
         check_microbatch_groups(pp, count, p.microbatch_group_size_per_vp_stage, step)
-    check(p.recompute_num_layers is None or p.recompute_num_layers >= 1,
-          f"--recompute-num-layers must be >= 1, got {p.recompute_num_layers}")
     check(t.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1 (non-finite "
           f"steps in a row before the run stops), got {t.max_nonfinite_steps}")
     check(p.distributed_timeout_minutes > 0, f"--distributed-timeout-minutes must be > 0, got "

@@ -116,6 +116,41 @@ class ModelConfig:
         return cls(**{**presets[name], **overrides})
 
 
+#: What selective recomputation can rematerialise (Megatron's ``--recompute-modules`` names).
+RECOMPUTE_MODULES = ("core_attn",)
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recomputation, Megatron's ``--recompute-granularity``, ``--recompute-method``
+    and ``--recompute-num-layers`` (see :func:`megazero.model.recompute.apply_recompute`).
+
+    ``granularity`` None: nothing recomputed. ``"full"``: whole layers rerun in backward,
+    ``method`` says which (``uniform``: groups of ``num_layers`` consecutive layers, each
+    keeping one input; ``block``: the first ``num_layers`` layers of each chunk, one by one).
+    ``"selective"``: only ``modules`` rerun; ``method`` and ``num_layers`` are then unused.
+    """
+
+    granularity: Literal["full", "selective"] | None = None
+    method: Literal["uniform", "block"] | None = None
+    num_layers: int = 1
+    modules: tuple[str, ...] = ("core_attn",)
+
+    def __post_init__(self) -> None:
+        _check(self.granularity in (None, "full", "selective"),
+               f"--recompute-granularity {self.granularity!r}: expected full or selective")
+        _check(self.method in (None, "uniform", "block"),
+               f"--recompute-method {self.method!r}: expected uniform or block")
+        if self.granularity == "full":
+            _check(self.method is not None,
+                   "--recompute-granularity full needs --recompute-method uniform or block")
+        _check(self.num_layers >= 1, f"--recompute-num-layers must be >= 1, got {self.num_layers}")
+        unknown = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+        _check(bool(self.modules) and not unknown,
+               f"recompute modules {self.modules!r}: selective recomputation supports "
+               f"{RECOMPUTE_MODULES}; list one or more of those")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
@@ -143,14 +178,14 @@ class ParallelConfig:
                    f"pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
             check_vpp_needs_pp(self.pp, self.num_layers_per_virtual_pipeline_stage,
                                "--num-layers-per-virtual-pipeline-stage (interleaved schedule)")
-        _check(self.recompute_granularity in (None, "full", "selective"),
-               f"--recompute-granularity {self.recompute_granularity!r}: expected full or "
-               f"selective")
-        _check(self.recompute_method in (None, "uniform", "block"),
-               f"--recompute-method {self.recompute_method!r}: expected uniform or block")
-        if self.recompute_granularity == "full":
-            _check(self.recompute_method is not None,
-                   "--recompute-granularity full needs --recompute-method uniform or block")
+        _ = self.recompute  # the --recompute-* flags are checked by RecomputeConfig
+
+    @property
+    def recompute(self) -> RecomputeConfig:
+        """The three ``--recompute-*`` flags as the one value the model and planner take."""
+        return RecomputeConfig(
+            self.recompute_granularity, self.recompute_method,
+            1 if self.recompute_num_layers is None else self.recompute_num_layers)
 
     @property
     def tp(self) -> int:

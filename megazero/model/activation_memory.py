@@ -100,8 +100,9 @@ def measure_layer_cases(rank: int, world: int, s: int, b: int, h: int, a: int,
     Run on every rank of a world of ``tp`` ranks (e.g. with ``run_distributed``): the TP cases
     communicate. Returns rank 0's measurements (every rank measures the same sizes).
     """
-    from megazero.config import ModelConfig
+    from megazero.config import ModelConfig, RecomputeConfig
     from megazero.model.gpt import GPTModel
+    from megazero.tensor_parallel.context import ParallelContext
     from megazero.topology import ParallelTopology
 
     cfg = ModelConfig.preset("gpt2", num_layers=1, hidden_size=h, num_attention_heads=a,
@@ -112,9 +113,11 @@ def measure_layer_cases(rank: int, world: int, s: int, b: int, h: int, a: int,
     for name, t, sp, selective in CASES:
         t = tp if t is None else t
         topo = tp_topo if t > 1 else ParallelTopology.single()
-        model = GPTModel(cfg, topo, sequence_parallel=sp, params_dtype=torch.bfloat16,
-                         attention_backend=attention_backend,
-                         recompute="selective" if selective else None)
+        parallel = ParallelContext.from_topology(topo, sequence_parallel=sp,
+                                                 params_dtype=torch.bfloat16,
+                                                 attention_backend=attention_backend)
+        model = GPTModel(cfg, topo, parallel=parallel,
+                         recompute=RecomputeConfig("selective" if selective else None))
         layer = model.decoder.layers["0"]
         x = torch.randn(s // t if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
         measured = measure_saved_bytes(layer, x)

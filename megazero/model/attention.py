@@ -26,13 +26,13 @@ from torch import nn
 from megazero.config import ModelConfig
 from megazero.model.dropout import dropout
 from megazero.model.positional import apply_rotary
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import (
     DEFERRED_INIT,
     ColumnParallelLinear,
     RowParallelLinear,
 )
-from megazero.tensor_parallel.mappings import Group, group_size
-from megazero.tensor_parallel.random import MODEL_PARALLEL_STREAM, RNGStatesTracker
+from megazero.tensor_parallel.random import MODEL_PARALLEL_STREAM
 
 try:  # optional dependency
     from flash_attn import flash_attn_func
@@ -40,7 +40,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_func = None
 
 _NO_INIT = DEFERRED_INIT
-BACKENDS = ("auto", "unfused", "sdpa", "flash")
 
 
 def flash_usable(x: torch.Tensor) -> bool:
@@ -52,14 +51,14 @@ class CoreAttention(nn.Module):
     """``[s, b, heads, d]`` q and ``[s, b, groups, d]`` k, v -> context ``[s, b, heads*d]``.
 
     Attention-probability dropout acts on this rank's heads, so it draws from the tracker's
-    model-parallel stream (different masks on different TP ranks).
+    model-parallel stream (different masks on different TP ranks). The backend and the tracker
+    come from ``parallel``.
     """
 
-    def __init__(self, dropout: float, backend: str, tracker: RNGStatesTracker):
+    def __init__(self, dropout: float, *, parallel: ParallelContext | None = None):
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
-        self.dropout, self.backend, self.tracker = dropout, backend, tracker
+        self.parallel = parallel or ParallelContext()
+        self.dropout, self.backend = dropout, self.parallel.attention_backend
 
     def _resolve(self, q: torch.Tensor) -> str:
         if self.backend == "auto":
@@ -75,7 +74,7 @@ class CoreAttention(nn.Module):
             self._resolve(q)]
         if p == 0.0:  # no randomness drawn: skip swapping generator states
             return run(q, k, v, p)
-        with self.tracker.fork(MODEL_PARALLEL_STREAM):
+        with self.parallel.fork(MODEL_PARALLEL_STREAM):
             return run(q, k, v, p)
 
     @staticmethod
@@ -119,23 +118,22 @@ class CoreAttention(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, group: Group, sequence_parallel: bool,
-                 tracker: RNGStatesTracker, backend: str, params_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, *, parallel: ParallelContext | None = None):
         super().__init__()
-        tp = group_size(group)
+        parallel = parallel or ParallelContext()
+        tp = parallel.tp_size
         d = config.head_dim
         self.head_dim = d
         self.local_heads = config.num_attention_heads // tp
         self.local_groups = config.query_groups // tp
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * d
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, group, bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel, init_method=_NO_INIT, params_dtype=params_dtype)
-        self.core_attention = CoreAttention(config.attention_dropout, backend, tracker)
+            config.hidden_size, qkv_size, parallel=parallel, bias=config.add_bias_linear,
+            init_method=_NO_INIT)
+        self.core_attention = CoreAttention(config.attention_dropout, parallel=parallel)
         self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * d, config.hidden_size, group,
-            bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-            init_method=_NO_INIT, params_dtype=params_dtype)
+            config.num_attention_heads * d, config.hidden_size, parallel=parallel,
+            bias=config.add_bias_linear, init_method=_NO_INIT)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:

@@ -15,17 +15,19 @@ Forward contract (the pipeline schedules rely on it)::
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from megazero.config import ConfigError, ModelConfig, check_tensor_parallel_split
-from megazero.config.rules import check_sequence_split, sequence_parallel_active
-from megazero.model.attention import BACKENDS
+from megazero.config import ConfigError, ModelConfig, RecomputeConfig, check_tensor_parallel_split
+from megazero.config.rules import check_sequence_split
 from megazero.model.dropout import dropout
 from megazero.model.init import initialize_parameters
 from megazero.model.positional import RotaryEmbedding
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TransformerBlock
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (
     DEFERRED_INIT,
@@ -63,20 +65,20 @@ class Embedding(nn.Module):
     embeddings are added before the scatter, so their gradient is complete on every rank.
     """
 
-    def __init__(self, config: ModelConfig, topo: ParallelTopology, sequence_parallel: bool,
-                 tracker: RNGStatesTracker, params_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, *, parallel: ParallelContext | None = None):
         super().__init__()
-        self.group, self.sequence_parallel, self.tracker = (
-            topo.tp_group, sequence_parallel, tracker)
+        parallel = parallel or ParallelContext()
+        self.parallel = parallel
+        self.group, self.sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, topo.tp_group,
+            config.vocab_size, config.hidden_size, parallel=parallel,
             make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-            init_method=DEFERRED_INIT, params_dtype=params_dtype)
+            init_method=DEFERRED_INIT)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size,
-                                                    dtype=params_dtype)
+                                                    dtype=parallel.params_dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
@@ -87,49 +89,52 @@ class Embedding(nn.Module):
             x = scatter_to_sequence_parallel_region(x, self.group)
         if self.training and self.dropout > 0:
             stream = MODEL_PARALLEL_STREAM if self.sequence_parallel else DEFAULT_STREAM
-            with self.tracker.fork(stream):
+            with self.parallel.fork(stream):
                 x = dropout(x, self.dropout)
         return x
 
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, topo: ParallelTopology, *,
-                 sequence_parallel: bool = False, layer_range: tuple[int, int] | None = None,
+                 parallel: ParallelContext | None = None,
+                 layer_range: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True,
-                 recompute: dict | tuple | str | None = None,
-                 params_dtype: torch.dtype = torch.float32, seed: int = 1234,
-                 attention_backend: str = "auto", rng_tracker: RNGStatesTracker | None = None):
-        """``recompute``: ``None``, ``"selective"``, or ``("full", method, num_layers)`` /
-        ``{"granularity", "method", "num_layers"}`` (see :func:`apply_recompute`).
-        ``attention_backend``: ``auto`` (flash-attn when usable, else SDPA), ``sdpa``,
-        ``unfused`` (explicit softmax, Megatron's CoreAttention) or ``flash``."""
+                 recompute: RecomputeConfig | None = None, seed: int = 1234):
+        """``parallel``: TP group, sequence parallelism, attention backend, parameter dtype and
+        RNG tracker (default: :meth:`ParallelContext.from_topology` of ``topo``). Without a
+        tracker the chunk makes its own (:meth:`default_rng_tracker`); with ``auto`` attention
+        and ``config.use_flash_attn`` off, SDPA. ``recompute``: the activation recomputation
+        policy (default none; see :func:`apply_recompute`)."""
         super().__init__()
         tp = topo.tp_size
         layer_range = tuple(layer_range) if layer_range is not None else (0, config.num_layers)
-        validate(config, tp, sequence_parallel, layer_range)
-        if attention_backend not in BACKENDS:
-            raise ConfigError(f"attention_backend {attention_backend!r}: expected one of "
-                              f"{BACKENDS}")
-        if attention_backend == "auto" and not config.use_flash_attn:
-            attention_backend = "sdpa"
-        self.config, self.topo = config, topo
-        self.sequence_parallel = sequence_parallel_active(sequence_parallel, tp)
+        parallel = parallel or ParallelContext.from_topology(topo)
+        if (parallel.tp_size, parallel.tp_rank) != (tp, topo.tp_rank):
+            raise ValueError(f"the ParallelContext (tp size {parallel.tp_size}, rank "
+                             f"{parallel.tp_rank}) is not this topology's (tp size {tp}, rank "
+                             f"{topo.tp_rank}); build it with ParallelContext.from_topology")
+        validate(config, tp, parallel.sequence_parallel, layer_range)
+        if parallel.rng_tracker is None:
+            parallel = dataclasses.replace(
+                parallel, rng_tracker=self.default_rng_tracker(seed, topo, layer_range[0]))
+        if parallel.attention_backend == "auto" and not config.use_flash_attn:
+            parallel = dataclasses.replace(parallel, attention_backend="sdpa")
+        self.config, self.topo, self.parallel = config, topo, parallel
+        self.sequence_parallel = parallel.sequence_parallel
         self.layer_range = layer_range
         self.pre_process, self.post_process = pre_process, post_process
         self.seed = seed
         self.vocab_size = config.vocab_size
         self.padded_vocab_size = pad_vocab_size(config.vocab_size,
                                                 config.make_vocab_size_divisible_by, tp)
-        self.rng_tracker = rng_tracker or self.default_rng_tracker(seed, topo, layer_range[0])
-        group = topo.tp_group
+        self.rng_tracker = parallel.rng_tracker
+        params_dtype = parallel.params_dtype
 
-        self.embedding = Embedding(config, topo, self.sequence_parallel, self.rng_tracker,
-                                   params_dtype) if pre_process else None
+        self.embedding = Embedding(config, parallel=parallel) if pre_process else None
         self.rotary = (RotaryEmbedding(config.head_dim, config.max_positions, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(config, layer_range, group, self.sequence_parallel,
-                                        self.rng_tracker, attention_backend, post_process,
-                                        params_dtype)
+        self.decoder = TransformerBlock(config, layer_range, parallel=parallel,
+                                        post_process=post_process)
         self.output_layer = None
         tied = not config.untie_embeddings_and_output_weights
         if post_process and not (tied and pre_process):
@@ -145,13 +150,8 @@ class GPTModel(nn.Module):
         if tied and pre_process and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
         initialize_parameters(self, config, topo, seed)
-        if recompute is not None:
-            if isinstance(recompute, str):
-                recompute = (recompute,)
-            if isinstance(recompute, dict):
-                apply_recompute(self, **recompute)
-            else:
-                apply_recompute(self, *recompute)
+        self.recompute = recompute or RecomputeConfig()
+        apply_recompute(self, self.recompute)
 
     @staticmethod
     def default_rng_tracker(seed: int, topo: ParallelTopology, first_layer: int = 0

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import (
     DEFERRED_INIT,
     ColumnParallelLinear,
     RowParallelLinear,
 )
-from megazero.tensor_parallel.mappings import Group
 
 _NO_INIT = DEFERRED_INIT  # real values come from megazero.model.init
 
@@ -21,21 +21,19 @@ class MLP(nn.Module):
     """With SwiGLU, fc1 produces ``[gate; up]`` (full layout, 2*ffn rows); each TP rank holds
     its slice of both halves (``partition_stride = 2``), so the gating is rank-local."""
 
-    def __init__(self, config: ModelConfig, group: Group, sequence_parallel: bool,
-                 params_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, *, parallel: ParallelContext | None = None):
         super().__init__()
         self.swiglu = config.swiglu
         # GPT-2 was trained with the tanh approximation; checkpoints imported from it need it.
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         ffn = config.ffn_size
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, 2 * ffn if self.swiglu else ffn, group,
-            bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-            partition_stride=2 if self.swiglu else 1, init_method=_NO_INIT,
-            params_dtype=params_dtype)
+            config.hidden_size, 2 * ffn if self.swiglu else ffn, parallel=parallel,
+            bias=config.add_bias_linear, partition_stride=2 if self.swiglu else 1,
+            init_method=_NO_INIT)
         self.linear_fc2 = RowParallelLinear(
-            ffn, config.hidden_size, group, bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel, init_method=_NO_INIT, params_dtype=params_dtype)
+            ffn, config.hidden_size, parallel=parallel, bias=config.add_bias_linear,
+            init_method=_NO_INIT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

@@ -1,4 +1,5 @@
-"""Activation recomputation as a policy applied to a built model.
+"""Activation recomputation as a policy (a :class:`~megazero.config.RecomputeConfig`) applied
+to a built model.
 
 ``full``: whole layers run under :func:`megazero.tensor_parallel.random.checkpoint`; only the
 layer-group input is kept. ``uniform`` checkpoints consecutive groups of ``num_layers`` layers
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megazero.config import RecomputeConfig
 from megazero.tensor_parallel.random import RNGStatesTracker, checkpoint
 
 
@@ -33,32 +35,26 @@ class RecomputedModule(nn.Module):
         return checkpoint(self.module, *args, tracker=self.tracker)
 
 
-def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
-                    num_layers: int | None = None) -> nn.Module:
-    """Apply a recomputation policy to ``model`` (a :class:`GPTModel`) in place; returns it."""
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
+    """Apply ``recompute`` to ``model`` (a :class:`GPTModel`) in place, replacing any policy
+    applied before; returns it."""
     block = model.decoder
     n = len(block.layers)
+    tracker = block.parallel.rng_tracker
     block.recompute_segments = []
     for layer in block.layers.values():
         attn = layer.self_attention
         if isinstance(attn.core_attention, RecomputedModule):
             attn.core_attention = attn.core_attention.module
-    if granularity is None:
-        return model
-    if granularity == "selective":
-        for layer in block.layers.values():
-            attn = layer.self_attention
-            attn.core_attention = RecomputedModule(attn.core_attention, block.tracker)
-        return model
-    if granularity != "full":
-        raise ValueError(f"recompute granularity {granularity!r}: expected full or selective")
-    k = n if num_layers is None else num_layers
-    if k < 1:
-        raise ValueError(f"recompute_num_layers must be >= 1, got {k}")
-    if method == "uniform":
-        block.recompute_segments = [(i, min(i + k, n)) for i in range(0, n, k)]
-    elif method == "block":
-        block.recompute_segments = [(i, i + 1) for i in range(min(k, n))]
-    else:
-        raise ValueError(f"recompute method {method!r}: expected uniform or block")
+    if recompute.granularity == "selective":
+        if "core_attn" in recompute.modules:
+            for layer in block.layers.values():
+                attn = layer.self_attention
+                attn.core_attention = RecomputedModule(attn.core_attention, tracker)
+    elif recompute.granularity == "full":
+        k = recompute.num_layers
+        if recompute.method == "uniform":
+            block.recompute_segments = [(i, min(i + k, n)) for i in range(0, n, k)]
+        else:  # block
+            block.recompute_segments = [(i, i + 1) for i in range(min(k, n))]
     return model

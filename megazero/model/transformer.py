@@ -10,13 +10,8 @@ from megazero.model.attention import SelfAttention
 from megazero.model.dropout import dropout
 from megazero.model.mlp import MLP
 from megazero.model.norms import build_norm
-from megazero.tensor_parallel.mappings import Group
-from megazero.tensor_parallel.random import (
-    DEFAULT_STREAM,
-    MODEL_PARALLEL_STREAM,
-    RNGStatesTracker,
-    checkpoint,
-)
+from megazero.tensor_parallel.context import ParallelContext
+from megazero.tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM, checkpoint
 
 
 class TransformerLayer(nn.Module):
@@ -27,25 +22,25 @@ class TransformerLayer(nn.Module):
     stream: each rank draws the mask of its own slice).
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, group: Group,
-                 sequence_parallel: bool, tracker: RNGStatesTracker, attention_backend: str,
-                 params_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_number: int, *,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
         self.layer_number = layer_number  # global index in the full model
         self.hidden_dropout = config.hidden_dropout
-        self.tracker = tracker
-        self.dropout_stream = MODEL_PARALLEL_STREAM if sequence_parallel else DEFAULT_STREAM
-        norm = (config.normalization, config.hidden_size, config.norm_epsilon, sequence_parallel,
-                params_dtype)
+        self.parallel = parallel
+        sp = parallel.sequence_parallel
+        self.dropout_stream = MODEL_PARALLEL_STREAM if sp else DEFAULT_STREAM
+        norm = (config.normalization, config.hidden_size, config.norm_epsilon, sp,
+                parallel.params_dtype)
         self.input_layernorm = build_norm(*norm)
-        self.self_attention = SelfAttention(config, group, sequence_parallel, tracker,
-                                            attention_backend, params_dtype)
+        self.self_attention = SelfAttention(config, parallel=parallel)
         self.pre_mlp_layernorm = build_norm(*norm)
-        self.mlp = MLP(config, group, sequence_parallel, params_dtype)
+        self.mlp = MLP(config, parallel=parallel)
 
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
-            with self.tracker.fork(self.dropout_stream):
+            with self.parallel.fork(self.dropout_stream):
                 out = dropout(out, self.hidden_dropout)
         return residual + out
 
@@ -64,19 +59,17 @@ class TransformerBlock(nn.Module):
     ``(first, last)`` local index ranges run under activation checkpointing.
     """
 
-    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], group: Group,
-                 sequence_parallel: bool, tracker: RNGStatesTracker, attention_backend: str,
-                 post_process: bool, params_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], *,
+                 parallel: ParallelContext | None = None, post_process: bool = True):
         super().__init__()
-        self.tracker = tracker
+        parallel = parallel or ParallelContext()
+        self.parallel = parallel
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, i, group, sequence_parallel, tracker,
-                                     attention_backend, params_dtype)
-            for i in range(*layer_range)
+            str(i): TransformerLayer(config, i, parallel=parallel) for i in range(*layer_range)
         })
         self.final_layernorm = build_norm(
-            config.normalization, config.hidden_size, config.norm_epsilon, sequence_parallel,
-            params_dtype) if post_process else None
+            config.normalization, config.hidden_size, config.norm_epsilon,
+            parallel.sequence_parallel, parallel.params_dtype) if post_process else None
         self.recompute_segments: list[tuple[int, int]] = []
 
     def _run(self, layers: list[nn.Module]):
@@ -100,7 +93,8 @@ class TransformerBlock(nn.Module):
                     # The reentrant checkpoint only reaches parameters through its inputs'
                     # graph; an input without grad would silently drop the layers' grads.
                     x = x.detach().requires_grad_()
-                x = checkpoint(self._run(layers[first:last]), x, *extra, tracker=self.tracker)
+                x = checkpoint(self._run(layers[first:last]), x, *extra,
+                               tracker=self.parallel.rng_tracker)
             i = last
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megazero.config import ConfigError, ModelConfig
+from megazero.config import ConfigError, ModelConfig, RecomputeConfig
 from megazero.config.rules import pipeline_chunks
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.topology import ParallelTopology
 
 LayerRange = tuple[int, int]
@@ -47,14 +48,17 @@ def build_model_chunks(
     topo: ParallelTopology,
     layers_per_virtual_stage: int | None = None,
     *,
+    parallel: ParallelContext | None = None,
+    recompute: RecomputeConfig | None = None,
     model_cls: Any = None,
     **model_kwargs: Any,
 ) -> list[Any]:
     """This rank's model chunks, in chunk order, each a ``GPTModel`` over its layer range.
 
-    ``model_kwargs`` (``sequence_parallel``, ``recompute``, ``seed``...) go to every chunk
-    unchanged. Because weights are initialised from global layer indices, chunk ``[4, 8)`` has
-    the weights of layers 4-7 of the full model built with the same seed.
+    ``parallel``, ``recompute`` and ``model_kwargs`` (``seed``...) go to every chunk
+    unchanged; a context without an RNG tracker lets each chunk make its own. Because weights
+    are initialised from global layer indices, chunk ``[4, 8)`` has the weights of layers 4-7
+    of the full model built with the same seed.
     """
     if model_cls is None:
         from megazero.model import GPTModel
@@ -70,7 +74,7 @@ def build_model_chunks(
             f"build the topology with vpp={vpp if vpp > 1 else None}")
     roles = chunk_roles(topo.pp_rank, topo.pp_size, vpp)
     return [
-        model_cls(model_config, topo, layer_range=rng, pre_process=pre, post_process=post,
-                  **model_kwargs)
+        model_cls(model_config, topo, parallel=parallel, recompute=recompute, layer_range=rng,
+                  pre_process=pre, post_process=post, **model_kwargs)
         for rng, (pre, post) in zip(ranges[topo.pp_rank], roles)
     ]

@@ -105,19 +105,19 @@ def recompute_layer_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int, *,
                           flash: bool = False, sdpa_math: bool = False) -> float:
     """Saved bytes of ``layers`` layers of one chunk for one micro-batch, by recompute mode,
     plus the transient peak of rematerialising one full-recompute segment in backward."""
-    p = cfg.parallel
+    p, rc = cfg.parallel, cfg.parallel.recompute
     stats = layer_stat_bytes(cfg, b, tp, flash=flash, sdpa_math=sdpa_math)
     full = layer_bytes(cfg, b, tp, flash=flash) + stats
-    if p.recompute_granularity == "selective":  # the recomputed core attention saves no lse
+    if rc.granularity == "selective":  # the recomputed core attention saves no lse
         return layers * (layer_bytes(cfg, b, tp, selective=True, flash=flash)
                          + layer_stat_bytes(cfg, b, tp))
-    if p.recompute_granularity != "full":
+    if rc.granularity != "full":
         return layers * full
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
     sp = sequence_parallel_active(p.sequence_parallel, tp)
     boundary = e * cfg.model.seq_length * b * cfg.model.hidden_size / (tp if sp else 1)
-    k = p.recompute_num_layers or 1
-    if p.recompute_method == "uniform":
+    k = rc.num_layers
+    if rc.method == "uniform":
         segments = -(-layers // k)
         return segments * boundary
     kept = max(0, layers - k)  # block: the first k layers recompute, the rest keep everything
@@ -127,10 +127,10 @@ def recompute_layer_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int, *,
 def segment_peak_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int,
                        flash: bool = False, sdpa_math: bool = False) -> float:
     """Extra bytes while backward rematerialises one full-recompute segment."""
-    p = cfg.parallel
-    if p.recompute_granularity != "full":
+    rc = cfg.parallel.recompute
+    if rc.granularity != "full":
         return 0.0
-    k = min(p.recompute_num_layers or 1, layers)
+    k = min(rc.num_layers, layers)
     return k * (layer_bytes(cfg, b, tp, flash=flash)
                 + layer_stat_bytes(cfg, b, tp, flash=flash, sdpa_math=sdpa_math))
 

@@ -29,7 +29,7 @@ class Candidate:
     def label(self) -> str:
         c = self.est.config
         p, z = c.parallel, c.zero
-        rc = p.recompute_granularity or "none"
+        rc = p.recompute.granularity or "none"
         off = "+off" if z.offload_optimizer.enabled else ""
         return (f"tp{p.tp} pp{p.pp} vpp{c.vpp or 1} dp{c.layout().dp} z{z.stage}{off} "
                 f"rc={rc} sp={'on' if p.sequence_parallel else 'off'} "

@@ -74,13 +74,14 @@ def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Mo
 
 def _build(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]:
     from megazero.pipeline.partition import build_model_chunks
+    from megazero.tensor_parallel.context import ParallelContext
 
-    sp = sequence_parallel_active(cfg.parallel.sequence_parallel, topo.tp_size)
-    with torch.device("meta"), _shape_only():
+    with torch.device("meta"), _shape_only():  # shape-only groups answer size and rank here
+        parallel = ParallelContext.from_topology(
+            topo, sequence_parallel=cfg.parallel.sequence_parallel)
         chunks = build_model_chunks(cfg.model, topo,
                                     cfg.parallel.num_layers_per_virtual_pipeline_stage,
-                                    sequence_parallel=sp, recompute=None,
-                                    seed=cfg.train.seed)
+                                    parallel=parallel, seed=cfg.train.seed)
     dtype = cfg.precision.params_dtype
     for c in chunks:
         for p in c.parameters():

@@ -88,9 +88,10 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     dense, attn, logits = gemm_flops_per_token(cfg)
     fwd_tokens = 3.0
     extra = 0.0
-    if p.recompute_granularity == "full":
+    rc = p.recompute
+    if rc.granularity == "full":
         extra = dense + attn
-    elif p.recompute_granularity == "selective":
+    elif rc.granularity == "selective":
         extra = attn  # the core attention forward again
     per_token = fwd_tokens * (dense + attn + logits) + extra
     flops_rank = per_token * gbs * s / (tp * pp * dp)

@@ -1,5 +1,6 @@
 """Tensor (and sequence) parallelism: communication, layers, loss, randomness, grads."""
 
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megazero.tensor_parallel.layers import (
@@ -28,7 +29,8 @@ from megazero.tensor_parallel.utils import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RNGStatesTracker",
+    "ColumnParallelLinear", "ParallelContext", "RowParallelLinear", "VocabParallelEmbedding",
+    "RNGStatesTracker",
     "allreduce_sequence_parallel_grads", "checkpoint", "column_parallel_linear",
     "copy_to_tensor_parallel_region", "full_model_state_dict",
     "gather_from_sequence_parallel_region", "gather_from_tensor_parallel_region",

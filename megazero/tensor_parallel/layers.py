@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config.rules import sequence_parallel_active
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.mappings import (
     Group,
     all_gather_dim0,
@@ -167,24 +167,26 @@ class ColumnParallelLinear(nn.Module):
 
     ``gather_output`` all-gathers ``Y`` along the last dim; otherwise the output stays in the
     tensor-parallel region (the usual case, feeding a :class:`RowParallelLinear`). With
-    ``sequence_parallel`` the input is ``[s/t, b, in]`` and is all-gathered along the sequence.
+    ``parallel.sequence_parallel`` the input is ``[s/t, b, in]`` and is all-gathered along the
+    sequence. ``parallel`` (group, SP, dtype) defaults to the single-process context.
     """
 
-    def __init__(self, input_size: int, output_size: int, group: Group = None, *,
-                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
-                 partition_stride: int = 1, init_method: InitMethod | None = None,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+    def __init__(self, input_size: int, output_size: int, *,
+                 parallel: ParallelContext | None = None, bias: bool = True,
+                 gather_output: bool = False, partition_stride: int = 1,
+                 init_method: InitMethod | None = None, device: torch.device | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
+        group, dtype = parallel.tp_group, parallel.params_dtype
         self.group, self.gather_output = group, gather_output
-        self.sequence_parallel = sequence_parallel_active(sequence_parallel, group_size(group))
+        self.sequence_parallel = parallel.sequence_parallel
         self.input_size, self.output_size = input_size, output_size
-        local = divide(output_size, group_size(group))
-        self.weight = nn.Parameter(torch.empty(local, input_size, dtype=params_dtype,
-                                               device=device))
+        local = divide(output_size, parallel.tp_size)
+        self.weight = nn.Parameter(torch.empty(local, input_size, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, 0, partition_stride)
         _init_shard(self.weight, (output_size, input_size), init_method or normal_init(), group)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(local, dtype=params_dtype, device=device))
+            self.bias = nn.Parameter(torch.zeros(local, dtype=dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, 0, partition_stride)
         else:
             self.register_parameter("bias", None)
@@ -204,23 +206,24 @@ class RowParallelLinear(nn.Module):
     parallelism its gradient is partial per rank, hence ``bias.sequence_parallel``.
     """
 
-    def __init__(self, input_size: int, output_size: int, group: Group = None, *,
-                 bias: bool = True, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, init_method: InitMethod | None = None,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+    def __init__(self, input_size: int, output_size: int, *,
+                 parallel: ParallelContext | None = None, bias: bool = True,
+                 input_is_parallel: bool = True, init_method: InitMethod | None = None,
+                 device: torch.device | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
+        group, dtype = parallel.tp_group, parallel.params_dtype
         self.group, self.input_is_parallel = group, input_is_parallel
-        self.sequence_parallel = sequence_parallel_active(sequence_parallel, group_size(group))
+        self.sequence_parallel = parallel.sequence_parallel
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
         self.input_size, self.output_size = input_size, output_size
-        local = divide(input_size, group_size(group))
-        self.weight = nn.Parameter(torch.empty(output_size, local, dtype=params_dtype,
-                                               device=device))
+        local = divide(input_size, parallel.tp_size)
+        self.weight = nn.Parameter(torch.empty(output_size, local, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, 1)
         _init_shard(self.weight, (output_size, input_size), init_method or normal_init(), group)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device))
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
@@ -245,19 +248,20 @@ class VocabParallelEmbedding(nn.Module):
     all-reduce or reduce-scatter.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group = None, *,
-                 make_vocab_size_divisible_by: int = 128, reduce_output: bool = True,
-                 init_method: InitMethod | None = None,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 parallel: ParallelContext | None = None, make_vocab_size_divisible_by: int = 128,
+                 reduce_output: bool = True, init_method: InitMethod | None = None,
+                 device: torch.device | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
+        group, tp = parallel.tp_group, parallel.tp_size
         self.group, self.reduce_output = group, reduce_output
-        tp = group_size(group)
         self.num_embeddings = num_embeddings
         self.padded_vocab_size = pad_vocab_size(num_embeddings, make_vocab_size_divisible_by, tp)
         local = self.padded_vocab_size // tp
-        self.vocab_start = group_rank(group) * local
+        self.vocab_start = parallel.tp_rank * local
         self.vocab_end = self.vocab_start + local
-        self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype,
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=parallel.params_dtype,
                                                device=device))
         mark_vocab_parallel(self.weight, num_embeddings, self.padded_vocab_size)
         init_vocab_shard(self.weight, init_method or normal_init(), group)
