@@ -307,3 +307,12 @@ class GradBuffer:
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:
         return {"device": [self.param_flat]}
+
+    def gather_all(self) -> None:
+        """Every rank holds full parameters at stages 0-2: nothing to gather."""
+
+    def release_all(self, write_back: bool = False) -> None:
+        """Values written into the parameters stay (they are the flat buffer)."""
+
+    def gathered_state(self) -> dict[int, torch.Tensor]:
+        return {id(p): p.detach().clone() for p in self.params()}
