@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
-def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], topo: Any) -> None:
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter],
+                                      topo: ParallelTopology) -> None:
     """Sum over the TP group the grads of parameters flagged ``sequence_parallel``.
 
     Under sequence parallelism the norms (and row-parallel biases, position embeddings) are

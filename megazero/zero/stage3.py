@@ -39,7 +39,7 @@ allocates a fresh buffer: a reused one would be overwritten under tensors autogr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -51,6 +51,9 @@ from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan, host_empty
 from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
 from megazero.zero.units import Unit, wrap_outputs
+
+if TYPE_CHECKING:
+    from megazero.zero.optimizer import Comms
 
 
 def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Module]]:
@@ -79,7 +82,7 @@ def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Mod
 class Stage3Params:
     """Sharded parameters of one model chunk, with the hooks that gather and release them."""
 
-    def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Any, grad_dtype: torch.dtype,
+    def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Comms, grad_dtype: torch.dtype,
                  kinds: dict[int, str]) -> None:
         self.zero = zero
         self.dp = comms.dp
