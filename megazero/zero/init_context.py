@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazero.compat import all_gather_into_tensor
+from megazero import collectives
 
 
 def _group_info(group: Any) -> tuple[int, int]:
@@ -78,7 +78,9 @@ def gather_partitioned(p: nn.Parameter) -> torch.Tensor:
         full = shard
     else:
         full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        all_gather_into_tensor(full, shard.contiguous(), group=group)
+        # None is the default (world) group here; in megazero.collectives it means "no group".
+        collectives.all_gather(full, shard.contiguous(),
+                               group if group is not None else dist.group.WORLD)
     n = torch.Size(p.mz_shape).numel()
     return full[:n].view(p.mz_shape).clone()
 
