@@ -62,7 +62,7 @@ def backend_of(group: Group) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-def has_native(op: str, backend: str, torch_version: tuple[int, int] = TORCH_VERSION) -> bool:
+def has_native(op: str, backend: str, torch_version: tuple[int, ...] = TORCH_VERSION) -> bool:
     """Whether ``backend`` implements ``op`` itself in this torch."""
     since = _NATIVE_SINCE.get(backend, {}).get(op)
     return since is None or torch_version >= since
@@ -73,7 +73,7 @@ def all_gather_accepts_view(backend: str) -> bool:
 
 
 def reduce_scatter_impl(requested: str, backend: str,
-                        torch_version: tuple[int, int] = TORCH_VERSION) -> str:
+                        torch_version: tuple[int, ...] = TORCH_VERSION) -> str:
     """The reduce-scatter implementation to use on ``backend`` (see the module docstring)."""
     if requested not in REDUCE_SCATTER_IMPLS:
         raise ValueError(f"reduce_scatter_impl {requested!r}: expected one of "
@@ -97,7 +97,7 @@ class Issued:
     """
 
     work: Any
-    finish: Callable[[], None] | None
+    finish: Callable[[], object] | None
     op: str
     wire_factor: float = 1.0
     done: bool = False

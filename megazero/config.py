@@ -8,9 +8,14 @@ Megatron-style command-line flags and an optional DeepSpeed-style JSON config by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megazero.errors import MegazeroError
+
+if TYPE_CHECKING:
+    import torch
+
+    from megazero.topology import ParallelLayout
 
 
 class ConfigError(MegazeroError, ValueError):
@@ -167,6 +172,7 @@ class ParallelConfig:
         """Data-parallel size: world_size / (tp * pp); TP and PP ranks are not replicas."""
         _check(self.world_size is not None, "the data-parallel size needs the world size; build "
                "the config with load_config(argv, world_size)")
+        assert self.world_size is not None  # for the type checker: _check raised otherwise
         return self.world_size // (self.tp * self.pp)
 
 
@@ -274,7 +280,7 @@ class PrecisionConfig:
                f"fp16 or bf16")
 
     @property
-    def params_dtype(self):
+    def params_dtype(self) -> torch.dtype:
         import torch
 
         return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
@@ -301,7 +307,7 @@ class OptimizerConfig:
     lr_warmup_samples: int | None = None  # sample-based lengths, turned into iterations
     lr_decay_samples: int | None = None  # by ds_merge once the global batch is known
     scheduler_type: str | None = None  # DeepSpeed scheduler block: WarmupLR, WarmupDecayLR, ...
-    scheduler_params: dict = field(default_factory=dict)
+    scheduler_params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -343,8 +349,8 @@ class LoggingConfig:
     wall_clock_breakdown: bool = False
     log_memory_phases: bool = False  # memory after forward / backward / step, per logged iteration
     steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
-    wandb: dict = field(default_factory=dict)
-    csv_monitor: dict = field(default_factory=dict)
+    wandb: dict[str, Any] = field(default_factory=dict)
+    csv_monitor: dict[str, Any] = field(default_factory=dict)
     log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
 
 
@@ -374,7 +380,7 @@ class MegazeroConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     deepspeed: bool = False  # Megatron-DeepSpeed's --deepspeed switch; accepted, has no effect
     deepspeed_config: str | None = None  # path of the DeepSpeed JSON config, if one was given
-    ds_config: dict = field(default_factory=dict)  # that JSON, checked, with "auto" filled in
+    ds_config: dict[str, Any] = field(default_factory=dict)  # that JSON, checked, "auto" filled
 
     def __post_init__(self) -> None:
         validate(self)
@@ -385,12 +391,13 @@ class MegazeroConfig:
         per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
         return None if per_chunk is None else self.model.num_layers // self.parallel.pp // per_chunk
 
-    def layout(self):
+    def layout(self) -> ParallelLayout:
         """The :class:`~megazero.topology.ParallelLayout` of this run (needs the world size)."""
         from megazero.topology import ParallelLayout
 
         _check(self.parallel.world_size is not None, "the layout needs the world size; build the "
                "config with load_config(argv, world_size)")
+        assert self.parallel.world_size is not None  # for the type checker: _check raised
         return ParallelLayout(self.parallel.world_size, self.parallel.tp, self.parallel.pp,
                               self.vpp)
 
@@ -524,6 +531,7 @@ def validate(cfg: MegazeroConfig) -> None:
     if p.world_size is not None and None not in (t.global_batch_size,
                                                  t.gradient_accumulation_steps):
         dp = p.dp
+        assert t.gradient_accumulation_steps is not None  # for the type checker (tested above)
         want = t.micro_batch_size * t.gradient_accumulation_steps * dp
         _check(t.global_batch_size == want,
                f"batch sizes do not add up: train_batch_size {t.global_batch_size} != "

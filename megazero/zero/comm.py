@@ -69,7 +69,7 @@ class Handle:
     ``label`` and ``timers`` (a :class:`megazero.monitor.Timers`): the wait is charged to the
     region ``"<label> wait"``."""
 
-    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None,
+    def __init__(self, work: Any = None, finish: Callable[[], object] | None = None,
                  label: str | None = None, timers: Any = None) -> None:
         self._work = work
         self._finish = finish
@@ -133,7 +133,7 @@ class GroupComm:
         finally:
             t.stop(name)
 
-    def _handle(self, work: Any, op: str, finish: Callable[[], None] | None = None) -> Handle:
+    def _handle(self, work: Any, op: str, finish: Callable[[], object] | None = None) -> Handle:
         """The :class:`Handle` of an asynchronous collective; with timers on, its in-flight time
         (launch to the backend's completion) is recorded as overlapped time."""
         t = self.timers
@@ -150,7 +150,7 @@ class GroupComm:
     def _frac(self) -> float:
         return (self.size - 1) / self.size
 
-    def all_reduce(self, t: torch.Tensor, async_op: bool = False, op=None,
+    def all_reduce(self, t: torch.Tensor, async_op: bool = False, op: Any = None,
                    what: str = "all_reduce") -> Handle:
         if self.size == 1:
             return Handle()

@@ -103,12 +103,15 @@ class ZeroOptimizer:
         self._synced = False
         self._saw_sync_backward = False
         self._last_comm: dict[str, Any] = comms.log.report()
-        self._hooks = []
+        self._hooks: list[Any] = []
         self._param_store: dict[int, ParamStore] = {}
         for store in stores:
             for p in store.params():
                 self._param_store[id(p)] = store
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                # torch's stub leaves this method unannotated
+                hook = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._on_grad)
+                self._hooks.append(hook)
 
     # --- the training-loop surface ------------------------------------------------------------
 
@@ -124,7 +127,7 @@ class ZeroOptimizer:
         return loss * self.scaler.scale if self.precision.fp16 else loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scale_loss(loss).backward()
+        torch.autograd.backward(self.scale_loss(loss))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for store in self.stores:

@@ -206,7 +206,7 @@ class Stage3Params:
             if u.full is None and not u.persistent:
                 if self.live + u.padded > self.zero.stage3_max_live_parameters:
                     break
-                if u.swap is not None and not self.swap.ready(u.swap.slot):
+                if u.swap is not None and not self._swapper().ready(u.swap.slot):
                     break  # its read is still on the way: gather it when it is needed
                 self._gather(u, async_op=True)
                 budget -= u.padded
@@ -220,9 +220,13 @@ class Stage3Params:
         while 0 <= i < len(self.order):
             u = self.order[i]
             if u.swap is not None and u.full is None and u.gather_handle is None:
-                if not self.swap.prefetch(u.swap.slot, u.shard_size):
+                if not self._swapper().prefetch(u.swap.slot, u.shard_size):
                     return
             i += direction
+
+    def _swapper(self) -> ParamSwapper:
+        assert self.swap is not None  # only units with a swap handle ask (offload_param nvme)
+        return self.swap
 
     def _reuse_distance(self, u: Unit) -> float:
         """Elements gathered between this unit's forward and its backward (rest of the forward
@@ -339,9 +343,9 @@ class Stage3Params:
     def _zero_unfilled(u: Unit) -> None:
         for i, (s, shape) in enumerate(zip(u.starts, u.shapes)):
             if i not in u.filled:
-                u.grad_full[s:s + shape.numel()].zero_()
+                u.full_grad()[s:s + shape.numel()].zero_()
                 u.filled.add(i)
-        u.grad_full[u.numel:].zero_()
+        u.full_grad()[u.numel:].zero_()
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
         """Inside ``no_sync``: keep the gradient, release the parameters once all arrived."""
@@ -398,7 +402,7 @@ class Stage3Params:
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:
         """The gradient slices of this kind's parameters (not the whole unit: its other
         parameters' gradients must not be summed)."""
-        return [u.grad_full[s:s + n] for u in self.units if not u.reduced
+        return [u.full_grad()[s:s + n] for u in self.units if not u.reduced
                 for s, n, k in u.deferred if k == kind]
 
     def reduce_deferred(self) -> None:
@@ -435,7 +439,7 @@ class Stage3Params:
         self.dp.all_gather(out, shards, chunk=chunk)
         rows, pos = out.view(self.dp.size, -1), 0
         for u in pers:
-            u.full.view(self.dp.size, u.shard_size).copy_(rows[:, pos:pos + u.shard_size])
+            u.gathered().view(self.dp.size, u.shard_size).copy_(rows[:, pos:pos + u.shard_size])
             pos += u.shard_size
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:
@@ -460,7 +464,7 @@ class Stage3Params:
         for u in self.units:
             if write_back and u.full is not None and not u.persistent:
                 if u.swap is not None:
-                    self.swap.write_shard(u.swap.slot, u.full[u.own_lo:u.own_hi])
+                    self._swapper().write_shard(u.swap.slot, u.full[u.own_lo:u.own_hi])
                 else:
                     u.shard.copy_(u.full[u.own_lo:u.own_hi])
         for u in self.units:
@@ -479,7 +483,7 @@ class Stage3Params:
     def release_params(self, held: list[tuple[Unit, bool]], write_back: bool) -> None:
         for u, was in held:
             if write_back and not u.persistent:
-                u.shard.copy_(u.full[u.own_lo:u.own_hi])
+                u.shard.copy_(u.gathered()[u.own_lo:u.own_hi])
             if not was:
                 self._release(u)
 
