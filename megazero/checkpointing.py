@@ -93,6 +93,7 @@ from megazero.save_check import explain_write_error
 
 if TYPE_CHECKING:
     from megazero.topology import ParallelTopology
+    from megazero.zero.optimizer import ZeroOptimizer
 
 __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",
            "load_checkpoint", "read_global_tensors", "read_model_state", "read_tracker",
@@ -155,14 +156,13 @@ def _is_engine(optimizer: Any) -> bool:
     return isinstance(optimizer, ZeroOptimizer)
 
 
-def _local_shapes(infos: list[ParamInfo], engine: Any) -> dict[int, torch.Size]:
+def _local_shapes(infos: list[ParamInfo], engine: ZeroOptimizer | None
+                  ) -> dict[int, torch.Size]:
     """Each parameter's TP-shard shape (stage 3 releases ``.data`` to 0 elements)."""
     shapes = {id(i.param): i.param.shape for i in infos}
     if engine is not None:
         for store in engine.stores:
-            for u in getattr(store, "units", []):
-                for p, shape in zip(u.params, u.shapes):
-                    shapes[id(p)] = shape
+            shapes.update(store.param_shapes())
     return shapes
 
 

@@ -91,6 +91,10 @@ class ParamStore(Protocol):
 
     def held_params(self) -> dict[str, list[torch.Tensor]]: ...
 
+    def param_shapes(self) -> dict[int, torch.Size]:
+        """Each parameter's shape keyed by ``id(param)``, also while stage 3 has released it."""
+        ...
+
     def held_grads(self) -> list[torch.Tensor]: ...
 
     def gather_all(self) -> None:

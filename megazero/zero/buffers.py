@@ -322,6 +322,9 @@ class GradBuffer:
     def held_params(self) -> dict[str, list[torch.Tensor]]:
         return {"device": [self.param_flat]}
 
+    def param_shapes(self) -> dict[int, torch.Size]:
+        return {id(p): p.shape for p in self.params()}
+
     def gather_all(self) -> None:
         """Every rank holds full parameters at stages 0-2: nothing to gather."""
 

@@ -455,6 +455,9 @@ class Stage3Params:
         out += [p.grad for u in self.units for p in u.params if p.grad is not None]
         return out
 
+    def param_shapes(self) -> dict[int, torch.Size]:
+        return {id(p): shape for u in self.units for p, shape in zip(u.params, u.shapes)}
+
     def gather_all(self) -> None:
         self._held_before = {u.index for u in self.units if u.full is not None}
         for u in self.units:
