@@ -57,7 +57,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,10 @@ from megazero.checkpoint.tensors import (
 )
 from megazero.save_check import explain_write_error
 
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
+    from megazero.zero.optimizer import ZeroOptimizer
+
 __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",
            "load_checkpoint", "read_global_tensors", "read_model_state", "read_tracker",
            "save_checkpoint",
@@ -120,7 +124,7 @@ def _rank_dir(tp: int, pp: int, dp: int) -> str:
     return f"mp_rank_{tp:02d}_{pp:03d}_{dp:03d}"
 
 
-def layout_of(topo: Any, zero_stage: int) -> dict[str, Any]:
+def layout_of(topo: ParallelTopology, zero_stage: int) -> dict[str, Any]:
     return {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size,
             "vpp": topo.vpp_size or 1, "zero_stage": zero_stage}
 
@@ -152,14 +156,13 @@ def _is_engine(optimizer: Any) -> bool:
     return isinstance(optimizer, ZeroOptimizer)
 
 
-def _local_shapes(infos: list[ParamInfo], engine: Any) -> dict[int, torch.Size]:
+def _local_shapes(infos: list[ParamInfo], engine: ZeroOptimizer | None
+                  ) -> dict[int, torch.Size]:
     """Each parameter's TP-shard shape (stage 3 releases ``.data`` to 0 elements)."""
     shapes = {id(i.param): i.param.shape for i in infos}
     if engine is not None:
         for store in engine.stores:
-            for u in getattr(store, "units", []):
-                for p, shape in zip(u.params, u.shapes):
-                    shapes[id(p)] = shape
+            shapes.update(store.param_shapes())
     return shapes
 
 
@@ -180,8 +183,8 @@ def _raise_first(problems: list[str | None]) -> None:
 
 
 def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered: list[Any],
-                 config: Any, consumed_samples: int, topo: Any, zero_stage: int, scheduler: Any,
-                 engine: Any, has_optimizer: bool, tag: str | None = None) -> None:
+                 config: Any, consumed_samples: int, topo: ParallelTopology, zero_stage: int,
+                 scheduler: Any, engine: Any, has_optimizer: bool, tag: str | None = None) -> None:
     """Rank 0, once every rank's files are on disk: config.json, metadata.json (the index and
     checksums; its presence means "complete"), then the ``latest`` pointer (the iteration
     tracker, or with ``tag`` DeepSpeed's ``latest`` tag file)."""
@@ -213,8 +216,9 @@ def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered:
     _remove_debris(root, directory)
 
 
-def save_checkpoint(root: str, iteration: int, topo: Any, *, models: Sequence[torch.nn.Module],
-                    optimizer: Any, scheduler: Any, consumed_samples: int, config: Any,
+def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
+                    models: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any,
+                    consumed_samples: int, config: Any,
                     zero_stage: int = 0, rng_tracker: Any = None,
                     barrier: Callable[[], None] = _barrier,
                     gather: Callable[[Any], list[Any]] = _gather,
@@ -358,8 +362,8 @@ def _rng_source(saved: dict[str, Any], current: dict[str, Any], c: Any
 
 # --- load ------------------------------------------------------------------------------------
 
-def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], optimizer: Any,
-                    scheduler: Any, zero_stage: int = 0, rng_tracker: Any = None,
+def load_checkpoint(root: str, topo: ParallelTopology, *, models: Sequence[torch.nn.Module],
+                    optimizer: Any, scheduler: Any, zero_stage: int = 0, rng_tracker: Any = None,
                     no_load_optim: bool = False, no_load_rng: bool = False,
                     finetune: bool = False, iteration: int | None = None, config: Any = None,
                     gather: Callable[[Any], list[Any]] = _gather,
@@ -387,8 +391,8 @@ def load_checkpoint(root: str, topo: Any, *, models: Sequence[torch.nn.Module], 
     return _apply(plan, list(models), optimizer, scheduler, rng_tracker)
 
 
-def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim, no_load_rng,
-          finetune, iteration, config, tag=None) -> dict[str, Any]:
+def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_tracker,
+          no_load_optim, no_load_rng, finetune, iteration, config, tag=None) -> dict[str, Any]:
     """Phase 1, no collectives: read and check everything this rank needs."""
     if tag is not None:
         directory = os.path.join(root, tag)

@@ -9,12 +9,15 @@ would write is refused, so ``latest`` keeps naming the last sound one.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from megazero.errors import MegazeroError
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
 
 class TrainingDivergedError(MegazeroError, RuntimeError):
@@ -25,7 +28,8 @@ class TrainingDivergedError(MegazeroError, RuntimeError):
     exit_code = 3
 
 
-def params_finite(chunks: list[torch.nn.Module], topo: Any, device: torch.device) -> bool:
+def params_finite(chunks: list[torch.nn.Module], topo: ParallelTopology,
+                  device: torch.device) -> bool:
     """Every rank's weights are finite (one MAX all-reduce): the last guard before a save."""
     bad = any(not torch.isfinite(p).all() for c in chunks for p in c.parameters() if p.numel())
     flag = torch.tensor([float(bad)], device=device)

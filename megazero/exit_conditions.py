@@ -13,10 +13,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
 
 @dataclass
@@ -75,8 +78,8 @@ def exit_decision(train_cfg: Any, iteration: int, votes: list[float]) -> tuple[b
     return False, ""
 
 
-def should_exit(train_cfg: Any, iteration: int, flags: ExitFlags, start: float, topo: Any,
-                device: torch.device) -> tuple[bool, str]:
+def should_exit(train_cfg: Any, iteration: int, flags: ExitFlags, start: float,
+                topo: ParallelTopology, device: torch.device) -> tuple[bool, str]:
     """All ranks agree (one all-reduce) on SIGTERM, the duration limit and the exit interval."""
     v = torch.tensor(exit_votes(train_cfg, flags, start), device=device)
     if topo.world_size > 1:

@@ -13,9 +13,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megazero.config import ConfigError
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
 
 def _human(n: float) -> str:
@@ -77,7 +80,7 @@ def explain_write_error(path: str, iteration: int, exc: BaseException,
             f"directory and resume with --load {path}")
 
 
-def check_save_dir(path: str | None, rank_bytes: int, topo: Any, device: Any) -> None:
+def check_save_dir(path: str | None, rank_bytes: int, topo: ParallelTopology, device: Any) -> None:
     """Collective: ``--save`` usable by every rank, with room for one checkpoint of
     ``rank_bytes`` summed over ranks. Every rank raises alike, so none waits for the others."""
     import torch

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,9 @@ from megazero.train_setup import (
 )
 from megazero.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
+if TYPE_CHECKING:
+    from megazero.zero.optimizer import ZeroOptimizer
+
 #: Iterations kept in :attr:`TrainState.history`: enough for tests and a post-mortem of the
 #: last steps, bounded so a million-iteration run does not grow a million dicts.
 HISTORY_LENGTH = 1000
@@ -90,7 +93,7 @@ class Run:
     topo: ParallelTopology
     batching: Batching
     chunks: list[torch.nn.Module]
-    engine: Any
+    engine: ZeroOptimizer
     scheduler: LRScheduler
     monitor: Monitor
     timers: Timers

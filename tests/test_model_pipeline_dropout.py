@@ -6,11 +6,17 @@ import torch.distributed as dist
 
 from megazero.config import RecomputeConfig
 from megazero.model import GPTModel
-from megazero.tensor_parallel import allreduce_sequence_parallel_grads, full_model_state_dict
+from megazero.tensor_parallel import full_model_state_dict
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
-from tests.test_model_tp_equivalence import assert_close, batch, loss_and_grads, tiny_config
+from tests.test_model_tp_equivalence import (
+    assert_close,
+    batch,
+    loss_and_grads,
+    stage0_engine,
+    tiny_config,
+)
 
 WORD = "embedding.word_embeddings.weight"
 
@@ -29,14 +35,14 @@ def _pipeline_chunks(rank, world):
                              post_process=False)
             last = GPTModel(cfg, topo, parallel=parallel, layer_range=(1, 2),
                             pre_process=False)
+            engine = stage0_engine([first, last], topo, sp)
             hidden = first(tokens)
             assert hidden.shape == (16 // (tp if sp else 1), 2, cfg.hidden_size)
             received = hidden.detach().requires_grad_()
             loss = last(None, labels, hidden_states=received)
             loss.mean().backward()
             hidden.backward(received.grad)
-            for m in (first, last):
-                allreduce_sequence_parallel_grads(m.parameters(), topo)
+            engine.finish_grad_sync()
             assert_close(loss.detach(), ref_loss, "chunked loss")
             grads = {**full_model_state_dict(first, topo, grads=True),
                      **full_model_state_dict(last, topo, grads=True)}

@@ -10,16 +10,19 @@ misplaced shard gives O(1) relative errors).
 
 import torch
 
-from megazero.config import ModelConfig, RecomputeConfig
-from megazero.model import GPTModel
-from megazero.tensor_parallel import (
-    allreduce_sequence_parallel_grads,
-    full_model_state_dict,
-    gather_from_tensor_parallel_region,
+from megazero.config import (
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RecomputeConfig,
+    ZeroConfig,
 )
+from megazero.model import GPTModel
+from megazero.tensor_parallel import full_model_state_dict, gather_from_tensor_parallel_region
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
+from megazero.zero import build_zero_optimizer
 
 VOCAB, SEQ, BATCH = 100, 16, 2
 
@@ -41,11 +44,18 @@ def batch(seed: int = 0):
     return tokens, labels
 
 
+def stage0_engine(chunks, topo, sequence_parallel):
+    """The gradient sync training uses without ZeRO: data-parallel average, and the sums of
+    sequence-parallel parameters' grads over the tensor-parallel group."""
+    return build_zero_optimizer(chunks, OptimizerConfig(), ZeroConfig(stage=0),
+                                PrecisionConfig(), topo, sequence_parallel=sequence_parallel)
+
+
 def loss_and_grads(model, topo, tokens, labels):
-    model.zero_grad(set_to_none=True)
+    engine = stage0_engine([model], topo, model.sequence_parallel)
     loss = model(tokens, labels)
     loss.mean().backward()
-    allreduce_sequence_parallel_grads(model.parameters(), topo)
+    engine.finish_grad_sync()
     return loss.detach(), full_model_state_dict(model, topo, grads=True)
 
 

@@ -1,8 +1,10 @@
 """The executor on gloo with a small stand-in chunk model (same forward contract as GPTModel).
 
 One world of 4 ranks runs every case: pp = 4, and pp = 2 with two data-parallel replicas.
-Each rank also builds the whole model in-process and checks the loss and every gradient of
-its chunks against it.
+Gradients are synchronised as in training, by a ZeRO stage-0 engine (``grad_sync=engine``, then
+``engine.finish_grad_sync()``). Each rank also builds the whole model in-process, runs it on
+every replica's micro-batches, and checks the loss of each of its micro-batches and every
+gradient of its chunks against it.
 """
 
 import contextlib
@@ -12,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import ConfigError
+from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.pipeline.executor import backward_step, deallocate_output_tensor, forward_backward
-from megazero.pipeline.grads import finalize_model_grads, sync_tied_embeddings
+from megazero.pipeline.grads import sync_tied_embeddings
 from megazero.pipeline.partition import chunk_layer_ranges, chunk_roles
 from megazero.testing import run_distributed
 from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
+from megazero.zero import build_zero_optimizer
 
 VOCAB, HIDDEN, SEQ, MBS, LAYERS = 50, 16, 8, 2, 8
 
@@ -90,6 +93,12 @@ def build_chunks(topo, vpp, tied):
     return [ToyChunk(r, pre, post, tied) for r, (pre, post) in zip(ranges, roles)]
 
 
+def stage0_engine(chunks, topo):
+    """The data-parallel gradient sync a run without ZeRO uses."""
+    return build_zero_optimizer(chunks, OptimizerConfig(), ZeroConfig(stage=0),
+                                PrecisionConfig(), topo)
+
+
 class RecordingSync:
     """Stands in for a data-parallel engine: records which backwards ran outside no_sync."""
 
@@ -124,14 +133,18 @@ def _equivalence_world(rank, world_size):
             counts = [(pp, None), (2 * pp, None)] + (GROUP_CASES[pp] if vpp > 1 else [])
             for m, group in counts:
                 for tied in (True, False):
-                    batches = make_batches(m, seed=m + topo.dp_rank)
-                    ref_losses, ref_grads = reference(batches, tied)
+                    replicas = [make_batches(m, seed=m + d) for d in range(topo.dp_size)]
+                    batches = replicas[topo.dp_rank]
+                    ref_losses, ref_grads = reference([b for r in replicas for b in r], tied)
+                    ref_losses = ref_losses[topo.dp_rank * m:(topo.dp_rank + 1) * m]
                     chunks = build_chunks(topo, vpp, tied)
                     sync_tied_embeddings(chunks, topo)
+                    engine = stage0_engine(chunks, topo)
                     stats = {}
                     losses = forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN,
-                                              stats=stats, microbatch_group_size=group)
-                    finalize_model_grads(chunks, topo)
+                                              stats=stats, microbatch_group_size=group,
+                                              grad_sync=engine)
+                    engine.finish_grad_sync()
                     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
                     for chunk in chunks:
                         for name, p in chunk.named_parameters():
@@ -164,9 +177,6 @@ def _equivalence_world(rank, world_size):
     outside, inside = suspended.count(False), suspended.count(True)
     shared = RecordingSync()
     forward_backward(chunks, iter(batches), topo, 8, SEQ, MBS, HIDDEN, grad_sync=shared)
-    # finalize=True hands the gradient sums to the engine's finish_grad_sync, once per engine
-    forward_backward(chunks, iter(batches), topo, 8, SEQ, MBS, HIDDEN, grad_sync=per_chunk,
-                     finalize=True)
     hooks = dict(per_chunk=[s.events for s in per_chunk], shared=shared.events,
                  outside=outside, inside=inside)
     # bf16 activations and grads travel in bf16; losses stay close to the fp32 model
@@ -199,7 +209,7 @@ def test_pipeline_matches_single_process_model():
         assert fo["err"] < 1e-5 and not fo["grads"] and fo["per_chunk_iter_err"] == 0.0
         assert 0 < fo["bf16_err"] < 0.05, fo["bf16_err"]
         # each chunk: the last micro-batch's backward outside no_sync, then start_grad_sync
-        assert hooks["per_chunk"] == [["start", "start", "finish"]] * 2
+        assert hooks["per_chunk"] == [["start"]] * 2  # finish_grad_sync is the caller's
         assert hooks["shared"] == ["start"]
         n_params = {0: 3, 1: 2, 2: 2, 3: 3}[rank]  # layer weights + embedding / output copy
         assert hooks["outside"] == n_params and hooks["inside"] == 7 * n_params

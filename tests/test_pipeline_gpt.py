@@ -1,10 +1,12 @@
 """Pipeline x tensor x sequence parallelism x recomputation with the real GPTModel, on gloo.
 
 One world of 8 ranks runs every layout (pp4 x tp2, pp2 x tp2 x dp2, pp4 x dp2, pp2 x dp4),
-with and without interleaving, m = pp and 2pp micro-batches, tied and untied embeddings. Each
-rank also runs the single-process model (tp = pp = 1, same seed) on its data-parallel
-replica's micro-batches and compares the loss of every micro-batch and the gradient of every
-parameter of its chunks, reassembled from the tensor-parallel shards.
+with and without interleaving, m = pp and 2pp micro-batches, tied and untied embeddings.
+Gradients are synchronised as in training, by a ZeRO stage-0 engine (``grad_sync=engine``, then
+``engine.finish_grad_sync()``: data-parallel average, sequence-parallel and tied-embedding sums).
+Each rank also runs the single-process model (tp = pp = 1, same seed) on every data-parallel
+replica's micro-batches and compares the loss of each of its micro-batches and the gradient of
+every parameter of its chunks, reassembled from the tensor-parallel shards.
 
 Tolerance (fp32, dropout 0): gradients within 2e-5 of the reference relative to the largest
 reference entry of that parameter; losses within 1e-5 absolute. Only the summation order
@@ -13,14 +15,20 @@ differs (TP partial sums, micro-batch accumulation), so errors are ~1e-7.
 
 import pytest
 
-from megazero.config import ModelConfig, RecomputeConfig
+from megazero.config import (
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RecomputeConfig,
+    ZeroConfig,
+)
 from megazero.pipeline.executor import forward_backward
-from megazero.pipeline.grads import finalize_model_grads
 from megazero.pipeline.partition import build_model_chunks
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
+from megazero.zero import build_zero_optimizer
 
 SEQ, MBS, VOCAB, LAYERS, HIDDEN = 16, 2, 100, 8, 32
 GRAD_RTOL, LOSS_ATOL = 2e-5, 1e-5
@@ -80,16 +88,19 @@ def _gpt_world(rank, world_size):
     for tp, pp, vpp, m, tied, sp, recompute in CASES:
         topo = ParallelTopology.build(tp=tp, pp=pp, vpp=vpp)
         cfg = model_config(tied)
-        batches = make_batches(m, seed=100 + topo.dp_rank)
-        ref_losses, ref_grads = reference(cfg, batches)
+        replicas = [make_batches(m, seed=100 + d) for d in range(topo.dp_size)]
+        ref_losses, ref_grads = reference(cfg, [b for r in replicas for b in r])
+        ref_losses = ref_losses[topo.dp_rank * m:(topo.dp_rank + 1) * m]
         lpvs = None if vpp is None else LAYERS // (pp * vpp)
         chunks = build_model_chunks(cfg, topo, lpvs, recompute=recompute,
                                     parallel=ParallelContext.from_topology(topo,
                                                                            sequence_parallel=sp))
+        engine = build_zero_optimizer(chunks, OptimizerConfig(), ZeroConfig(stage=0),
+                                      PrecisionConfig(), topo, sequence_parallel=sp)
         stats: dict = {}
-        losses = forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN,
-                                  sequence_parallel=sp, stats=stats)
-        finalize_model_grads(chunks, topo, sequence_parallel=sp)
+        losses = forward_backward(chunks, iter(replicas[topo.dp_rank]), topo, m, SEQ, MBS,
+                                  HIDDEN, sequence_parallel=sp, stats=stats, grad_sync=engine)
+        engine.finish_grad_sync()
         loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
         grad_err, names = 0.0, []
         for chunk in chunks:
@@ -110,12 +121,10 @@ def _gpt_world(rank, world_size):
 
 def _with_zero_engine():
     """pp2 x tp2 x dp2, interleaved, sequence parallel, tied embeddings, driven through the
-    ZeRO stage-0 engine (bucketed, overlapped): after ``finalize_model_grads`` hands over to
-    ``finish_grad_sync`` the grads are the average over both replicas' micro-batches, with the
-    sequence-parallel and tied-embedding sums done exactly once."""
-    from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+    ZeRO stage-0 engine with small buckets and overlap: after ``finish_grad_sync`` the grads are
+    the average over both replicas' micro-batches, with the sequence-parallel and
+    tied-embedding sums done exactly once."""
     from megazero.tensor_parallel import full_model_state_dict
-    from megazero.zero.build import build_zero_optimizer
 
     m, cfg = 4, model_config(True)
     topo = ParallelTopology.build(tp=2, pp=2, vpp=2)
@@ -128,7 +137,7 @@ def _with_zero_engine():
         sequence_parallel=True)
     forward_backward(chunks, iter(per_replica[topo.dp_rank]), topo, m, SEQ, MBS, HIDDEN,
                      sequence_parallel=True, grad_sync=engine)
-    finalize_model_grads(chunks, topo, sequence_parallel=True, grad_sync=engine)
+    engine.finish_grad_sync()
     worst = 0.0
     for chunk in chunks:
         for name, g in full_model_state_dict(chunk, topo, grads=True).items():

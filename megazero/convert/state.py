@@ -9,6 +9,7 @@ pipeline stage (``init_name``) reads the word embedding.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,8 +17,12 @@ from torch import nn
 from megazero.tensor_parallel.layers import load_full_into_shard
 from megazero.tensor_parallel.utils import full_model_state_dict
 
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
-def load_global_state(model: nn.Module, state: Mapping[str, torch.Tensor], topo) -> None:
+
+def load_global_state(model: nn.Module, state: Mapping[str, torch.Tensor],
+                      topo: ParallelTopology) -> None:
     """Fill every parameter of ``model`` (one chunk) from ``state``; a missing tensor or a
     shape mismatch is an error naming the parameter."""
     for name, p in model.named_parameters():
@@ -31,6 +36,6 @@ def load_global_state(model: nn.Module, state: Mapping[str, torch.Tensor], topo)
         load_full_into_shard(p, full, topo.tp_group)
 
 
-def model_global_state(model: nn.Module, topo) -> dict[str, torch.Tensor]:
+def model_global_state(model: nn.Module, topo: ParallelTopology) -> dict[str, torch.Tensor]:
     """The global state of a tp=1 (or TP-sharded, collective) whole model: unpadded, fp32."""
     return {k: v.float() for k, v in full_model_state_dict(model, topo).items()}

@@ -16,13 +16,16 @@ gradient clipping); see :mod:`megazero.engine.engine`.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megazero.engine.engine import EngineStateError, MegazeroEngine
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
 __all__ = ["EngineStateError", "MegazeroEngine", "init_distributed", "initialize"]
 
@@ -57,7 +60,7 @@ def _mark_shared(module: nn.Module) -> None:
             p.zero_external = True
 
 
-def _dataloader(data: Any, engine_cfg: Any, topo: Any, collate_fn: Any) -> Any:
+def _dataloader(data: Any, engine_cfg: Any, topo: ParallelTopology, collate_fn: Any) -> Any:
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(data, num_replicas=topo.dp_size, rank=topo.dp_rank)

@@ -22,7 +22,7 @@ mode, or a backward in eval mode, is refused. Each is an :class:`EngineStateErro
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,10 @@ from torch import nn
 from megazero.config import MegazeroConfig
 from megazero.errors import MegazeroError
 from megazero.monitor import Timers
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
+    from megazero.zero.optimizer import ZeroOptimizer
 
 
 class EngineStateError(MegazeroError, RuntimeError):
@@ -39,9 +43,10 @@ class EngineStateError(MegazeroError, RuntimeError):
 class MegazeroEngine:
     """Built by :func:`megazero.initialize`; see the module docstring for the step protocol."""
 
-    def __init__(self, module: nn.Module, cfg: MegazeroConfig, topo: Any, optimizer: Any,
-                 lr_scheduler: Any, client_optimizer: Any, device: torch.device,
-                 local_rank: int, dataloader: Any = None, log: Any = print) -> None:
+    def __init__(self, module: nn.Module, cfg: MegazeroConfig, topo: ParallelTopology,
+                 optimizer: ZeroOptimizer, lr_scheduler: Any, client_optimizer: Any,
+                 device: torch.device, local_rank: int, dataloader: Any = None,
+                 log: Any = print) -> None:
         self.module = module
         self.config = cfg
         self.topo = topo

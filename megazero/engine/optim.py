@@ -15,7 +15,7 @@ rejected with a message.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from megazero.config import ConfigError, MegazeroConfig
 from megazero.engine.config import has_optimizer_block, has_scheduler_block
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.zero import ZeroOptimizer, build_zero_optimizer
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
@@ -77,7 +80,7 @@ def regroup(zero: ZeroOptimizer, cls: type, groups: list[dict[str, Any]]) -> Non
     zero.masters.optimizer = cls(torch_groups, foreach=True)
 
 
-def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: Any, client: Any,
+def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: ParallelTopology, client: Any,
                     model_parameters: Any) -> tuple[ZeroOptimizer, Any]:
     """The ZeRO optimizer over ``module`` and the client optimizer it was built from (or None)."""
     if callable(client) and not isinstance(client, torch.optim.Optimizer):

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from megazero.config import ModelConfig
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
 _SCALED = (".linear_proj.weight", ".linear_fc2.weight")
 _NORM_PARTS = ("layernorm.", "norm.")
@@ -182,7 +185,8 @@ def full_init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, see
     return t
 
 
-def initialize_parameters(model: nn.Module, config: ModelConfig, topo: Any, seed: int) -> None:
+def initialize_parameters(model: nn.Module, config: ModelConfig, topo: ParallelTopology,
+                          seed: int) -> None:
     """Fill every parameter of ``model`` with its slice of the seeded full tensor.
 
     A parameter may carry ``init_name`` to be initialised as another one (the output-layer

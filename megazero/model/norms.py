@@ -21,7 +21,8 @@ def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool,
                dtype: torch.dtype = torch.float32) -> nn.Module:
     """A norm over the last dim. Under sequence parallelism each rank normalises only its
     sequence slice, so its weight/bias grads are partial: they are flagged
-    ``sequence_parallel`` for :func:`allreduce_sequence_parallel_grads`."""
+    ``sequence_parallel``, and the gradient sync sums them over the tensor-parallel group
+    (:meth:`megazero.zero.ZeroOptimizer.finish_grad_sync`)."""
     if kind == "LayerNorm":
         norm: nn.Module = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
     elif kind == "RMSNorm":

@@ -8,14 +8,14 @@ Training-loop order for one iteration::
 
     losses = forward_backward(chunks, data_iter, topo, m, seq, mbs, hidden,
                               sequence_parallel=sp, grad_sync=engine)
-    finalize_model_grads(chunks, topo, sequence_parallel=sp, grad_sync=engine)
+    engine.finish_grad_sync()
     engine.step()
 
-``engine.no_sync()`` wraps every backward but each chunk's last; ``finalize_model_grads`` does
-the sequence-parallel and tied-embedding sums, or hands them to ``engine.finish_grad_sync()``
-when the engine owns them (``megazero.zero`` does). Without an engine
-(``grad_sync=None``), the grads after ``finalize_model_grads`` are this data-parallel
-replica's complete gradients.
+``grad_sync`` is a :class:`megazero.protocols.GradSync` (the ZeRO engine, stage 0 without
+ZeRO): ``no_sync()`` wraps every backward but each chunk's last, ``start_grad_sync()`` launches
+the reduction of what is left, and ``finish_grad_sync()`` (the caller's) completes it together
+with the sequence-parallel and tied-embedding sums. Without one (``grad_sync=None``, e.g.
+forward-only evaluation) the grads are left as each rank's local, unsummed contributions.
 
 Losses: every micro-batch's loss is the mean over its tokens; the backward uses it divided by
 the number of micro-batches, so the accumulated grads equal those of one model run on all
@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from megazero.pipeline.grads import finalize_model_grads
 from megazero.pipeline.p2p import P2P, tensor_shape
 from megazero.pipeline.schedules import build_schedule, virtual_stage
+from megazero.protocols import GradSync
 from megazero.topology import ParallelTopology
+
+GradSyncArg: TypeAlias = "GradSync | Sequence[GradSync] | None"
 
 
 def deallocate_output_tensor(out: torch.Tensor) -> None:
@@ -122,7 +124,7 @@ class _ActivationMeter:
         self.peak_output_elements = max(self.peak_output_elements, held)
 
 
-def _sync_objects(grad_sync: Any, num_chunks: int) -> list[Any] | None:
+def _sync_objects(grad_sync: GradSyncArg, num_chunks: int) -> list[GradSync] | None:
     if grad_sync is None:
         return None
     if isinstance(grad_sync, Sequence):
@@ -160,8 +162,7 @@ def forward_backward(
     dtype: torch.dtype = torch.float32,
     loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] = default_loss_fn,
     get_batch: Callable[[Iterator], dict[str, torch.Tensor]] = default_get_batch,
-    grad_sync: Any = None,
-    finalize: bool = False,
+    grad_sync: GradSyncArg = None,
     stats: dict[str, Any] | None = None,
     microbatch_group_size: int | None = None,
 ) -> list[float]:
@@ -172,13 +173,11 @@ def forward_backward(
     last virtual stage draw from it. A list gives each chunk its own iterator (Megatron's
     interleaved convention); a single iterator is shared, one draw per micro-batch.
 
-    ``grad_sync``: ``None``, an object with ``no_sync()`` (a context manager that suspends
-    gradient reduction) and ``start_grad_sync()``, or a list of such objects, one per chunk.
-    Every backward except each chunk's last micro-batch runs inside ``no_sync()``; a per-chunk
-    object gets ``start_grad_sync()`` right after its chunk's last backward (so reduction of
-    early-finished chunks overlaps with the rest of the cool-down), a single shared object once
-    after the schedule. With ``finalize=True`` :func:`finalize_model_grads` runs at the end
-    (with the same ``grad_sync``).
+    ``grad_sync``: ``None``, a :class:`megazero.protocols.GradSync`, or a list of them, one per
+    chunk. Every backward except each chunk's last micro-batch runs inside ``no_sync()``; a
+    per-chunk object gets ``start_grad_sync()`` right after its chunk's last backward (so
+    reduction of early-finished chunks overlaps with the rest of the cool-down), a single shared
+    object once after the schedule. The caller completes the sync with ``finish_grad_sync()``.
     ``microbatch_group_size``: the interleaved schedule's group size N (micro-batches that go
     through a model chunk in a row; default pp), see
     :func:`megazero.pipeline.schedules.interleaved_one_f_one_b`.
@@ -281,9 +280,6 @@ def forward_backward(
     assert not outputs and not inputs and not recv_act and not recv_grad, "schedule left work"
     if syncs and not isinstance(grad_sync, Sequence) and not forward_only:
         syncs[0].start_grad_sync()
-    if finalize and not forward_only:
-        finalize_model_grads(model_chunks, topo, sequence_parallel=sequence_parallel,
-                             grad_sync=grad_sync)
     if stats is not None and meter is not None:
         stats.update(peak_inflight=meter.peak_inflight, peak_saved_bytes=meter.peak_bytes,
                      saved_bytes_per_forward=list(meter.bytes_per_forward),

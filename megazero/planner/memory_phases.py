@@ -7,9 +7,12 @@ monitor writes the three values as TensorBoard / JSON scalars ``mem-after-forwar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megazero.zero.optimizer import ZeroOptimizer
 
 
 class MemoryPhases:
@@ -22,7 +25,7 @@ class MemoryPhases:
     autograd saved for backward (the pipeline executor's activation meter).
     """
 
-    def __init__(self, engine: Any, device: torch.device) -> None:
+    def __init__(self, engine: ZeroOptimizer, device: torch.device) -> None:
         self.engine, self.cuda = engine, device.type == "cuda"
         self.stats: dict[str, Any] = {}
         self.phases: dict[str, float] = {}

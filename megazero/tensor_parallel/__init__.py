@@ -1,8 +1,10 @@
-"""Tensor (and sequence) parallelism: communication, layers, loss, randomness, grads."""
+"""Tensor (and sequence) parallelism: communication, layers, loss, randomness.
+
+The sums of ``sequence_parallel`` parameters' gradients over the tensor-parallel group are part
+of the gradient sync (:meth:`megazero.zero.ZeroOptimizer.finish_grad_sync`)."""
 
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megazero.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megazero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -31,7 +33,7 @@ from megazero.tensor_parallel.utils import (
 __all__ = [
     "ColumnParallelLinear", "ParallelContext", "RowParallelLinear", "VocabParallelEmbedding",
     "RNGStatesTracker",
-    "allreduce_sequence_parallel_grads", "checkpoint", "column_parallel_linear",
+    "checkpoint", "column_parallel_linear",
     "copy_to_tensor_parallel_region", "full_model_state_dict",
     "gather_from_sequence_parallel_region", "gather_from_tensor_parallel_region",
     "gather_full_param", "pad_vocab_size", "param_is_not_tensor_parallel_duplicate",

@@ -20,37 +20,17 @@ region
 =====================================  ======================  ==========================
 
 All take the process group explicitly and are the identity when it is ``None`` or has one rank.
-The raw collectives (:func:`all_gather_dim0`, :func:`reduce_scatter_dim0`) are the only place
-that picks an implementation per backend.
+The raw collectives (:func:`all_gather_dim0`, :func:`reduce_scatter_dim0`) go through
+:mod:`megazero.collectives`, which picks the implementation per backend for TP and ZeRO alike.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
-from megazero.compat import all_gather_into_tensor, reduce_scatter_tensor
-
-Group = Any  # torch.distributed.ProcessGroup or None
-
-# Backends whose reduce-scatter into one flat tensor is missing or unreliable across the torch
-# versions we support; they get all-reduce + slice, which moves 2x the bytes but is exact.
-_REDUCE_SCATTER_FALLBACK_BACKENDS = frozenset({"gloo"})
-
-
-def group_size(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: Group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def _backend(group: Group) -> str:
-    return str(dist.get_backend(group)).lower()
-
+from megazero import collectives
+from megazero.collectives import Group, group_rank, group_size
 
 # --- raw collectives (no autograd) -----------------------------------------------------------
 
@@ -69,35 +49,23 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_into_tensor(out, x, group=group)
+    collectives.all_gather(out, x, group)
     return out
 
 
-def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum ``x`` over the group and keep this rank's dim-0 slice."""
+def reduce_scatter_dim0(x: torch.Tensor, group: Group, impl: str = "auto") -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's dim-0 slice. ``impl`` as the ZeRO
+    engine's ``reduce_scatter_impl`` (``auto``: all-to-all on gloo, native elsewhere)."""
     world = group_size(group)
     if world == 1:
         return x
     if x.shape[0] % world != 0:
         raise ValueError(f"reduce-scatter: dim 0 ({x.shape[0]}) not divisible by {world} ranks")
-    if _backend(group) in _REDUCE_SCATTER_FALLBACK_BACKENDS:
-        return reduce_scatter_dim0_fallback(x, group)
-    return reduce_scatter_dim0_native(x, group)
-
-
-def reduce_scatter_dim0_native(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty((x.shape[0] // group_size(group), *x.shape[1:]), dtype=x.dtype,
-                      device=x.device)
-    reduce_scatter_tensor(out, x, group=group)
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    collectives.reduce_scatter(
+        out, x, group, collectives.reduce_scatter_impl(impl, collectives.backend_of(group)))
     return out
-
-
-def reduce_scatter_dim0_fallback(x: torch.Tensor, group: Group) -> torch.Tensor:
-    chunk = x.shape[0] // group_size(group)
-    summed = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(summed, group=group)
-    return summed.narrow(0, group_rank(group) * chunk, chunk).clone()
 
 
 def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,9 @@ from megazero.tensor_parallel.mappings import (
     group_size,
     split_dim,
 )
+
+if TYPE_CHECKING:
+    from megazero.topology import ParallelTopology
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -65,7 +68,8 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, topo_or_tp_rank:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-def gather_full_param(param: torch.Tensor, topo: Any, unpad: bool = True) -> torch.Tensor:
+def gather_full_param(param: torch.Tensor, topo: ParallelTopology,
+                      unpad: bool = True) -> torch.Tensor:
     """The full (tp=1) tensor of ``param``, reassembled from the TP group; collective over
     ``topo.tp_group`` for sharded parameters. Vocab padding is removed unless ``unpad=False``.
     """
@@ -81,7 +85,8 @@ def gather_full_param(param: torch.Tensor, topo: Any, unpad: bool = True) -> tor
     return data.clone()
 
 
-def shard_full_param(full: torch.Tensor, param: torch.Tensor, topo: Any) -> torch.Tensor:
+def shard_full_param(full: torch.Tensor, param: torch.Tensor,
+                     topo: ParallelTopology) -> torch.Tensor:
     """This rank's slice of an unpadded full tensor for ``param`` (inverse of gather)."""
     padded = getattr(param, "padded_vocab_size", None)
     if padded is not None and full.shape[0] < padded:
@@ -92,7 +97,7 @@ def shard_full_param(full: torch.Tensor, param: torch.Tensor, topo: Any) -> torc
     return full
 
 
-def full_model_state_dict(model: nn.Module, topo: Any, grads: bool = False
+def full_model_state_dict(model: nn.Module, topo: ParallelTopology, grads: bool = False
                           ) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` reassembled to its full, unpadded tp=1 tensor.
 

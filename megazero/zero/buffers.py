@@ -60,8 +60,16 @@ class Bucket:
     launched: bool = False
     handle: Handle | None = None
     grad: torch.Tensor | None = None  # full-size gradients (a view, or stage-2 staging)
-    param_data: torch.Tensor | None = None
+    # this bucket's range of the flat parameter buffer (GradBuffer sets it)
+    param_data: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     padding: int = 0
+
+    def full_grad(self) -> torch.Tensor:
+        """The full-size gradients; they exist from the first absorbed gradient (always at
+        stages 0-1) until a stage-2 reduction frees them."""
+        if self.grad is None:
+            raise RuntimeError(f"bucket {self.index} holds no gradients at this point")
+        return self.grad
 
 
 class GradBuffer:
@@ -141,7 +149,7 @@ class GradBuffer:
             b.grad = (self.grad_flat[b.offset:b.offset + b.numel]
                       if self.grad_flat is not None else None)
             for s in b.slots:
-                s.param.grad = (b.grad[s.start:s.start + s.numel].view_as(s.param)
+                s.param.grad = (b.full_grad()[s.start:s.start + s.numel].view_as(s.param)
                                 if self.view_mode else None)
 
     def grad_ready(self, param: nn.Parameter) -> None:
@@ -160,7 +168,7 @@ class GradBuffer:
     def _absorb(self, b: Bucket, s: Slot) -> None:
         """Move ``param.grad`` into the bucket unless it already lives there."""
         if self.view_mode:
-            view = b.grad[s.start:s.start + s.numel]
+            view = b.full_grad()[s.start:s.start + s.numel]
             g = s.param.grad
             if g is not None and g.data_ptr() != view.data_ptr():
                 # Someone replaced the view (e.g. ``model.zero_grad()``): take the values back.
@@ -192,9 +200,9 @@ class GradBuffer:
         elif self.stage == 1:
             out = torch.empty(b.own_hi - b.own_lo, dtype=b.grad.dtype, device=b.grad.device)
             h = self.dp.reduce_scatter(out, b.grad, async_op=async_op)
-            b.handle = Handle(h, lambda: b.grad[b.own_lo:b.own_hi].copy_(out))
+            b.handle = Handle(h, lambda: b.full_grad()[b.own_lo:b.own_hi].copy_(out))
         else:
-            out = self.shard_grad_flat[b.shard_offset:b.shard_offset + b.own_hi - b.own_lo]
+            out = self._shard_grads()[b.shard_offset:b.shard_offset + b.own_hi - b.own_lo]
             if self.reduce_scatter:
                 h = self.dp.reduce_scatter(out, b.grad, async_op=async_op)
             else:
@@ -207,11 +215,12 @@ class GradBuffer:
 
     def _zero_unfilled(self, b: Bucket) -> None:
         """Zero what no gradient was copied into (unused parameters, padding)."""
+        grad = b.full_grad()
         for s in b.slots:
             if s.start not in b.filled:
-                b.grad[s.start:s.start + s.numel].zero_()
+                grad[s.start:s.start + s.numel].zero_()
                 b.filled.add(s.start)
-        b.grad[b.numel - b.padding:].zero_()
+        grad[b.numel - b.padding:].zero_()
 
     def flush(self) -> None:
         """Launch every normal bucket still waiting (unused parameters, or a backward that ran
@@ -232,7 +241,7 @@ class GradBuffer:
 
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:
         """Full gradients of the deferred buckets of ``kind``, for the tp / embedding sum."""
-        return [b.grad for b in self.buckets if b.kind == kind]
+        return [b.full_grad() for b in self.buckets if b.kind == kind]
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
         """Inside ``no_sync``: the gradient stays where autograd accumulates it."""
@@ -270,8 +279,13 @@ class GradBuffer:
     def grad_view(self, b: Bucket, lo: int, hi: int) -> torch.Tensor:
         if self.stage == 2:
             base = b.shard_offset - b.own_lo
-            return self.shard_grad_flat[base + lo:base + hi]
+            return self._shard_grads()[base + lo:base + hi]
+        assert self.grad_flat is not None  # stages 0-1 keep a full gradient buffer
         return self.grad_flat[b.offset + lo:b.offset + hi]
+
+    def _shard_grads(self) -> torch.Tensor:
+        assert self.shard_grad_flat is not None  # stage 2 keeps only the reduced shards
+        return self.shard_grad_flat
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
         """Refresh every rank's full parameters from the owners' updated shards."""
@@ -307,3 +321,15 @@ class GradBuffer:
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:
         return {"device": [self.param_flat]}
+
+    def param_shapes(self) -> dict[int, torch.Size]:
+        return {id(p): p.shape for p in self.params()}
+
+    def gather_all(self) -> None:
+        """Every rank holds full parameters at stages 0-2: nothing to gather."""
+
+    def release_all(self, write_back: bool = False) -> None:
+        """Values written into the parameters stay (they are the flat buffer)."""
+
+    def gathered_state(self) -> dict[int, torch.Tensor]:
+        return {id(p): p.detach().clone() for p in self.params()}

@@ -11,6 +11,8 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.deepspeed import unimplemented_zero_keys
 from megazero.config.rules import sequence_parallel_active
+from megazero.protocols import ParamStore
+from megazero.topology import ParallelTopology
 from megazero.zero.buffers import GradBuffer
 from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
@@ -42,7 +44,7 @@ IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
 }
 
 
-def check_zero_config(zero: ZeroConfig, topo: Any) -> None:
+def check_zero_config(zero: ZeroConfig, topo: ParallelTopology) -> None:
     """Reject what cannot run; warn once per key that is accepted but has no effect."""
     OffloadPlan.from_config(zero)  # the offload keys (megazero.zero.offload.check_offload)
     if zero.offload_optimizer.enabled and zero.stage == 0:
@@ -56,7 +58,7 @@ def check_zero_config(zero: ZeroConfig, topo: Any) -> None:
                       ">= 2: reduced gradient shards are always contiguous", stacklevel=3)
 
 
-def _deferred_kind(params: list[nn.Parameter], topo: Any, sequence_parallel: bool
+def _deferred_kind(params: list[nn.Parameter], topo: ParallelTopology, sequence_parallel: bool
                    ) -> dict[int, str]:
     kinds = {}
     for p in params:
@@ -70,7 +72,7 @@ def _deferred_kind(params: list[nn.Parameter], topo: Any, sequence_parallel: boo
 
 def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                          optimizer_config: OptimizerConfig, zero_config: ZeroConfig,
-                         precision_config: PrecisionConfig, topo: Any, *,
+                         precision_config: PrecisionConfig, topo: ParallelTopology, *,
                          sequence_parallel: bool = False,
                          reduce_scatter_impl: str = "auto") -> ZeroOptimizer:
     """Cast the chunks to the training dtype, lay their parameters into flat buffers (stages
@@ -89,7 +91,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
     comms = Comms.from_topology(topo, reduce_scatter_impl)
     grad_dtype = _DTYPES[precision_config.communication_data_type] if (
         precision_config.communication_data_type) else dtype
-    stores: list[Any] = []
+    stores: list[ParamStore] = []
     for chunk in chunks:
         params = [p for p in chunk.parameters() if p.requires_grad]
         if not params:

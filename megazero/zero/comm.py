@@ -10,8 +10,8 @@ numbers per call:
   differ from the logical bytes only when a fallback replaced the collective: a reduce-scatter
   done as ``all_reduce`` + slice moves twice the bytes; done as ``all_to_all`` it moves the same.
 
-gloo in recent torch has native ``reduce_scatter_single``; older builds and some backends do not,
-so the fallbacks are kept (and can be forced for testing).
+Which implementation a backend gets is decided in :mod:`megazero.collectives` (by backend name
+and torch version); ``reduce_scatter_impl`` forces one for testing and benchmarks.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.compat import all_gather_into_tensor
+from megazero import collectives
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Handle:
     ``label`` and ``timers`` (a :class:`megazero.monitor.Timers`): the wait is charged to the
     region ``"<label> wait"``."""
 
-    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None,
+    def __init__(self, work: Any = None, finish: Callable[[], object] | None = None,
                  label: str | None = None, timers: Any = None) -> None:
         self._work = work
         self._finish = finish
@@ -98,8 +98,8 @@ class GroupComm:
     """Collectives over one process group (``group=None`` with ``size == 1`` is a no-op world).
 
     ``reduce_scatter_impl`` is ``"auto"`` (``all_to_all`` on gloo, else ``native``),
-    ``"native"``, ``"all_to_all"`` or ``"all_reduce"``; ``native`` falls back to ``all_to_all``
-    automatically when the backend lacks it.
+    ``"native"``, ``"all_to_all"`` or ``"all_reduce"``; a backend without the one asked for gets
+    the next (:func:`megazero.collectives.reduce_scatter_impl`).
     """
 
     def __init__(self, group: Any, name: str, log: CommLog,
@@ -110,14 +110,9 @@ class GroupComm:
         initialized = dist.is_available() and dist.is_initialized()
         self.size = dist.get_world_size(group) if initialized and group is not None else 1
         self.rank = dist.get_rank(group) if initialized and group is not None else 0
-        backend = dist.get_backend(group) if initialized and group is not None else ""
-        if reduce_scatter_impl == "auto":
-            # gloo's reduce-scatter is built from slower primitives; its all-to-all moves the
-            # same bytes and the local sum is cheap (measured in bench/zero_speed.py).
-            reduce_scatter_impl = "all_to_all" if backend == "gloo" else "native"
-        self.rs_impl = reduce_scatter_impl
-        # Backends whose all-gather accepts this rank's shard as a view of the output.
-        self.inplace_all_gather = backend in ("gloo", "nccl")
+        backend = collectives.backend_of(group)
+        self.rs_impl = collectives.reduce_scatter_impl(reduce_scatter_impl, backend)
+        self.inplace_all_gather = collectives.all_gather_accepts_view(backend)
         self.timers: Any = None  # a megazero.monitor.Timers when wall_clock_breakdown is on
 
     def _label(self, op: str) -> str:
@@ -138,7 +133,7 @@ class GroupComm:
         finally:
             t.stop(name)
 
-    def _handle(self, work: Any, op: str, finish: Callable[[], None] | None = None) -> Handle:
+    def _handle(self, work: Any, op: str, finish: Callable[[], object] | None = None) -> Handle:
         """The :class:`Handle` of an asynchronous collective; with timers on, its in-flight time
         (launch to the backend's completion) is recorded as overlapped time."""
         t = self.timers
@@ -155,7 +150,7 @@ class GroupComm:
     def _frac(self) -> float:
         return (self.size - 1) / self.size
 
-    def all_reduce(self, t: torch.Tensor, async_op: bool = False, op=None,
+    def all_reduce(self, t: torch.Tensor, async_op: bool = False, op: Any = None,
                    what: str = "all_reduce") -> Handle:
         if self.size == 1:
             return Handle()
@@ -172,43 +167,13 @@ class GroupComm:
         if self.size == 1:
             out.copy_(inp)
             return _done()
-        b = inp.numel() * inp.element_size()
-        logical = self._frac() * b
+        logical = self._frac() * inp.numel() * inp.element_size()
         op = "reduce_scatter"
-        if self.rs_impl == "native" and hasattr(dist, "reduce_scatter_single"):
-            try:
-                with self._issue(op, async_op):
-                    work = dist.reduce_scatter_single(out, inp, group=self.group,
-                                                      async_op=async_op)
-                self.log.record(self.name, op, logical, "reduce_scatter", logical)
-                return self._handle(work, op) if async_op else _done()
-            except (RuntimeError, NotImplementedError):
-                self.rs_impl = "all_to_all"
-        if self.rs_impl in ("native", "all_to_all"):
-            # Each rank sends chunk r to rank r and sums what it receives: the bytes on the wire
-            # equal a ring reduce-scatter's; the price is one extra B-sized receive buffer.
-            recv = torch.empty_like(inp)
-            with self._issue(op, async_op):
-                work = dist.all_to_all_single(recv, inp, group=self.group, async_op=async_op)
-            self.log.record(self.name, op, logical, "all_to_all", logical)
-
-            def finish() -> None:
-                torch.sum(recv.view(self.size, -1), dim=0, out=out)
-
-            h = self._handle(work, op, finish)
-            if not async_op:
-                h.wait()
-            return h
-        # all_reduce + slice: correct, moves 2x the bytes.
-        tmp = inp.clone()
         with self._issue(op, async_op):
-            work = dist.all_reduce(tmp, group=self.group, async_op=async_op)
-        self.log.record(self.name, op, logical, "all_reduce", 2 * logical)
-        n = out.numel()
-        h = self._handle(work, op, lambda: out.copy_(tmp[self.rank * n:(self.rank + 1) * n]))
-        if not async_op:
-            h.wait()
-        return h
+            issued = collectives.reduce_scatter(out, inp, self.group, self.rs_impl,
+                                                async_op=async_op)
+        self.log.record(self.name, op, logical, issued.op, logical * issued.wire_factor)
+        return self._handle(issued.work, op, issued.finish) if async_op else _done()
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                    chunk: int | None = None, use_broadcast: bool = False) -> Handle:
@@ -240,8 +205,7 @@ class GroupComm:
                         works.append(dist.broadcast(piece, src, group=self.group,
                                                     async_op=True))
                 elif step == n:
-                    works.append(all_gather_into_tensor(out, shard, group=self.group,
-                                                        async_op=True))
+                    works.append(collectives.all_gather(out, shard, self.group, async_op=True))
                 else:
                     outs = [views[r, lo:hi] for r in range(self.size)]
                     works.append(dist.all_gather(outs, shard[lo:hi].clone(), group=self.group,

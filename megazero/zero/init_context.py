@@ -28,16 +28,29 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from megazero.compat import all_gather_into_tensor
+from megazero import collectives
+
+if TYPE_CHECKING:
+    from megazero.zero.optimizer import ZeroOptimizer
+
+    class PartitionedParam(nn.Parameter):
+        """The attributes :func:`partition_param` and :func:`megazero.initialize` set on a
+        plain ``nn.Parameter`` (a type for the checker; no parameter is of this class)."""
+
+        mz_shard: torch.Tensor
+        mz_shape: torch.Size
+        mz_group: ProcessGroup | None
+        mz_engine: ZeroOptimizer
 
 
-def _group_info(group: Any) -> tuple[int, int]:
+def _group_info(group: ProcessGroup | None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
@@ -48,7 +61,7 @@ def is_partitioned(p: torch.Tensor) -> bool:
     return getattr(p, "mz_shard", None) is not None
 
 
-def partition_param(p: nn.Parameter, group: Any, device: torch.device | None,
+def partition_param(p: nn.Parameter, group: ProcessGroup | None, device: torch.device | None,
                     dtype: torch.dtype | None) -> None:
     """Keep this rank's 1/dp flat shard of ``p`` and empty ``p.data``. The values are the
     group's first rank's (broadcast first), so ranks seeded differently still agree."""
@@ -58,27 +71,31 @@ def partition_param(p: nn.Parameter, group: Any, device: torch.device | None,
         data = data.to(dtype)
     if size > 1:
         data = data.contiguous()
-        dist.broadcast(data, src=dist.get_global_rank(group or dist.group.WORLD, 0),
-                       group=group)
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(data, src=src, group=group)
     n = data.numel()
     per = -(-n // size)
     flat = data.reshape(-1)
     lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
     shard = torch.zeros(per, dtype=data.dtype, device=device or data.device)
     shard[:hi - lo].copy_(flat[lo:hi])
-    p.mz_shard, p.mz_shape, p.mz_group = shard, data.shape, group
+    q = cast("PartitionedParam", p)
+    q.mz_shard, q.mz_shape, q.mz_group = shard, data.shape, group
     p.data = torch.empty(0, dtype=data.dtype, device=data.device)
 
 
-def gather_partitioned(p: nn.Parameter) -> torch.Tensor:
+def gather_partitioned(param: nn.Parameter) -> torch.Tensor:
     """The full value of a partitioned parameter (collective over its group)."""
+    p = cast("PartitionedParam", param)
     group, shard = p.mz_group, p.mz_shard
     size, _ = _group_info(group)
     if size == 1:
         full = shard
     else:
         full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        all_gather_into_tensor(full, shard.contiguous(), group=group)
+        # None is the default (world) group here; in megazero.collectives it means "no group".
+        collectives.all_gather(full, shard.contiguous(),
+                               group if group is not None else dist.group.WORLD)
     n = torch.Size(p.mz_shape).numel()
     return full[:n].view(p.mz_shape).clone()
 
@@ -92,9 +109,10 @@ def forget_partition(p: nn.Parameter) -> None:
 
 def _all_subclasses(cls: type) -> set[type]:
     out: set[type] = set()
-    todo = [cls]
+    todo: list[type] = [cls]
     while todo:
-        for sub in todo.pop().__subclasses__():
+        subs: list[type] = todo.pop().__subclasses__()
+        for sub in subs:
             if sub not in out:
                 out.add(sub)
                 todo.append(sub)
@@ -148,7 +166,7 @@ class Init:
                 ctx._partition_own(module)
 
         self._patched[cls] = orig
-        cls.__init__ = init
+        cls.__init__ = init  # type: ignore[misc]  # patching constructors is what Init does
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -158,23 +176,24 @@ class Init:
         self._old_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         ctx = self
 
-        def init_subclass(cls: type, **kwargs: Any) -> None:  # classes defined inside
+        def init_subclass(cls: type[nn.Module], /, **kwargs: Any) -> None:  # classes defined inside
             super(nn.Module, cls).__init_subclass__(**kwargs)
             ctx._wrap(cls)
 
-        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        # a classmethod replacing a method: the run-time patch mypy cannot express
+        nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
         for cls, orig in self._patched.items():
-            cls.__init__ = orig
+            cls.__init__ = orig  # type: ignore[misc]  # restoring the patched constructors
         self._patched.clear()
         if self._old_init_subclass is None:
             del nn.Module.__init_subclass__
         else:
-            nn.Module.__init_subclass__ = self._old_init_subclass
+            nn.Module.__init_subclass__ = self._old_init_subclass  # type: ignore[method-assign]
 
 
 class GatheredParameters:
@@ -186,7 +205,9 @@ class GatheredParameters:
     def __init__(self, params: nn.Parameter | Iterable[nn.Parameter],
                  modifier_rank: int | None = None, fwd_module: Any = None,
                  enabled: bool = True) -> None:
-        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.params: list[PartitionedParam] = cast(
+            "list[PartitionedParam]",
+            [params] if isinstance(params, torch.Tensor) else list(params))
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._units: list[tuple[Any, Any]] = []

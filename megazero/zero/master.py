@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,7 @@ class Piece:
     param: nn.Parameter  # the model parameter this range belongs to (for its attributes)
     model: torch.Tensor  # 1-D view of the model's storage
     grad: torch.Tensor  # 1-D view of the reduced gradient
-    master: torch.Tensor | None = None
+    master: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # MasterParams sets it
     ndim: int = -1  # the parameter's full rank (stage 3 releases parameters to 0 elements)
     offset: int = 0  # where ``model`` starts in the parameter's flattened values (checkpoints)
     # NVMe parameter offload: (the unit's swap, first element in its shard); ``model`` then has
@@ -117,8 +117,9 @@ class MasterParams:
                 p.master = p.model
         decay = [p.master for p in self.pieces if p.ndim >= 2]
         no_decay = [p.master for p in self.pieces if p.ndim < 2]
-        groups = [{"params": decay, "name": "decay"},
-                  {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        groups: list[dict[str, Any]] = [
+            {"params": decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
         self.optimizer = make_torch_optimizer(groups, cfg)
         self.sub_groups: list[list[Piece]] = []
         size = sub_group_size

@@ -28,6 +28,8 @@ from torch import nn
 
 from megazero.config import PrecisionConfig, ZeroConfig
 from megazero.config.rules import sequence_parallel_active
+from megazero.protocols import ParamStore
+from megazero.topology import ParallelTopology
 from megazero.zero import clip_grads
 from megazero.zero.accounting import MemoryReport, StorageCounter
 from megazero.zero.comm import CommLog, GroupComm
@@ -56,7 +58,7 @@ class Comms:
     world: GroupComm
 
     @classmethod
-    def from_topology(cls, topo: Any, rs_impl: str = "auto") -> Comms:
+    def from_topology(cls, topo: ParallelTopology, rs_impl: str = "auto") -> Comms:
         log = CommLog()
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         emb = topo.embedding_group if topo.pp_size > 1 and topo.in_embedding_group else None
@@ -75,9 +77,15 @@ _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat
 
 
 class ZeroOptimizer:
-    """See the module docstring; build it with :func:`megazero.zero.build_zero_optimizer`."""
+    """See the module docstring; build it with :func:`megazero.zero.build_zero_optimizer`.
 
-    def __init__(self, stores: list[Any], masters: MasterParams, comms: Comms, topo: Any,
+    A :class:`megazero.protocols.GradSync` at every stage: the pipeline executor and the
+    training loop drive its ``no_sync`` / ``start_grad_sync`` / ``finish_grad_sync``; stage 0
+    (plain all-reduce, no sharding) is how a run without ZeRO synchronises gradients.
+    """
+
+    def __init__(self, stores: list[ParamStore], masters: MasterParams, comms: Comms,
+                 topo: ParallelTopology,
                  zero: ZeroConfig, precision: PrecisionConfig, clip_grad: float,
                  sequence_parallel: bool) -> None:
         self.stores = stores
@@ -96,12 +104,15 @@ class ZeroOptimizer:
         self._synced = False
         self._saw_sync_backward = False
         self._last_comm: dict[str, Any] = comms.log.report()
-        self._hooks = []
-        self._param_store: dict[int, Any] = {}
+        self._hooks: list[Any] = []
+        self._param_store: dict[int, ParamStore] = {}
         for store in stores:
             for p in store.params():
                 self._param_store[id(p)] = store
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                # torch's stub leaves this method unannotated
+                hook = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._on_grad)
+                self._hooks.append(hook)
 
     # --- the training-loop surface ------------------------------------------------------------
 
@@ -117,7 +128,7 @@ class ZeroOptimizer:
         return loss * self.scaler.scale if self.precision.fp16 else loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scale_loss(loss).backward()
+        torch.autograd.backward(self.scale_loss(loss))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for store in self.stores:
@@ -306,13 +317,12 @@ class ZeroOptimizer:
         ``write_back=True``: weights assigned inside (``model.load_state_dict``) are kept: the
         stage-3 shards and the fp32 masters are refreshed from them on exit.
         """
-        stores = [s for s in self.stores if hasattr(s, "gather_all")]
-        for store in stores:
+        for store in self.stores:
             store.gather_all()
         try:
             yield
         finally:
-            for store in stores:
+            for store in self.stores:
                 store.release_all(write_back)
             if write_back:
                 self.sync_masters_from_model()
@@ -326,10 +336,7 @@ class ZeroOptimizer:
         """A full copy of every parameter keyed by ``id(param)`` (collective at stage 3)."""
         out: dict[int, torch.Tensor] = {}
         for store in self.stores:
-            if hasattr(store, "gathered_state"):
-                out.update(store.gathered_state())
-            else:
-                out.update({id(p): p.detach().clone() for p in store.params()})
+            out.update(store.gathered_state())
         return out
 
     def pieces(self) -> list[Piece]:

@@ -27,7 +27,8 @@ class _Block(nn.Module):
         self.fc2 = nn.Linear(2 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return out
 
 
 class TinyLM(nn.Module):
@@ -70,12 +71,14 @@ def torch_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     """The plain torch optimizer the engine must reproduce (no decay on ``ndim < 2``)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups,
                              lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay, foreach=True)
 
 
-def reference_run(make_model: Callable[[], nn.Module], batches: list, cfg: OptimizerConfig
+def reference_run(make_model: Callable[[], nn.Module],
+                  batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: OptimizerConfig
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, full batch, ``torch.optim.AdamW`` + ``clip_grad_norm_``."""
     model = make_model()

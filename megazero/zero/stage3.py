@@ -39,7 +39,7 @@ allocates a fresh buffer: a reused one would be overwritten under tensors autogr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -51,6 +51,9 @@ from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan, host_empty
 from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
 from megazero.zero.units import Unit, wrap_outputs
+
+if TYPE_CHECKING:
+    from megazero.zero.optimizer import Comms
 
 
 def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Module]]:
@@ -79,7 +82,7 @@ def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Mod
 class Stage3Params:
     """Sharded parameters of one model chunk, with the hooks that gather and release them."""
 
-    def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Any, grad_dtype: torch.dtype,
+    def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Comms, grad_dtype: torch.dtype,
                  kinds: dict[int, str]) -> None:
         self.zero = zero
         self.dp = comms.dp
@@ -203,7 +206,7 @@ class Stage3Params:
             if u.full is None and not u.persistent:
                 if self.live + u.padded > self.zero.stage3_max_live_parameters:
                     break
-                if u.swap is not None and not self.swap.ready(u.swap.slot):
+                if u.swap is not None and not self._swapper().ready(u.swap.slot):
                     break  # its read is still on the way: gather it when it is needed
                 self._gather(u, async_op=True)
                 budget -= u.padded
@@ -217,9 +220,13 @@ class Stage3Params:
         while 0 <= i < len(self.order):
             u = self.order[i]
             if u.swap is not None and u.full is None and u.gather_handle is None:
-                if not self.swap.prefetch(u.swap.slot, u.shard_size):
+                if not self._swapper().prefetch(u.swap.slot, u.shard_size):
                     return
             i += direction
+
+    def _swapper(self) -> ParamSwapper:
+        assert self.swap is not None  # only units with a swap handle ask (offload_param nvme)
+        return self.swap
 
     def _reuse_distance(self, u: Unit) -> float:
         """Elements gathered between this unit's forward and its backward (rest of the forward
@@ -336,9 +343,9 @@ class Stage3Params:
     def _zero_unfilled(u: Unit) -> None:
         for i, (s, shape) in enumerate(zip(u.starts, u.shapes)):
             if i not in u.filled:
-                u.grad_full[s:s + shape.numel()].zero_()
+                u.full_grad()[s:s + shape.numel()].zero_()
                 u.filled.add(i)
-        u.grad_full[u.numel:].zero_()
+        u.full_grad()[u.numel:].zero_()
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
         """Inside ``no_sync``: keep the gradient, release the parameters once all arrived."""
@@ -395,7 +402,7 @@ class Stage3Params:
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:
         """The gradient slices of this kind's parameters (not the whole unit: its other
         parameters' gradients must not be summed)."""
-        return [u.grad_full[s:s + n] for u in self.units if not u.reduced
+        return [u.full_grad()[s:s + n] for u in self.units if not u.reduced
                 for s, n, k in u.deferred if k == kind]
 
     def reduce_deferred(self) -> None:
@@ -432,7 +439,7 @@ class Stage3Params:
         self.dp.all_gather(out, shards, chunk=chunk)
         rows, pos = out.view(self.dp.size, -1), 0
         for u in pers:
-            u.full.view(self.dp.size, u.shard_size).copy_(rows[:, pos:pos + u.shard_size])
+            u.gathered().view(self.dp.size, u.shard_size).copy_(rows[:, pos:pos + u.shard_size])
             pos += u.shard_size
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:
@@ -448,6 +455,9 @@ class Stage3Params:
         out += [p.grad for u in self.units for p in u.params if p.grad is not None]
         return out
 
+    def param_shapes(self) -> dict[int, torch.Size]:
+        return {id(p): shape for u in self.units for p, shape in zip(u.params, u.shapes)}
+
     def gather_all(self) -> None:
         self._held_before = {u.index for u in self.units if u.full is not None}
         for u in self.units:
@@ -457,7 +467,7 @@ class Stage3Params:
         for u in self.units:
             if write_back and u.full is not None and not u.persistent:
                 if u.swap is not None:
-                    self.swap.write_shard(u.swap.slot, u.full[u.own_lo:u.own_hi])
+                    self._swapper().write_shard(u.swap.slot, u.full[u.own_lo:u.own_hi])
                 else:
                     u.shard.copy_(u.full[u.own_lo:u.own_hi])
         for u in self.units:
@@ -476,7 +486,7 @@ class Stage3Params:
     def release_params(self, held: list[tuple[Unit, bool]], write_back: bool) -> None:
         for u, was in held:
             if write_back and not u.persistent:
-                u.shard.copy_(u.full[u.own_lo:u.own_hi])
+                u.shard.copy_(u.gathered()[u.own_lo:u.own_hi])
             if not was:
                 self._release(u)
 

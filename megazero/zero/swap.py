@@ -39,7 +39,7 @@ from megazero.zero.offload import (
 class Pending:
     """Requests in flight for one tensor; :meth:`wait` re-raises the first I/O error."""
 
-    def __init__(self, futures: list[Future]) -> None:
+    def __init__(self, futures: list[Future[None]]) -> None:
         self.futures = futures
 
     def done(self) -> bool:
@@ -100,7 +100,7 @@ class SwapIO:
         return self._submit(fd, tensor, offset, write=True)
 
     def _submit(self, fd: int, tensor: torch.Tensor, offset: int, write: bool) -> Pending:
-        view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+        view = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
         futures = []
         for lo in range(0, len(view), self.block):
             chunk = view[lo:lo + self.block]
@@ -179,9 +179,10 @@ class OptimizerSwapper:
         def claim(k: int) -> None:
             nonlocal waited
             s = k % nslots
-            if writes[s] is not None:
+            pending = writes[s]
+            if pending is not None:
                 t = time.perf_counter()
-                writes[s].wait()
+                pending.wait()
                 waited += time.perf_counter() - t
                 writes[s] = None
             reads[k] = self._io(k, self.slots[s], write=False) if read else Pending([])

@@ -21,7 +21,7 @@ class Unit:
         self.index = index
         self.params = params
         self.shapes = [p.shape for p in params]
-        self.starts = []
+        self.starts: list[int] = []
         n = 0
         for p in params:
             self.starts.append(n)
@@ -35,21 +35,33 @@ class Unit:
         self.kind = kind  # a deferred kind ("sp", "emb") when any parameter has one
         self.deferred: list[tuple[int, int, str]] = []  # (start, numel, kind) of those params
         self.full: torch.Tensor | None = None
-        self.shard: torch.Tensor | None = None
+        self.shard = torch.empty(0)  # this rank's shard (Stage3Params sets it)
         self.gather_handle: Handle | None = None
         self.grad_full: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
+        self.grad_shard = torch.empty(0)  # the reduced gradient shard (Stage3Params sets it)
         self.reduce_handle: Handle | None = None
         self.pending: set[int] = set()
         self.filled: set[int] = set()  # indices of params copied into grad_full this step
         self.reduced = False
         self.swap: Any = None  # NVMe offload: the UnitSwap holding the shard (param_swap.py)
 
+    def gathered(self) -> torch.Tensor:
+        """The full (padded) parameters; they exist only while the unit is gathered."""
+        if self.full is None:
+            raise RuntimeError(f"stage-3 unit {self.index} is not gathered")
+        return self.full
+
+    def full_grad(self) -> torch.Tensor:
+        """The full gradients, from their first absorption until the reduce-scatter."""
+        if self.grad_full is None:
+            raise RuntimeError(f"stage-3 unit {self.index} holds no full gradients now")
+        return self.grad_full
+
     def attach(self) -> None:
         """Point every parameter at its slice of the gathered buffer."""
-        assert self.full is not None
+        full = self.gathered()
         for p, s, shape in zip(self.params, self.starts, self.shapes):
-            p.data = self.full[s:s + shape.numel()].view(shape)
+            p.data = full[s:s + shape.numel()].view(shape)
 
 
 class _PreBackward(torch.autograd.Function):
@@ -69,7 +81,9 @@ class _PreBackward(torch.autograd.Function):
 def wrap_outputs(output: Any, callback: Any) -> Any:
     """Route every tensor of a module's output through :class:`_PreBackward`."""
     if isinstance(output, torch.Tensor):
-        return _PreBackward.apply(callback, output) if output.requires_grad else output
+        if not output.requires_grad:
+            return output
+        return _PreBackward.apply(callback, output)  # type: ignore[no-untyped-call]  # torch stub
     if isinstance(output, tuple):
         return tuple(wrap_outputs(o, callback) for o in output)
     if isinstance(output, list):
