@@ -83,6 +83,7 @@ from megazero.checkpoint.reader import (
     read_model_state,
     read_tracker,
 )
+from megazero.checkpoint.restore import load_optimizer_states, load_weights
 from megazero.checkpoint.rng import get_rng_state, set_rng_state
 from megazero.checkpoint.tensors import (
     ParamInfo,
@@ -431,32 +432,22 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                               + "; it was saved from another model")
     shapes = _local_shapes(infos, engine)
-    weights, states = {}, {}
-    owned: dict[int, tuple[int, int]] = {}
-    if engine is not None:
-        for pc in engine.masters.pieces:
-            a, b = owned.get(id(pc.param), (1 << 62, -1))
-            owned[id(pc.param)] = (min(a, pc.offset), max(b, pc.offset + pc.model.numel()))
-    for i in infos:
+    for i in infos:  # checked and opened (checksums) here; read in _apply, range by range
         local = tuple(shapes[id(i.param)])
         want = i.global_shape(local, topo.tp_size)
         have = meta["tensors"][i.name]["shape"]
         if list(want) != list(have):
             raise CheckpointError(f"checkpoint {directory}: tensor {i.name} has shape {have}, "
                                   f"this model's is {want}")
-        weights[id(i.param)] = reader.local(i.name, "weight", i, local, c.tp, topo.tp_size)
+        kinds = ["weight"]
         if load_optim and engine is not None and i.param.requires_grad:
             if not meta["tensors"][i.name].get("optim"):
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for "
                                       f"{i.name}; load with --no-load-optim")
-            if id(i.param) not in owned:
-                continue  # ZeRO: no range of this parameter lives on this rank
-            lo, hi = owned[id(i.param)]
-            states[id(i.param)] = {  # only the range this rank's pieces cover
-                k: reader.local(i.name, k, i, local, c.tp, topo.tp_size).reshape(-1)[lo:hi]
-                .clone() for k in ("master", "exp_avg", "exp_avg_sq")}
-            states[id(i.param)]["lo"] = lo
-            states[id(i.param)]["step"] = reader.full(i.name, "step").clone()
+            kinds.append("optim")
+        for kind in kinds:
+            for rel in reader.files_of(i.name, kind):
+                reader.file(rel)
     rank_file = None
     if (not finetune) and load_optim and engine is None and _same_ranks(saved, current):
         rank_file = reader.file(f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
@@ -480,33 +471,24 @@ def _plan(root, topo, models, optimizer, zero_stage, rng_tracker, no_load_optim,
     extra = reader.file("extra_state.pt") if "extra_state.pt" in meta["files"] else None
     return {"found": True, "iteration": iteration, "directory": directory, "meta": meta,
             "extra": extra,
-            "finetune": finetune, "load_optim": load_optim, "weights": weights,
-            "states": states, "rank_file": rank_file, "rng": rng,
-            "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes}
+            "finetune": finetune, "load_optim": load_optim, "reader": reader,
+            "shapes": shapes, "rank_file": rank_file, "rng": rng,
+            "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes,
+            "tp_rank": c.tp, "tp_size": topo.tp_size}
 
 
 @torch.no_grad()
 def _apply(plan, models, optimizer, scheduler, rng_tracker) -> LoadResult:
     """Phase 2: put the checked state into the model, engine, scheduler and RNGs."""
-    engine, infos, weights = plan["engine"], plan["infos"], plan["weights"]
-
-    def copy_weights():
-        for i in infos:
-            i.param.data.copy_(weights[id(i.param)].to(i.param.dtype))
-
-    if engine is not None and engine.zero.stage == 3:
-        with engine.gathered_parameters(write_back=True):
-            copy_weights()
-    else:
-        copy_weights()
-        if engine is not None:
-            engine.sync_masters_from_model()
+    engine, infos, reader, shapes = plan["engine"], plan["infos"], plan["reader"], plan["shapes"]
+    tp = (plan["tp_rank"], plan["tp_size"])
+    load_weights(reader, infos, shapes, engine, *tp)
     meta, directory = plan["meta"], plan["directory"]
     if plan["finetune"]:
         return LoadResult(0, 0, directory, plan["notes"], plan["extra"])
     if plan["load_optim"]:
         if engine is not None:
-            engine.load_param_states(plan["states"])
+            load_optimizer_states(reader, infos, shapes, engine, *tp)
             if plan["scaler"] is not None:
                 engine.scaler.load_state_dict(plan["scaler"])
         elif plan["rank_file"] is not None and plan["rank_file"]["optimizer"] is not None:
