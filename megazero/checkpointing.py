@@ -24,8 +24,11 @@ with the index recording its global shape (vocabulary padding stripped), TP spli
 stride; see :mod:`megazero.checkpoint.tensors`. ZeRO's flat, bucketed optimizer ranges are
 gathered at save into per-parameter tensors, so nothing in the files depends on dp, the ZeRO
 stage, bucket sizes or offload. A loading rank computes the tensors it needs and reads only
-those (``torch.load(mmap=True)``). Weights, masters, Adam moments and step, the loss scaler,
-the scheduler and consumed samples load at any tp / pp / vpp / dp / ZeRO stage / offload.
+those (``torch.load(mmap=True)``), range by range, straight into the parameters, ZeRO-3
+partitions and optimizer pieces that keep them (:mod:`megazero.checkpoint.restore`): no rank
+builds the model, and its memory rises by little more than the Adam moments it creates.
+Weights, masters, Adam moments and step, the loss scaler, the scheduler and consumed samples
+load at any tp / pp / vpp / dp / ZeRO stage / offload.
 Random states are saved per rank and restored at the same tp, pp and vpp, whatever dp or the
 ZeRO stage (see :func:`_rng_source` for why that is well defined and where it stops).
 
@@ -350,7 +353,10 @@ def _rng_source(saved: dict[str, Any], current: dict[str, Any], c: Any
     the ranks of one (tp, pp) coordinate hold equal states whatever dp is. A run at the same tp,
     pp and vpp (any dp, ZeRO stage or offload) therefore continues the streams of saved data-
     parallel rank 0 (its own rank when dp is unchanged). At another tp, pp or vpp a stream
-    covers other layers or heads: there is nothing to continue.
+    covers other layers or heads: there is nothing to continue. Megatron-LM does the same: its
+    RNG states are one object per (pp, tp) with dp as replicas, restored only when the saved tp
+    and pp equal the run's ("(TP, PP) mismatch after resume: RNG state will be ignored"); it
+    ignores vpp because its streams are per rank, where ours are per chunk.
     """
     if any(saved[k] != current[k] for k in ("tp", "pp", "vpp")):
         return None
