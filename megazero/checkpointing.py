@@ -24,8 +24,11 @@ with the index recording its global shape (vocabulary padding stripped), TP spli
 stride; see :mod:`megazero.checkpoint.tensors`. ZeRO's flat, bucketed optimizer ranges are
 gathered at save into per-parameter tensors, so nothing in the files depends on dp, the ZeRO
 stage, bucket sizes or offload. A loading rank computes the tensors it needs and reads only
-those (``torch.load(mmap=True)``). Weights, masters, Adam moments and step, the loss scaler,
-the scheduler and consumed samples load at any tp / pp / vpp / dp / ZeRO stage / offload.
+those (``torch.load(mmap=True)``), range by range, straight into the parameters, ZeRO-3
+partitions and optimizer pieces that keep them (:mod:`megazero.checkpoint.restore`): no rank
+builds the model, and its memory rises by little more than the Adam moments it creates.
+Weights, masters, Adam moments and step, the loss scaler, the scheduler and consumed samples
+load at any tp / pp / vpp / dp / ZeRO stage / offload.
 Random states are saved per rank and restored at the same tp, pp and vpp, whatever dp or the
 ZeRO stage (see :func:`_rng_source` for why that is well defined and where it stops).
 
@@ -83,6 +86,7 @@ from megazero.checkpoint.reader import (
     read_model_state,
     read_tracker,
 )
+from megazero.checkpoint.restore import load_optimizer_states, load_weights
 from megazero.checkpoint.rng import get_rng_state, set_rng_state
 from megazero.checkpoint.tensors import (
     ParamInfo,
@@ -353,7 +357,10 @@ def _rng_source(saved: dict[str, Any], current: dict[str, Any], c: Any
     the ranks of one (tp, pp) coordinate hold equal states whatever dp is. A run at the same tp,
     pp and vpp (any dp, ZeRO stage or offload) therefore continues the streams of saved data-
     parallel rank 0 (its own rank when dp is unchanged). At another tp, pp or vpp a stream
-    covers other layers or heads: there is nothing to continue.
+    covers other layers or heads: there is nothing to continue. Megatron-LM does the same: its
+    RNG states are one object per (pp, tp) with dp as replicas, restored only when the saved tp
+    and pp equal the run's ("(TP, PP) mismatch after resume: RNG state will be ignored"); it
+    ignores vpp because its streams are per rank, where ours are per chunk.
     """
     if any(saved[k] != current[k] for k in ("tp", "pp", "vpp")):
         return None
@@ -435,32 +442,22 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                               + "; it was saved from another model")
     shapes = _local_shapes(infos, engine)
-    weights, states = {}, {}
-    owned: dict[int, tuple[int, int]] = {}
-    if engine is not None:
-        for pc in engine.masters.pieces:
-            a, b = owned.get(id(pc.param), (1 << 62, -1))
-            owned[id(pc.param)] = (min(a, pc.offset), max(b, pc.offset + pc.model.numel()))
-    for i in infos:
+    for i in infos:  # checked and opened (checksums) here; read in _apply, range by range
         local = tuple(shapes[id(i.param)])
         want = i.global_shape(local, topo.tp_size)
         have = meta["tensors"][i.name]["shape"]
         if list(want) != list(have):
             raise CheckpointError(f"checkpoint {directory}: tensor {i.name} has shape {have}, "
                                   f"this model's is {want}")
-        weights[id(i.param)] = reader.local(i.name, "weight", i, local, c.tp, topo.tp_size)
+        kinds = ["weight"]
         if load_optim and engine is not None and i.param.requires_grad:
             if not meta["tensors"][i.name].get("optim"):
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for "
                                       f"{i.name}; load with --no-load-optim")
-            if id(i.param) not in owned:
-                continue  # ZeRO: no range of this parameter lives on this rank
-            lo, hi = owned[id(i.param)]
-            states[id(i.param)] = {  # only the range this rank's pieces cover
-                k: reader.local(i.name, k, i, local, c.tp, topo.tp_size).reshape(-1)[lo:hi]
-                .clone() for k in ("master", "exp_avg", "exp_avg_sq")}
-            states[id(i.param)]["lo"] = lo
-            states[id(i.param)]["step"] = reader.full(i.name, "step").clone()
+            kinds.append("optim")
+        for kind in kinds:
+            for rel in reader.files_of(i.name, kind):
+                reader.file(rel)
     rank_file = None
     if (not finetune) and load_optim and engine is None and _same_ranks(saved, current):
         rank_file = reader.file(f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
@@ -484,33 +481,24 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
     extra = reader.file("extra_state.pt") if "extra_state.pt" in meta["files"] else None
     return {"found": True, "iteration": iteration, "directory": directory, "meta": meta,
             "extra": extra,
-            "finetune": finetune, "load_optim": load_optim, "weights": weights,
-            "states": states, "rank_file": rank_file, "rng": rng,
-            "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes}
+            "finetune": finetune, "load_optim": load_optim, "reader": reader,
+            "shapes": shapes, "rank_file": rank_file, "rng": rng,
+            "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes,
+            "tp_rank": c.tp, "tp_size": topo.tp_size}
 
 
 @torch.no_grad()
 def _apply(plan, models, optimizer, scheduler, rng_tracker) -> LoadResult:
     """Phase 2: put the checked state into the model, engine, scheduler and RNGs."""
-    engine, infos, weights = plan["engine"], plan["infos"], plan["weights"]
-
-    def copy_weights():
-        for i in infos:
-            i.param.data.copy_(weights[id(i.param)].to(i.param.dtype))
-
-    if engine is not None and engine.zero.stage == 3:
-        with engine.gathered_parameters(write_back=True):
-            copy_weights()
-    else:
-        copy_weights()
-        if engine is not None:
-            engine.sync_masters_from_model()
+    engine, infos, reader, shapes = plan["engine"], plan["infos"], plan["reader"], plan["shapes"]
+    tp = (plan["tp_rank"], plan["tp_size"])
+    load_weights(reader, infos, shapes, engine, *tp)
     meta, directory = plan["meta"], plan["directory"]
     if plan["finetune"]:
         return LoadResult(0, 0, directory, plan["notes"], plan["extra"])
     if plan["load_optim"]:
         if engine is not None:
-            engine.load_param_states(plan["states"])
+            load_optimizer_states(reader, infos, shapes, engine, *tp)
             if plan["scaler"] is not None:
                 engine.scaler.load_state_dict(plan["scaler"])
         elif plan["rank_file"] is not None and plan["rank_file"]["optimizer"] is not None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megazero.checkpoint.files import CheckpointError, verified_load, verify
-from megazero.checkpoint.tensors import ParamInfo, assemble, read_slice
+from megazero.checkpoint.tensors import ParamInfo, assemble, read_flat, read_slice
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TAG_TRACKER = "latest"  # names the newest tagged checkpoint (DeepSpeed's layout)
@@ -222,10 +222,18 @@ def check_meta_digest(meta: dict[str, Any], path: str) -> None:
 
 
 class ShardReader:
-    """Loads each file once (mmap, verified) and assembles global tensors from the index."""
+    """Loads each file once (mmap, verified) and assembles global tensors from the index.
+
+    ``bytes_read`` counts the bytes of saved tensors that :meth:`local` and :meth:`flat` took
+    (the file pages a loading rank touches), so tests can check that a rank reads its own
+    shard and not the model."""
 
     def __init__(self, directory: str, meta: dict[str, Any]) -> None:
         self.directory, self.meta, self.cache = directory, meta, {}
+        self.bytes_read = 0
+
+    def _tally(self, n: int) -> None:
+        self.bytes_read += n
 
     def file(self, rel: str) -> Any:
         if rel not in self.cache:
@@ -254,10 +262,26 @@ class ShardReader:
         return assemble(e, [self.piece(name, kind, r) for r in range(e["tp"])])
 
     def local(self, name: str, kind: str, info: ParamInfo, local_shape: tuple[int, ...],
-              tp_rank: int, tp_size: int) -> torch.Tensor:
+              tp_rank: int, tp_size: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's TP shard, copied ``into`` a tensor of its shape if given (else possibly
+        a read-only view of the file: copy it)."""
         e = self.meta["tensors"][name]
         return read_slice(e, lambda r: self.piece(name, kind, r), info, local_shape, tp_rank,
-                          tp_size)
+                          tp_size, tally=self._tally, into=into)
+
+    def flat(self, name: str, kind: str, info: ParamInfo, local_shape: tuple[int, ...],
+             tp_rank: int, tp_size: int, lo: int, hi: int,
+             into: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of this rank's flattened TP shard, copied ``into`` a 1-D
+        tensor if given (else possibly a read-only view of the file: copy it)."""
+        e = self.meta["tensors"][name]
+        return read_flat(e, lambda r: self.piece(name, kind, r), info, local_shape, tp_rank,
+                         tp_size, lo, hi, tally=self._tally, into=into)
+
+    def files_of(self, name: str, kind: str) -> list[str]:
+        """The files holding ``name``'s saved pieces of ``kind`` (weight, or optimizer state)."""
+        rel = "model.pt" if kind == "weight" else "optim.pt"
+        return sorted({f"{d}/{rel}" for d in self.meta["tensors"][name]["dirs"]})
 
 
 def read_global_tensors(root: str, iteration: int | None = None,

@@ -17,7 +17,7 @@ stage-3 parameter manager (:mod:`megazero.zero.stage3`); this class only sequenc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -259,29 +259,32 @@ class ZeroOptimizer:
         for store in self.stores:
             store.after_step(chunk, not self.zero.allgather_partitions)
 
-    def load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Set masters and Adam state from per-parameter tensors keyed by ``id(param)``: flat
-        ranges of the parameter's (TP-shard) values starting at element ``st["lo"]``, covering
-        this rank's pieces; every piece takes its own range. This is how a layout-independent
-        checkpoint loads, whatever the buckets, dp size or ZeRO stage."""
+    def load_param_states(self, read: Callable[[nn.Parameter, str, int, torch.Tensor], Any],
+                          step: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """Set masters and Adam state piece by piece: ``read(param, kind, lo, dest)`` copies
+        elements ``[lo, lo + dest.numel())`` of the parameter's flattened (TP-shard) ``kind``
+        (master, exp_avg, exp_avg_sq) into ``dest``, and ``step(param)`` gives its step count.
+        This is how a layout-independent checkpoint loads, whatever the buckets, dp size or ZeRO
+        stage; each piece's range is read straight into the state that keeps it, so loading
+        allocates no more than this rank's own moments."""
         with self.masters.resident():
-            self._load_param_states(states)
+            self._load_param_states(read, step)
         chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
         for store in self.stores:
             store.after_step(chunk, not self.zero.allgather_partitions)
 
-    def _load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+    def _load_param_states(self, read: Callable[[nn.Parameter, str, int, torch.Tensor], Any],
+                           step: Callable[[nn.Parameter], torch.Tensor]) -> None:
         opt = self.masters.optimizer
         for pc in self.masters.pieces:
-            st = states[id(pc.param)]
-            lo, n = pc.offset - st["lo"], pc.model.numel()
+            lo, n = pc.offset, pc.model.numel()
             dev = pc.master.device
-            pc.master.copy_(st["master"].reshape(-1)[lo:lo + n])
-            opt.state[pc.master] = {
-                "step": st["step"].to(torch.float32).clone(),
-                "exp_avg": st["exp_avg"].reshape(-1)[lo:lo + n].to(dev, torch.float32).clone(),
-                "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[lo:lo + n].to(dev, torch.float32)
-                .clone()}
+            read(pc.param, "master", lo, pc.master)
+            state = {"step": step(pc.param).to(torch.float32).clone()}
+            for kind in ("exp_avg", "exp_avg_sq"):
+                state[kind] = torch.empty(n, dtype=torch.float32, device=dev)
+                read(pc.param, kind, lo, state[kind])
+            opt.state[pc.master] = state
         self.masters.sync_model_from_masters()
 
     # --- accounting ---------------------------------------------------------------------------
