@@ -248,7 +248,7 @@ class ZeroOptimizer:
             store.after_step(chunk, not self.zero.allgather_partitions)
 
     def load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Set masters and Adam state from per-parameter tensors keyed by ``id(param)``: flat
+        """Set masters and optimizer state from per-parameter tensors keyed by ``id(param)``: flat
         ranges of the parameter's (TP-shard) values starting at element ``st["lo"]``, covering
         this rank's pieces; every piece takes its own range. This is how a layout-independent
         checkpoint loads, whatever the buckets, dp size or ZeRO stage."""
@@ -259,17 +259,17 @@ class ZeroOptimizer:
             store.after_step(chunk, not self.zero.allgather_partitions)
 
     def _load_param_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        opt = self.masters.optimizer
+        opt, kind = self.masters.optimizer, self.masters.kind
         for pc in self.masters.pieces:
             st = states[id(pc.param)]
             lo, n = pc.offset - st["lo"], pc.model.numel()
             dev = pc.master.device
             pc.master.copy_(st["master"].reshape(-1)[lo:lo + n])
-            opt.state[pc.master] = {
-                "step": st["step"].to(torch.float32).clone(),
-                "exp_avg": st["exp_avg"].reshape(-1)[lo:lo + n].to(dev, torch.float32).clone(),
-                "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[lo:lo + n].to(dev, torch.float32)
-                .clone()}
+            new = {name: st[name].reshape(-1)[lo:lo + n].to(dev, torch.float32).clone()
+                   for name in kind.state}
+            if kind.has_step:
+                new["step"] = st["step"].to(torch.float32).clone()
+            opt.state[pc.master] = new
         self.masters.sync_model_from_masters()
 
     # --- accounting ---------------------------------------------------------------------------
