@@ -286,8 +286,9 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
+    # lion: Lion (betas from adam_beta1/2)
+    optimizer: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     adam_beta1: float = 0.9

@@ -70,7 +70,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "fp32_allreduce": _k(BOOL, False, None, TODO),
     "load_universal_checkpoint": _k(BOOL, False, None, TODO),
     "graph_harvesting": _k(BOOL, False, None, TODO),
-    # optimizer: type Adam/AdamW/SGD (see OPTIMIZER_TYPES); params of DeepSpeed's Adam variants
+    # optimizer: type Adam/AdamW/SGD/Lion (see OPTIMIZER_TYPES); params of DeepSpeed's Adam variants
     "optimizer": _k(BLOCK),
     "optimizer.type": _k(STR, "AdamW", "optimizer.optimizer"),
     "optimizer.params": _k(BLOCK),
@@ -227,9 +227,11 @@ DS_CONFIG_KEYS: dict[str, Key] = {
 # fmt: on
 
 #: optimizer.type (lower-cased) -> implemented. DeepSpeed's "Adam" is decoupled (AdamW) unless
-#: ``adam_w_mode`` is false (then L2 decay, torch.optim.Adam); "SGD" is torch.optim.SGD.
-OPTIMIZER_TYPES = {"adam": IMPL, "adamw": IMPL, "sgd": IMPL}
-#: params that only one family takes (the other's optimizer would not accept them)
+#: ``adam_w_mode`` is false (then L2 decay, torch.optim.Adam); "SGD" is torch.optim.SGD; "Lion"
+#: is megazero.zero.lion.Lion.
+OPTIMIZER_TYPES = {"adam": IMPL, "adamw": IMPL, "sgd": IMPL, "lion": IMPL}
+#: params that only one family takes (the other's optimizer would not accept them); Lion takes
+#: betas (default 0.9, 0.99) but no other Adam param
 ADAM_ONLY_PARAMS = ("betas", "eps", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad")
 SGD_ONLY_PARAMS = ("momentum", "nesterov", "dampening")
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
+from megazero.zero.lion import Lion
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -44,6 +45,7 @@ KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
     torch.optim.SGD: OptimizerKind("SGD", torch.optim.SGD, ("momentum_buffer",), False,
                                    ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
                                    ("maximize",)),
+    Lion: OptimizerKind("Lion", Lion, ("exp_avg",), False, ("lr", "betas", "weight_decay"), ()),
 }
 #: What a checkpoint that records no optimizer holds (those were all written by Adam/AdamW).
 LEGACY_STATE = ("exp_avg", "exp_avg_sq")
@@ -56,8 +58,8 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
     if kind is None:
         names = ", ".join(f"torch.optim.{k.__name__}" for k in KINDS)
         raise ConfigError(f"optimizer {cls.__name__} cannot run on megazero's ZeRO fp32 master "
-                          f"shards; use one of {names} (or the \"optimizer\" block: Adam, AdamW "
-                          "or SGD)")
+                          f"shards; use one of {names} (or the \"optimizer\" block: Adam, AdamW, "
+                          "SGD or Lion)")
     if not isinstance(optimizer, type):
         for g in optimizer.param_groups:
             on = [k for k in kind.unsupported if g.get(k)]
@@ -70,11 +72,13 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
 def config_class(cfg: OptimizerConfig) -> type[torch.optim.Optimizer]:
     """``adam``: Adam with L2 weight decay (added to the gradient, DeepSpeed's ``adam_w_mode:
     false``); ``adamw``: decoupled weight decay; ``sgd``: SGD (momentum, Nesterov, dampening;
-    L2 weight decay)."""
+    L2 weight decay); ``lion``: :class:`megazero.zero.lion.Lion` (decoupled weight decay)."""
     classes: dict[str, type[torch.optim.Optimizer]] = {
-        "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+        "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+        "lion": Lion}
     if cfg.optimizer not in classes:
-        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw or sgd")
+        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd "
+                          "or lion")
     return classes[cfg.optimizer]
 
 
@@ -83,6 +87,9 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
     if cfg.optimizer == "sgd":
         return {"lr": cfg.lr, "momentum": cfg.sgd_momentum, "dampening": cfg.sgd_dampening,
                 "weight_decay": cfg.weight_decay, "nesterov": cfg.sgd_nesterov}
+    if cfg.optimizer == "lion":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2),
+                "weight_decay": cfg.weight_decay}
     return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
             "weight_decay": cfg.weight_decay}
 
@@ -90,9 +97,10 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
 def class_factory(cls: type[torch.optim.Optimizer], **defaults: Any) -> OptimizerFactory:
     """``groups -> cls(groups, **defaults)`` with torch's multi-tensor (foreach) update."""
     kind_of(cls)
+    options: dict[str, Any] = {"foreach": True, **defaults}
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return cls(groups, foreach=True, **defaults)
+        return cls(groups, **options)
 
     return make
 
@@ -106,7 +114,8 @@ def decay_groups(params: Iterable[nn.Parameter], ndims: dict[int, int] | None = 
     """Megatron's convention: weight decay on matrices, none on biases and norm weights
     (``ndim < 2``). ``ndims`` overrides a parameter's own rank (stage 3 releases parameters
     to empty tensors)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in params:
         ndim = (ndims or {}).get(id(p), p.ndim)
         (decay if ndim >= 2 else no_decay).append(p)
