@@ -219,6 +219,57 @@ def test_checkpoint_resume_per_optimizer_and_refusals(tmp_path):
         assert r["nvme"] is not None and "nvme" in r["nvme"] and "SGD" in r["nvme"], r["nvme"]
 
 
+def _engine_world(rank, world_size):
+    """megazero.initialize: the config's optimizer block (DeepSpeed applies its settings to every
+    parameter passed, no decay exemption; no clipping by default) or a client optimizer."""
+    import megazero
+
+    batches = make_batches(3, BATCH, SEQ, VOCAB)
+    rows = BATCH // world_size
+    mine = slice(rank * rows, (rank + 1) * rows)
+    cases = [
+        ("json Adam adam_w_mode false", {"type": "Adam", "params": {
+            "lr": 1e-2, "weight_decay": WD, "adam_w_mode": False}}, None,
+         lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=WD)),
+        ("json SGD", {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9, "nesterov": True,
+                                                "weight_decay": WD}}, None,
+         lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9, nesterov=True, weight_decay=WD)),
+        ("client SGD", None, lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.5),
+         lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.5)),
+    ]
+    out = {}
+    for name, block, client, plain in cases:
+        ref = _tiny()
+        opt = plain(ref.parameters())
+        for tokens, labels in batches:
+            opt.zero_grad()
+            ref(tokens, labels).mean().backward()
+            opt.step()
+        cfg = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        if block is not None:
+            cfg["optimizer"] = block
+        model = _tiny()
+        engine, zero, _, _ = megazero.initialize(model=model, model_parameters=model.parameters(),
+                                                 optimizer=client, config=cfg)
+        for tokens, labels in batches:
+            engine.backward(engine(tokens[mine], labels[mine]).mean())
+            engine.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        full = {names[k]: v for k, v in zero.full_parameters().items()}
+        out[name] = (type(zero.masters.optimizer).__name__,
+                     _diff(full, {n: p.detach() for n, p in ref.named_parameters()}))
+    return out
+
+
+def test_engine_runs_the_configured_or_given_optimizer():
+    for r in run_distributed(_engine_world, 2, timeout=200):
+        assert r["json Adam adam_w_mode false"][0] == "Adam"
+        assert r["json SGD"][0] == "SGD" and r["client SGD"][0] == "SGD"
+        for name, (_, dw) in r.items():
+            assert dw < TOL, (name, dw)
+
+
 # ---------------------------------------------------------------- config: JSON and flags
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
