@@ -270,6 +270,34 @@ def test_engine_runs_the_configured_or_given_optimizer():
             assert dw < TOL, (name, dw)
 
 
+@pytest.mark.parametrize("argv", [["--optimizer", "sgd"], ["--optimizer", "sgd",
+                                  "--sgd-momentum", "0"], ["--optimizer", "adam"], ["--bf16"]])
+def test_planner_counts_each_optimizers_state(argv):
+    """The planner's optimizer bytes equal what the engine holds after a step (SGD: one buffer,
+    none without momentum, no step counter; Adam: two moments and a step per piece)."""
+    from dataclasses import replace
+
+    from megazero.planner.model_states import model_state_report
+    from megazero.planner.shapes import meta_chunks, shape_topology
+    from megazero.topology import ParallelTopology
+    from megazero.train_setup import build_model_and_optimizer
+
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--vocab-size 100 --micro-batch-size 1 --train-iters 1").split()
+    cfg = load_config(base + argv, 1)
+    for stage, offload in ((1, CPU), (2, OffloadConfig()), (3, OffloadConfig())):
+        cfg = replace(cfg, zero=replace(cfg.zero, stage=stage, sub_group_size=1000,
+                                        offload_optimizer=offload))
+        topo = ParallelTopology.single()
+        _, engine = build_model_and_optimizer(cfg, topo, torch.device("cpu"))
+        engine.masters.step(1.0)
+        held = engine.memory_report()["bytes"]["optimizer"]
+        chunks = meta_chunks(cfg, shape_topology(cfg.layout(), 0, 0, 0))
+        predicted = model_state_report(chunks, cfg.zero, cfg.precision, dp=1,
+                                       optimizer=cfg.optimizer).bytes["optimizer"]
+        assert held == predicted, (argv, stage)
+
+
 # ---------------------------------------------------------------- config: JSON and flags
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]

@@ -94,6 +94,14 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
             "weight_decay": cfg.weight_decay}
 
 
+def state_layout(cfg: OptimizerConfig) -> tuple[int, bool]:
+    """(fp32 state tensors per master element, whether a ``step`` scalar is kept per piece)
+    once the optimizer ``cfg`` names has stepped: what the memory planner counts."""
+    kind = KINDS[config_class(cfg)]
+    tensors = 0 if cfg.optimizer == "sgd" and cfg.sgd_momentum == 0 else len(kind.state)
+    return tensors, kind.has_step
+
+
 def class_factory(cls: type[torch.optim.Optimizer], **defaults: Any) -> OptimizerFactory:
     """``groups -> cls(groups, **defaults)`` with torch's multi-tensor (foreach) update."""
     kind_of(cls)
