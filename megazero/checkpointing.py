@@ -9,7 +9,8 @@
     SAVE/iter_0000010/mp_rank_TT_PPP/model.pt  {global name: TP shard} of the weights this
                                                (tp, pp) pair holds (written by its dp rank 0)
     SAVE/iter_0000010/mp_rank_TT_PPP/optim.pt  {global name: {master, exp_avg, exp_avg_sq, step}}
-                                               (Adam; SGD: {master, momentum_buffer})
+                                               (Adam; SGD: {master, momentum_buffer}; Lion:
+                                               {master, exp_avg})
     SAVE/iter_0000010/mp_rank_TT_PPP_DDD/optim_rng.pt
                                                each rank's RNG states (and the state of an
                                                optimizer that is not the ZeRO engine)

@@ -177,6 +177,7 @@ def _resume_world(rank, world_size, root):
         model = _tiny()
         engine = build_zero_optimizer([model], cfg, ZeroConfig(stage=1), PrecisionConfig(), topo)
         _train(model, engine, batches[:2], topo)
+        out[f"{name} state_dict"] = engine.state_dict()
         save_checkpoint(where, 2, topo, models=[model], optimizer=engine, scheduler=None,
                         consumed_samples=16, config={}, zero_stage=1)
         model = _tiny(seed=99)
@@ -190,14 +191,20 @@ def _resume_world(rank, world_size, root):
                      max((state[n][k] - ref_state[n][k]).abs().max().item()
                          for n in ref_state for k in STATE[name]))
     other = _tiny()
-    engine = build_zero_optimizer([other], OPTIMIZERS["AdamW"][0], ZeroConfig(stage=2),
+    engine = build_zero_optimizer([other], OPTIMIZERS["AdamW"][0], ZeroConfig(stage=1),
                                   PrecisionConfig(), topo)
     try:
         load_checkpoint(f"{root}/SGD", topo, models=[other], optimizer=engine, scheduler=None,
-                        zero_stage=2)
+                        zero_stage=1)
         out["mismatch"] = None
     except CheckpointError as e:
         out["mismatch"] = str(e)
+    try:  # the engine's own (same-layout) state dict
+        engine.load_state_dict(out.pop("SGD momentum state_dict"))
+        out["mismatch_sd"] = None
+    except ConfigError as e:
+        out["mismatch_sd"] = str(e)
+    out.pop("Adam (L2) state_dict")
     nvme = ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="nvme",
                                                                nvme_path=f"{root}/swap{rank}"))
     try:
@@ -216,6 +223,8 @@ def test_checkpoint_resume_per_optimizer_and_refusals(tmp_path):
             assert dl < TOL and dw < TOL and ds < TOL, (name, dl, dw, ds)
         assert r["mismatch"] is not None and "SGD" in r["mismatch"], r["mismatch"]
         assert "AdamW" in r["mismatch"] and "--no-load-optim" in r["mismatch"]
+        assert r["mismatch_sd"] is not None and "saved by SGD" in r["mismatch_sd"]
+        assert "AdamW" in r["mismatch_sd"], r["mismatch_sd"]
         assert r["nvme"] is not None and "nvme" in r["nvme"] and "SGD" in r["nvme"], r["nvme"]
 
 
