@@ -279,11 +279,14 @@ def test_engine_runs_the_configured_or_given_optimizer():
             assert dw < TOL, (name, dw)
 
 
-@pytest.mark.parametrize("argv", [["--optimizer", "sgd"], ["--optimizer", "sgd",
-                                  "--sgd-momentum", "0"], ["--optimizer", "adam"], ["--bf16"]])
-def test_planner_counts_each_optimizers_state(argv):
+@pytest.mark.parametrize("argv, ds, kind", [
+    (["--optimizer", "sgd"], None, "SGD"),
+    (["--optimizer", "sgd", "--sgd-momentum", "0"], None, "SGD"),
+    ([], {"optimizer": {"type": "Lion"}, "train_batch_size": "auto"}, "Lion")])
+def test_planner_counts_each_optimizers_state(argv, ds, kind):
     """The planner's optimizer bytes equal what the engine holds after a step (SGD: one buffer,
-    none without momentum, no step counter; Adam: two moments and a step per piece)."""
+    none without momentum, no step counter; Lion: one moment, no step; Adam is checked in
+    test_planner_model_states)."""
     from dataclasses import replace
 
     from megazero.planner.model_states import model_state_report
@@ -293,12 +296,13 @@ def test_planner_counts_each_optimizers_state(argv):
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--vocab-size 100 --micro-batch-size 1 --train-iters 1").split()
-    cfg = load_config(base + argv, 1)
+    cfg = load_config(base + argv, 1, ds_config=ds)
     for stage, offload in ((1, CPU), (2, OffloadConfig()), (3, OffloadConfig())):
         cfg = replace(cfg, zero=replace(cfg.zero, stage=stage, sub_group_size=1000,
                                         offload_optimizer=offload))
         topo = ParallelTopology.single()
         _, engine = build_model_and_optimizer(cfg, topo, torch.device("cpu"))
+        assert engine.masters.kind.name == kind
         engine.masters.step(1.0)
         held = engine.memory_report()["bytes"]["optimizer"]
         chunks = meta_chunks(cfg, shape_topology(cfg.layout(), 0, 0, 0))
