@@ -9,6 +9,8 @@
     SAVE/iter_0000010/mp_rank_TT_PPP/model.pt  {global name: TP shard} of the weights this
                                                (tp, pp) pair holds (written by its dp rank 0)
     SAVE/iter_0000010/mp_rank_TT_PPP/optim.pt  {global name: {master, exp_avg, exp_avg_sq, step}}
+                                               (Adam; SGD: {master, momentum_buffer}; Lion:
+                                               {master, exp_avg})
     SAVE/iter_0000010/mp_rank_TT_PPP_DDD/optim_rng.pt
                                                each rank's RNG states (and the state of an
                                                optimizer that is not the ZeRO engine)
@@ -210,6 +212,7 @@ def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered:
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "loss_scaler": engine.scaler.state_dict() if engine is not None else None,
             "has_optimizer": has_optimizer, "opaque_optimizer": any(g[3] for g in gathered),
+            "optimizer": engine.masters.kind.name if engine is not None else None,
             "tensors": tensors, "files": all_files}
     meta["sha256"] = meta_digest(meta)
     w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
@@ -434,6 +437,8 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
     if load_optim and engine is not None and not meta["has_optimizer"]:
         raise CheckpointError(f"checkpoint {directory} holds weights only (no optimizer state); "
                               "load it with --finetune or --no-load-optim")
+    if load_optim and engine is not None:
+        _check_optimizer_kind(meta, engine.masters.kind, directory)
     c = topo.coord
     infos = param_infos(models, c.pp, topo.pp_size)
     missing = [i.name for i in infos if i.name not in meta["tensors"]]
@@ -485,6 +490,20 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
             "shapes": shapes, "rank_file": rank_file, "rng": rng,
             "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes,
             "tp_rank": c.tp, "tp_size": topo.tp_size}
+
+
+def _check_optimizer_kind(meta: dict[str, Any], kind: Any, directory: str) -> None:
+    """The optimizer state loads only into the optimizer that wrote it (a checkpoint that
+    names none was written by Adam or AdamW, whose state is the same)."""
+    from megazero.zero.optimizers import LEGACY_STATE
+
+    saved = meta.get("optimizer")
+    if saved == kind.name or (saved is None and kind.state == LEGACY_STATE):
+        return
+    raise CheckpointError(f"checkpoint {directory} holds the optimizer state of "
+                          f"{saved or 'Adam/AdamW'}; this run's optimizer is {kind.name}: use "
+                          f"the same optimizer, or load the weights alone with --no-load-optim "
+                          "(or --finetune)")
 
 
 @torch.no_grad()

@@ -112,7 +112,7 @@ def fp16_and_errors_world(rank: int, world: int) -> dict:
     expect_cfg("optimizer_twice", config=ds_config(0),
                optimizer=lambda ps: torch.optim.AdamW(ps))
     no_opt = {k: v for k, v in ds_config(0).items() if k not in ("optimizer", "scheduler")}
-    expect_cfg("sgd", config=no_opt, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    expect_cfg("rmsprop", config=no_opt, optimizer=lambda ps: torch.optim.RMSprop(ps, lr=0.1))
     expect_cfg("no_optimizer", config=no_opt)
     expect_cfg("bad_triad", config={**ds_config(0), "train_batch_size": 7})
     out["cfg_errors"] = cfg_errors

@@ -71,7 +71,7 @@ def _check_values(run, tmp, rank, optimizer=True):
 
 def _rank(rank, world, tmp, ds3, nvme):
     import megazero.checkpointing as ckpt
-    from megazero.arguments import load_config
+    from megazero.config import load_config
     from megazero.training import setup
 
     # two steps: the first runs at learning rate 0 (warmup), so it leaves the weights as built

@@ -37,7 +37,8 @@ GOLDEN_FLAGS = """
 --eval-interval
 --eval-iters --exit-interval --exit-duration-in-mins --check-for-nan-in-loss-and-grad
 --no-check-for-nan-in-loss-and-grad --max-nonfinite-steps --lr --min-lr --lr-decay-style
---lr-warmup-iters --lr-decay-iters --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad
+--lr-warmup-iters --lr-decay-iters --optimizer --sgd-momentum --weight-decay --adam-beta1
+--adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load

@@ -69,10 +69,10 @@ def test_fp16_overflow_skip_and_out_of_order_errors():
             assert "grad_norm=nan" in log[1] and "loss=" in log[0] and "ms" in log[0]
         else:
             assert r["log"] == []
-        assert set(cfg) == {"one_cycle", "optimizer_twice", "sgd", "no_optimizer", "bad_triad"}
+        assert set(cfg) == {"one_cycle", "optimizer_twice", "rmsprop", "no_optimizer", "bad_triad"}
         assert "OneCycle" in cfg["one_cycle"] and "WarmupLR" in cfg["one_cycle"]
         assert "given twice" in cfg["optimizer_twice"]
-        assert "SGD" in cfg["sgd"] and "AdamW" in cfg["sgd"]
+        assert "RMSprop" in cfg["rmsprop"] and "AdamW" in cfg["rmsprop"]
         assert '"optimizer" block' in cfg["no_optimizer"]
         assert "train_batch_size 7" in cfg["bad_triad"]
 

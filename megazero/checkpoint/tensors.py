@@ -219,19 +219,23 @@ def read_flat(entry: dict[str, Any], piece: Any, info: ParamInfo,
 
 def optimizer_state_per_param(engine: Any, infos: list[ParamInfo],
                               shapes: dict[int, torch.Size]) -> dict[int, dict[str, Any]]:
-    """fp32 master, Adam moments and step of every parameter this rank holds, each as a full TP
+    """fp32 master, optimizer state (the kind's names: Adam's ``exp_avg``/``exp_avg_sq`` and
+    ``step``, SGD's ``momentum_buffer``) of every parameter this rank holds, each as a full TP
     shard in the parameter's shape.
 
     Why gather at save instead of storing ZeRO's flat ranges: the ranges depend on the bucket
     sizes, dp size and ZeRO stage, so a reader at another layout would need the saving run's
     bucketing to make sense of them. Each dp rank fills the ranges it owns into zero tensors and
     one all-reduce (sum) over dp completes them (x + 0 is exact); stage 0 owns everything
-    already. The cost is a transient 3x fp32 copy of the TP shard per rank during the save.
+    already. The cost is a transient (1 + state tensors) x fp32 copy of the TP shard per rank
+    during the save.
     """
     import torch.distributed as dist
 
     stage, comm = engine.zero.stage, engine.comms.dp
     masters = engine.masters
+    names = masters.kind.state
+    rows = 1 + len(names)
     keep = {id(i.param) for i in infos}
     bufs: dict[int, torch.Tensor] = {}
     cover: dict[int, torch.Tensor] = {}
@@ -243,20 +247,21 @@ def optimizer_state_per_param(engine: Any, infos: list[ParamInfo],
                 continue
             n = shapes[pid].numel()
             if pid not in bufs:
-                bufs[pid] = torch.zeros(3, n, dtype=torch.float32, device=pc.master.device)
+                bufs[pid] = torch.zeros(rows, n, dtype=torch.float32, device=pc.master.device)
                 cover[pid] = torch.zeros(n, dtype=torch.float32, device=pc.master.device)
             lo, hi = pc.offset, pc.offset + pc.model.numel()
             bufs[pid][0, lo:hi] = pc.master.detach().float()
             st = masters.optimizer.state.get(pc.master, {})
-            if "exp_avg" in st:
-                bufs[pid][1, lo:hi] = st["exp_avg"]
-                bufs[pid][2, lo:hi] = st["exp_avg_sq"]
+            for r, name in enumerate(names, 1):  # absent before the first step: zeros
+                if st.get(name) is not None:
+                    bufs[pid][r, lo:hi] = st[name].reshape(-1)
+            if "step" in st:
                 step = max(step, float(st["step"]))
             cover[pid][lo:hi] += 1
     order = [id(i.param) for i in infos]
     for pid in order:  # parameters with no piece on this rank contribute zeros
         if pid not in bufs:
-            bufs[pid] = torch.zeros(3, shapes[pid].numel(), dtype=torch.float32)
+            bufs[pid] = torch.zeros(rows, shapes[pid].numel(), dtype=torch.float32)
             cover[pid] = torch.zeros(shapes[pid].numel(), dtype=torch.float32)
     if stage > 0 and comm.size > 1 and order:
         device = next(iter(bufs.values())).device
@@ -266,9 +271,9 @@ def optimizer_state_per_param(engine: Any, infos: list[ParamInfo],
         pos = 0
         for p in order:
             n = shapes[p].numel()
-            bufs[p] = flat[pos:pos + 3 * n].view(3, n)
-            cover[p] = flat[pos + 3 * n:pos + 4 * n]
-            pos += 4 * n
+            bufs[p] = flat[pos:pos + rows * n].view(rows, n)
+            cover[p] = flat[pos + rows * n:pos + (rows + 1) * n]
+            pos += (rows + 1) * n
         step_t = torch.tensor([step], device=device)
         dist.all_reduce(step_t, op=dist.ReduceOp.MAX, group=comm.group)
         step = float(step_t.item())
@@ -279,7 +284,8 @@ def optimizer_state_per_param(engine: Any, infos: list[ParamInfo],
                                f"{int(cover[p].min())}..{int(cover[p].max())} times, not once")
         shape = shapes[p]
         b = bufs[p].cpu()
-        out[p] = {"master": b[0].view(shape).clone(), "exp_avg": b[1].view(shape).clone(),
-                  "exp_avg_sq": b[2].view(shape).clone(),
-                  "step": torch.tensor(step, dtype=torch.float32)}
+        out[p] = {"master": b[0].view(shape).clone(),
+                  **{name: b[r].view(shape).clone() for r, name in enumerate(names, 1)}}
+        if masters.kind.has_step:
+            out[p]["step"] = torch.tensor(step, dtype=torch.float32)
     return out

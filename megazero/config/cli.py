@@ -48,6 +48,11 @@ def _initial_loss_scale_power(value: float) -> int:
     return int(power)
 
 
+def _megatron_optimizer(value: str) -> str:
+    """Megatron's ``--optimizer adam`` is Adam with decoupled weight decay (AdamW)."""
+    return "adamw" if value == "adam" else value
+
+
 def _f(names: str, field: str, convert: Callable[[Any], Any] | None = None, **kw: Any) -> Flag:
     return Flag(tuple(names.split()), field, kw, convert)
 
@@ -128,6 +133,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--lr-warmup-fraction", "optimizer.lr_warmup_fraction", **_FL),
     _f("--lr-warmup-samples", "optimizer.lr_warmup_samples", **_I),
     _f("--lr-decay-samples", "optimizer.lr_decay_samples", **_I),
+    _f("--optimizer", "optimizer.optimizer", _megatron_optimizer, choices=("adam", "sgd")),
+    _f("--sgd-momentum", "optimizer.sgd_momentum", **_FL),
     _f("--weight-decay", "optimizer.weight_decay", **_FL),
     _f("--adam-beta1", "optimizer.adam_beta1", **_FL),
     _f("--adam-beta2", "optimizer.adam_beta2", **_FL),

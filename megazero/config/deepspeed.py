@@ -73,7 +73,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "fp32_allreduce": _k(BOOL, False, None, TODO),
     "load_universal_checkpoint": _k(BOOL, False, None, TODO),
     "graph_harvesting": _k(BOOL, False, None, TODO),
-    # optimizer: type Adam/AdamW (see OPTIMIZER_TYPES); params of all DeepSpeed Adam variants
+    # optimizer: type Adam/AdamW/SGD/Lion (see OPTIMIZER_TYPES); params of DeepSpeed's Adam variants
     "optimizer": _k(BLOCK),
     "optimizer.type": _k(STR, "AdamW", "optimizer.optimizer", choices=()),  # any case: merge.py
     "optimizer.params": _k(BLOCK),
@@ -85,6 +85,9 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "optimizer.params.weight_decay": _k(FLOAT, 0.0, "optimizer.weight_decay"),
     "optimizer.params.adam_w_mode": _k(BOOL, True),  # read with optimizer.type
     "optimizer.params.torch_adam": _k(BOOL, False),  # torch.optim is always used: same math
+    "optimizer.params.momentum": _k(FLOAT, 0.0, "optimizer.sgd_momentum"),  # SGD
+    "optimizer.params.nesterov": _k(BOOL, False, "optimizer.sgd_nesterov"),
+    "optimizer.params.dampening": _k(FLOAT, 0.0, "optimizer.sgd_dampening"),
     "optimizer.params.fused": _k(BOOL, False, None, TODO),
     "optimizer.params.bias_correction": _k(BOOL, True, None, TODO),
     "optimizer.params.amsgrad": _k(BOOL, False, None, TODO),
@@ -226,8 +229,13 @@ DS_CONFIG_KEYS: dict[str, Key] = {
 # fmt: on
 
 #: optimizer.type (lower-cased) -> implemented. DeepSpeed's "Adam" is decoupled (AdamW) unless
-#: ``adam_w_mode`` is false; both run on torch.optim.
-OPTIMIZER_TYPES = {"adam": IMPL, "adamw": IMPL}
+#: ``adam_w_mode`` is false (then L2 decay, torch.optim.Adam); "SGD" is torch.optim.SGD; "Lion"
+#: is megazero.zero.lion.Lion.
+OPTIMIZER_TYPES = {"adam": IMPL, "adamw": IMPL, "sgd": IMPL, "lion": IMPL}
+#: params that only one family takes (the other's optimizer would not accept them); Lion takes
+#: betas (default 0.9, 0.99) but no other Adam param
+ADAM_ONLY_PARAMS = ("betas", "eps", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad")
+SGD_ONLY_PARAMS = ("momentum", "nesterov", "dampening")
 
 #: scheduler.type -> (implemented, the params it takes, the --lr-decay-style it means)
 SCHEDULER_TYPES: dict[str, tuple[bool, tuple[str, ...], str | None]] = {

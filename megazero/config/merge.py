@@ -29,9 +29,11 @@ from typing import Any
 
 from megazero.config.cli import flag_values
 from megazero.config.deepspeed import (
+    ADAM_ONLY_PARAMS,
     DS_CONFIG_KEYS,
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
+    SGD_ONLY_PARAMS,
     UnimplementedConfigWarning,
     check_ds_config,
     get_path,
@@ -80,18 +82,35 @@ def _js(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool | int | float | str | None) else repr(value)
 
 
+def _check_optimizer_params(ds: dict[str, Any], opt_type: str) -> None:
+    """Params of the other optimizer family are refused, as its torch optimizer would."""
+    params = get_path(ds, "optimizer.params") or {}
+    lion = (*SGD_ONLY_PARAMS, *(k for k in ADAM_ONLY_PARAMS if k != "betas"))
+    foreign = {"sgd": ADAM_ONLY_PARAMS, "lion": lion}.get(opt_type.lower(), SGD_ONLY_PARAMS)
+    wrong = [k for k in foreign if k in params]
+    if wrong:
+        raise ConfigError(f"optimizer.params.{wrong[0]} is not a parameter of optimizer.type "
+                          f"{opt_type!r}; remove it, or set the type that takes it "
+                          f"({'SGD' if wrong[0] in SGD_ONLY_PARAMS else 'Adam / AdamW'})")
+
+
 def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]]) -> None:
     """Keys whose meaning is more than "copy into a field": optimizer/scheduler type, monitors."""
     opt_type = get_path(ds, "optimizer.type")
     if opt_type not in (None, "auto"):
         if opt_type.lower() not in OPTIMIZER_TYPES:
-            close = difflib.get_close_matches(opt_type, ["Adam", "AdamW"], n=1)
-            raise ConfigError(f"optimizer.type: got {opt_type!r}; megazero supports Adam and AdamW"
-                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+            close = difflib.get_close_matches(opt_type, ["Adam", "AdamW", "SGD", "Lion"], n=1)
+            raise ConfigError(f"optimizer.type: got {opt_type!r}; megazero supports Adam, AdamW, "
+                              "SGD and Lion" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        _check_optimizer_params(ds, opt_type)
         # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false
         w_mode = get_path(ds, "optimizer.params.adam_w_mode")
         decoupled = opt_type.lower() == "adamw" or w_mode in (None, True, "auto")
-        found["optimizer.optimizer"] = [("optimizer.type", "adamw" if decoupled else "adam")]
+        kind = (opt_type.lower() if opt_type.lower() in ("sgd", "lion")
+                else "adamw" if decoupled else "adam")
+        found["optimizer.optimizer"] = [("optimizer.type", kind)]
+        if kind == "lion" and get_path(ds, "optimizer.params.betas") in (None, "auto"):
+            found["optimizer.adam_beta2"] = [("optimizer.type 'Lion' (betas default)", 0.99)]
     if "optimizer" in ds:
         found["optimizer.from_ds_config"] = [("optimizer", True)]
     sched = ds.get("scheduler")

@@ -325,12 +325,17 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    optimizer: Literal["adamw", "adam"] = "adamw"
+    # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
+    # lion: Lion (betas from adam_beta1/2)
+    optimizer: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9  # Megatron's --sgd-momentum default
+    sgd_nesterov: bool = False
+    sgd_dampening: float = 0.0
     weight_decay: float = 0.01
     clip_grad: float = 1.0  # 0 disables clipping
     lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"

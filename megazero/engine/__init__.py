@@ -77,7 +77,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """Wrap ``model`` for training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     ``config``: a DeepSpeed config dict or JSON path (or ``config_params``, or
-    ``args.deepspeed_config``). ``optimizer``: a torch Adam/AdamW (its groups and settings are
+    ``args.deepspeed_config``). ``optimizer``: Adam/AdamW/SGD/Lion (its groups and settings are
     used on the fp32 master shards), a callable building one from ``model_parameters``, or None
     for the config's ``optimizer`` block. ``lr_scheduler``: an object, a callable taking the
     optimizer, or None for the config's ``scheduler`` block. ``training_data``: a dataset,

@@ -26,6 +26,7 @@ DS_DEFAULTS: tuple[tuple[tuple[str, ...], str, Any], ...] = (
     (("gradient_clipping",), "clip_grad", 0.0),
     (("optimizer.params.weight_decay",), "weight_decay", 0.0),
     (("optimizer.params.lr", "scheduler.params.warmup_max_lr"), "lr", 1e-3),
+    (("optimizer.params.momentum",), "sgd_momentum", 0.0),  # torch.optim.SGD's
 )
 
 

@@ -1,20 +1,18 @@
 """The engine's optimizer and learning-rate schedule, from the JSON blocks or the caller's own.
 
 The ZeRO optimizer (:func:`megazero.zero.build_zero_optimizer`) keeps fp32 master shards and
-runs a stock torch optimizer on them. Megatron's convention, which it starts with, exempts
-biases and norm weights from weight decay; a DeepSpeed user's config applies the optimizer's
-settings to exactly the parameter groups passed in (``model_parameters``, or the client
-optimizer's ``param_groups``). :func:`regroup` rebuilds the torch optimizer over the same master
-shards with those groups, so each shard piece gets its parameter's group settings.
+runs a stock torch optimizer on them, built by a factory over the caller's param groups. A
+DeepSpeed user's config applies the optimizer's settings to exactly the parameter groups passed
+in (``model_parameters``, or the client optimizer's ``param_groups``); each shard piece gets its
+parameter's group settings.
 
-Only Adam and AdamW run on the shards (their state is what the portable checkpoint stores per
-parameter: fp32 master, ``exp_avg``, ``exp_avg_sq``, ``step``); any other client optimizer is
-rejected with a message.
+The optimizers that run on the shards are those of :data:`megazero.zero.optimizers.KINDS`
+(Adam, AdamW, SGD): their per-parameter state is what the portable checkpoint stores; any other
+client optimizer is rejected with a message.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,11 +22,10 @@ from megazero.config import ConfigError, MegazeroConfig
 from megazero.engine.config import has_optimizer_block, has_scheduler_block
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.zero import ZeroOptimizer, build_zero_optimizer
+from megazero.zero.optimizers import class_factory, config_class, config_defaults, kind_of
 
 if TYPE_CHECKING:
     from megazero.topology import ParallelTopology
-
-_HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
 def _groups_from(params: Any, defaults: dict[str, Any]) -> list[dict[str, Any]]:
@@ -40,18 +37,10 @@ def _groups_from(params: Any, defaults: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _client_groups(client: torch.optim.Optimizer) -> tuple[type, list[dict[str, Any]]]:
-    if type(client) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise ConfigError(f"optimizer {type(client).__name__} cannot run on megazero's ZeRO "
-                          "fp32 master shards; pass torch.optim.AdamW or torch.optim.Adam, or "
-                          "drop optimizer= and give an \"optimizer\" block (Adam / AdamW) in "
-                          "the config")
-    for g in client.param_groups:
-        if g.get("amsgrad") or g.get("maximize"):
-            raise ConfigError(f"{type(client).__name__}(amsgrad/maximize=True) is not "
-                              "supported by the megazero engine; leave them False")
-    groups = [{**{k: g[k] for k in _HYPER}, "params": list(g["params"])}
+    kind = kind_of(client)
+    groups = [{**{k: g[k] for k in kind.hyper}, "params": list(g["params"])}
               for g in client.param_groups]
-    return type(client), groups
+    return kind.cls, groups
 
 
 def _check_coverage(module: nn.Module, groups: list[dict[str, Any]]) -> None:
@@ -68,18 +57,6 @@ def _check_coverage(module: nn.Module, groups: list[dict[str, Any]]) -> None:
                           "parameters of model=; pass the model's own parameters")
 
 
-def regroup(zero: ZeroOptimizer, cls: type, groups: list[dict[str, Any]]) -> None:
-    """Replace the ZeRO optimizer's torch optimizer by ``cls`` over the same master shards, one
-    torch group per entry of ``groups`` (the pieces of each group's parameters)."""
-    index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-    masters: list[list[torch.Tensor]] = [[] for _ in groups]
-    for pc in zero.masters.pieces:
-        masters[index[id(pc.param)]].append(pc.master)
-    torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m}
-                    for g, m in zip(groups, masters)]
-    zero.masters.optimizer = cls(torch_groups, foreach=True)
-
-
 def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: ParallelTopology, client: Any,
                     model_parameters: Any) -> tuple[ZeroOptimizer, Any]:
     """The ZeRO optimizer over ``module`` and the client optimizer it was built from (or None)."""
@@ -93,9 +70,7 @@ def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: ParallelTopolo
     if client is not None:
         cls, groups = _client_groups(client)
     elif has_optimizer_block(cfg):
-        cls = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
-        defaults = {"lr": o.lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
-                    "weight_decay": o.weight_decay}
+        cls, defaults = config_class(o), config_defaults(o)
         groups = _groups_from(model_parameters if model_parameters is not None
                               else module.parameters(), defaults)
     else:
@@ -107,9 +82,8 @@ def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: ParallelTopolo
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     for g in groups:
         g["params"] = [p for p in g["params"] if id(p) in trainable]
-    zero = build_zero_optimizer(module, replace(o, optimizer="adamw"), cfg.zero, cfg.precision,
-                                topo)
-    regroup(zero, cls, groups)
+    zero = build_zero_optimizer(module, o, cfg.zero, cfg.precision, topo,
+                                optimizer_factory=class_factory(cls), param_groups=groups)
     return zero, client
 
 

@@ -4,7 +4,8 @@ The engine (:mod:`megazero.zero.buffers`, :mod:`megazero.zero.stage3`,
 :mod:`megazero.zero.master`) allocates flat buffers whose sizes depend on bucket boundaries,
 padding to a multiple of dp, which parameters are deferred (sequence-parallel and tied-embedding
 gradients have buckets of their own), stage-3 units per module, persistence thresholds, the
-sub-group split of the masters and one AdamW ``step`` tensor per master piece. This module
+sub-group split of the masters and the optimizer's state (AdamW: two moments and one ``step``
+tensor per master piece). This module
 replays that arithmetic on the parameter shapes of :func:`megazero.planner.shapes.meta_chunks`
 and fills the same :class:`~megazero.zero.accounting.MemoryReport` the engine's
 ``memory_report()`` fills from real storage, so the two are compared byte for byte in tests.
@@ -17,14 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazero.config import PrecisionConfig, ZeroConfig
+from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.zero.accounting import MemoryReport
 from megazero.zero.optimizer import _DTYPES
 from megazero.zero.stage3 import unit_param_groups
 
-ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq: fp32, one each per master element
-STEP_BYTES = 4  # torch AdamW keeps a float32 scalar ``step`` tensor per parameter
+STEP_BYTES = 4  # torch Adam/AdamW keep a float32 scalar ``step`` tensor per parameter
 
 
 @dataclass
@@ -100,9 +100,14 @@ def _units(chunk: nn.Module, dp: int, dp_rank: int, threshold: int
 
 def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: PrecisionConfig,
                        *, dp: int, dp_rank: int = 0, tp: int = 1, pp: int = 1,
-                       sequence_parallel: bool = False) -> MemoryReport:
-    """The bytes ``engine.memory_report()`` reports after an optimizer step on this rank."""
+                       sequence_parallel: bool = False,
+                       optimizer: OptimizerConfig | None = None) -> MemoryReport:
+    """The bytes ``engine.memory_report()`` reports after an optimizer step on this rank, for
+    the optimizer ``optimizer`` names (default: AdamW)."""
     from megazero.zero.offload import OffloadPlan
+    from megazero.zero.optimizers import state_layout
+
+    moments, has_step = state_layout(optimizer or OptimizerConfig())
 
     dtype = precision.params_dtype
     grad_dtype = (_DTYPES[precision.communication_data_type]
@@ -142,5 +147,6 @@ def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: Pre
     copy = plan.optimizer or dtype != torch.float32
     place = "offload" if plan.optimizer else "device"
     n = sum(split)
-    b["optimizer"][place] += (4 * n if copy else 0) + ADAM_MOMENTS * 4 * n + STEP_BYTES * len(split)
+    b["optimizer"][place] += ((4 * n if copy else 0) + moments * 4 * n
+                              + (STEP_BYTES * len(split) if has_step else 0))
     return report

@@ -17,6 +17,7 @@ from megazero.zero.buffers import GradBuffer
 from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
 from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
+from megazero.zero.optimizers import OptimizerFactory
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off"). The
 # DeepSpeed key table marks them TODO and warns once when a config sets them, so the engine does
@@ -74,9 +75,14 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                          optimizer_config: OptimizerConfig, zero_config: ZeroConfig,
                          precision_config: PrecisionConfig, topo: ParallelTopology, *,
                          sequence_parallel: bool = False,
-                         reduce_scatter_impl: str = "auto") -> ZeroOptimizer:
+                         reduce_scatter_impl: str = "auto",
+                         optimizer_factory: OptimizerFactory | None = None,
+                         param_groups: list[dict[str, Any]] | None = None) -> ZeroOptimizer:
     """Cast the chunks to the training dtype, lay their parameters into flat buffers (stages
-    0-2) or shard them (stage 3), and wrap AdamW around this rank's fp32 master shard.
+    0-2) or shard them (stage 3), and wrap a torch optimizer around this rank's fp32 master
+    shard: ``optimizer_factory(groups)`` (default: the one ``optimizer_config`` names), over
+    ``param_groups`` (dicts of the chunks' parameters and their settings; default: weight
+    decay on matrices only). See :mod:`megazero.zero.optimizers`.
 
     ``sequence_parallel`` must match how the model was built: it decides whether parameters
     flagged ``sequence_parallel`` have their gradients summed over tensor-parallel ranks.
@@ -118,6 +124,6 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
     masters = MasterParams(pieces, optimizer_config, offload=plan.optimizer,
                            pin_memory=zero_config.offload_optimizer.pin_memory,
                            sub_group_size=max(1, int(zero_config.sub_group_size)),
-                           swapper=swapper)
+                           swapper=swapper, factory=optimizer_factory, groups=param_groups)
     return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,
                          optimizer_config.clip_grad, sequence_parallel)

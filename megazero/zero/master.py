@@ -7,8 +7,9 @@ offload the master *is* the model view (no copy: updates land directly in the fl
 buffer); otherwise masters are views of one flat fp32 buffer, on the host when the optimizer is
 offloaded.
 
-The stock optimizer (``torch.optim.AdamW``, foreach) sees only the masters, in two groups:
-weight decay for matrices, none for biases and norm weights (``ndim < 2``). The step runs over
+The stock optimizer comes from the caller's factory (:mod:`megazero.zero.optimizers`) and sees
+only the masters, grouped as the caller's param groups (by default: weight decay for matrices,
+none for biases and norm weights, ``ndim < 2``). The step runs over
 *sub-groups* of at most ``sub_group_size`` elements: only one sub-group's fp32 gradients exist at
 a time, which bounds the temporary memory of casting and (with offload) of the device-to-host
 copy.
@@ -24,8 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from megazero.config import OptimizerConfig
+from megazero.config import ConfigError, OptimizerConfig
 from megazero.zero.offload import host_empty
+from megazero.zero.optimizers import (
+    OptimizerFactory,
+    OptimizerKind,
+    config_factory,
+    decay_groups,
+    kind_of,
+)
 
 if TYPE_CHECKING:
     from megazero.zero.swap import OptimizerSwapper
@@ -73,14 +81,24 @@ def store_model(p: Piece, values: torch.Tensor, non_blocking: bool = False) -> N
         p.swapped[0].write_range(p.swapped[1], values.to(p.model.dtype))
 
 
-def make_torch_optimizer(groups: list[dict[str, Any]], cfg: OptimizerConfig,
-                         ) -> torch.optim.Optimizer:
-    """AdamW for both ``adam`` and ``adamw``: Megatron and DeepSpeed (``adam_w_mode``) both use
-    decoupled weight decay for Adam."""
-    if cfg.optimizer not in ("adam", "adamw"):
-        raise ValueError(f"optimizer {cfg.optimizer!r} is not supported; use adam or adamw")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True)
+def master_groups(pieces: list[Piece], groups: list[dict[str, Any]] | None
+                  ) -> list[dict[str, Any]]:
+    """The torch param groups over the pieces' masters: each of ``groups`` (dicts of model
+    parameters and settings) with its parameters' pieces; None: :func:`decay_groups`."""
+    if groups is None:
+        params = list({id(p.param): p.param for p in pieces}.values())
+        groups = decay_groups(params, {id(p.param): p.ndim for p in pieces})
+    index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    masters: list[list[torch.Tensor]] = [[] for _ in groups]
+    for pc in pieces:
+        if id(pc.param) not in index:
+            raise ConfigError(f"the optimizer's param groups omit a trainable parameter of "
+                              f"shape {tuple(pc.param.shape)}; list every parameter the model "
+                              "trains (or set requires_grad=False on frozen ones)")
+        assert pc.master is not None
+        masters[index[id(pc.param)]].append(pc.master)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": m}
+            for g, m in zip(groups, masters)]
 
 
 class MasterParams:
@@ -88,7 +106,11 @@ class MasterParams:
 
     def __init__(self, pieces: list[Piece], cfg: OptimizerConfig, *, offload: bool,
                  pin_memory: bool, sub_group_size: int,
-                 swapper: Callable[[list[int]], OptimizerSwapper] | None = None) -> None:
+                 swapper: Callable[[list[int]], OptimizerSwapper] | None = None,
+                 factory: OptimizerFactory | None = None,
+                 groups: list[dict[str, Any]] | None = None) -> None:
+        """``factory`` builds the torch optimizer from param groups (default: from ``cfg``);
+        ``groups`` are the caller's groups of model parameters (default: decay groups)."""
         self.pieces = split_pieces([p for p in pieces if p.model.numel()], sub_group_size)
         self.offload = offload
         dtypes = {p.model.dtype for p in self.pieces}
@@ -115,12 +137,9 @@ class MasterParams:
         else:
             for p in self.pieces:
                 p.master = p.model
-        decay = [p.master for p in self.pieces if p.ndim >= 2]
-        no_decay = [p.master for p in self.pieces if p.ndim < 2]
-        groups: list[dict[str, Any]] = [
-            {"params": decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-        self.optimizer = make_torch_optimizer(groups, cfg)
+        make = factory if factory is not None else config_factory(cfg)
+        self.optimizer = make(master_groups(self.pieces, groups))
+        self.kind: OptimizerKind = kind_of(self.optimizer)
         self.sub_groups: list[list[Piece]] = []
         size = sub_group_size
         for p in self.pieces:
@@ -135,6 +154,11 @@ class MasterParams:
     # --- NVMe: masters and moments in swap files ------------------------------------------
 
     def _init_swap(self, make: Callable[[list[int]], OptimizerSwapper]) -> None:
+        if self.kind.state != ("exp_avg", "exp_avg_sq"):
+            raise ConfigError(f"zero_optimization.offload_optimizer.device \"nvme\" swaps Adam's "
+                              f"state (master, exp_avg, exp_avg_sq); {self.kind.name} keeps "
+                              f"{', '.join(self.kind.state)}: use device \"cpu\" or \"none\" "
+                              "with it, or Adam / AdamW")
         self.swap = make([sum(p.model.numel() for p in g) for g in self.sub_groups])
         for p in self.pieces:  # what torch's AdamW creates on its first step, minus storage
             self.optimizer.state[p.master] = {
@@ -265,12 +289,14 @@ class MasterParams:
             masters = (torch.cat([p.master.detach().reshape(-1) for p in self.pieces])
                        if self.pieces else torch.empty(0))
             return {"masters": masters, "optimizer": _cloned(self.optimizer.state_dict()),
-                    "piece_numels": [p.model.numel() for p in self.pieces]}
+                    "piece_numels": [p.model.numel() for p in self.pieces],
+                    "optimizer_type": self.kind.name}
         masters = (self.flat.clone() if self.flat is not None
                    else torch.cat([p.master.detach().reshape(-1) for p in self.pieces])
                    if self.pieces else torch.empty(0))
         return {"masters": masters, "optimizer": self.optimizer.state_dict(),
-                "piece_numels": [p.model.numel() for p in self.pieces]}
+                "piece_numels": [p.model.numel() for p in self.pieces],
+                "optimizer_type": self.kind.name}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         with self.resident():
@@ -281,6 +307,11 @@ class MasterParams:
         if list(sd["piece_numels"]) != numels:
             raise ValueError("optimizer shard layout differs from this run's (different model, "
                              "parallel layout, ZeRO stage or bucket sizes); reshard first")
+        saved = sd.get("optimizer_type", self.kind.name)
+        if saved != self.kind.name:
+            raise ConfigError(f"the optimizer state was saved by {saved}; this run's optimizer "
+                              f"is {self.kind.name}: use {saved}, or start {self.kind.name} "
+                              "from the weights alone (load without the optimizer state)")
         pos = 0
         for p, n in zip(self.pieces, numels):
             p.master.copy_(sd["masters"][pos:pos + n])

@@ -261,9 +261,11 @@ class ZeroOptimizer:
 
     def load_param_states(self, read: Callable[[nn.Parameter, str, int, torch.Tensor], Any],
                           step: Callable[[nn.Parameter], torch.Tensor]) -> None:
-        """Set masters and Adam state piece by piece: ``read(param, kind, lo, dest)`` copies
+        """Set masters and optimizer state piece by piece: ``read(param, kind, lo, dest)`` copies
         elements ``[lo, lo + dest.numel())`` of the parameter's flattened (TP-shard) ``kind``
-        (master, exp_avg, exp_avg_sq) into ``dest``, and ``step(param)`` gives its step count.
+        (master, or a state name of the optimizer's kind: exp_avg, exp_avg_sq,
+        momentum_buffer) into ``dest``; ``step(param)`` gives its step count (for optimizers
+        that count steps).
         This is how a layout-independent checkpoint loads, whatever the buckets, dp size or ZeRO
         stage; each piece's range is read straight into the state that keeps it, so loading
         allocates no more than this rank's own moments."""
@@ -275,15 +277,17 @@ class ZeroOptimizer:
 
     def _load_param_states(self, read: Callable[[nn.Parameter, str, int, torch.Tensor], Any],
                            step: Callable[[nn.Parameter], torch.Tensor]) -> None:
-        opt = self.masters.optimizer
+        opt, kind = self.masters.optimizer, self.masters.kind
         for pc in self.masters.pieces:
             lo, n = pc.offset, pc.model.numel()
             dev = pc.master.device
             read(pc.param, "master", lo, pc.master)
-            state = {"step": step(pc.param).to(torch.float32).clone()}
-            for kind in ("exp_avg", "exp_avg_sq"):
-                state[kind] = torch.empty(n, dtype=torch.float32, device=dev)
-                read(pc.param, kind, lo, state[kind])
+            state: dict[str, torch.Tensor] = {}
+            if kind.has_step:
+                state["step"] = step(pc.param).to(torch.float32).clone()
+            for name in kind.state:
+                state[name] = torch.empty(n, dtype=torch.float32, device=dev)
+                read(pc.param, name, lo, state[name])
             opt.state[pc.master] = state
         self.masters.sync_model_from_masters()
 

@@ -1,0 +1,131 @@
+"""Which stock torch optimizers run on ZeRO's fp32 master shards, and what each keeps per element.
+
+The ZeRO optimizer does not pick the update rule: it takes an *optimizer factory* (a callable
+``groups -> torch.optim.Optimizer``, as nanotron's ``optimizer_builder``) and the caller's param
+groups, and builds the torch optimizer over the master pieces of each group's parameters.
+
+What it must know about that optimizer is its per-element state (:class:`OptimizerKind`): the
+portable checkpoint gathers each parameter's state tensors by name, the NVMe swap streams them
+through files, and a checkpoint written by one optimizer must not be read by another. Only
+optimizers listed in :data:`KINDS` are accepted; their update is elementwise, so running them on
+any cut of a parameter into pieces gives the same numbers as on the whole parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from megazero.config import ConfigError, OptimizerConfig
+from megazero.zero.lion import Lion
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    name: str  # recorded in checkpoints: a checkpoint loads only into the same kind
+    cls: type[torch.optim.Optimizer]
+    state: tuple[str, ...]  # fp32 tensors shaped like the parameter, in the optimizer's state
+    has_step: bool  # a per-parameter "step" counter (a scalar tensor) beside them
+    hyper: tuple[str, ...]  # group settings taken from a caller's optimizer
+    unsupported: tuple[str, ...]  # group flags that must be off
+
+
+_ADAM_HYPER = ("lr", "betas", "eps", "weight_decay")
+KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
+    torch.optim.AdamW: OptimizerKind("AdamW", torch.optim.AdamW, ("exp_avg", "exp_avg_sq"), True,
+                                     _ADAM_HYPER, ("amsgrad", "maximize")),
+    torch.optim.Adam: OptimizerKind("Adam", torch.optim.Adam, ("exp_avg", "exp_avg_sq"), True,
+                                    _ADAM_HYPER, ("amsgrad", "maximize", "decoupled_weight_decay")),
+    torch.optim.SGD: OptimizerKind("SGD", torch.optim.SGD, ("momentum_buffer",), False,
+                                   ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+                                   ("maximize",)),
+    Lion: OptimizerKind("Lion", Lion, ("exp_avg",), False, ("lr", "betas", "weight_decay"), ()),
+}
+#: What a checkpoint that records no optimizer holds (those were all written by Adam/AdamW).
+LEGACY_STATE = ("exp_avg", "exp_avg_sq")
+
+
+def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
+    """The kind of ``optimizer`` (an instance or a class); ConfigError for any other."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    kind = KINDS.get(cls)
+    if kind is None:
+        names = ", ".join(f"torch.optim.{k.__name__}" for k in KINDS)
+        raise ConfigError(f"optimizer {cls.__name__} cannot run on megazero's ZeRO fp32 master "
+                          f"shards; use one of {names} (or the \"optimizer\" block: Adam, AdamW, "
+                          "SGD or Lion)")
+    if not isinstance(optimizer, type):
+        for g in optimizer.param_groups:
+            on = [k for k in kind.unsupported if g.get(k)]
+            if on:
+                raise ConfigError(f"{cls.__name__}({on[0]}=True) is not supported on megazero's "
+                                  f"ZeRO shards; leave {on[0]} False")
+    return kind
+
+
+def config_class(cfg: OptimizerConfig) -> type[torch.optim.Optimizer]:
+    """``adam``: Adam with L2 weight decay (added to the gradient, DeepSpeed's ``adam_w_mode:
+    false``); ``adamw``: decoupled weight decay; ``sgd``: SGD (momentum, Nesterov, dampening;
+    L2 weight decay); ``lion``: :class:`megazero.zero.lion.Lion` (decoupled weight decay)."""
+    classes: dict[str, type[torch.optim.Optimizer]] = {
+        "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+        "lion": Lion}
+    if cfg.optimizer not in classes:
+        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd "
+                          "or lion")
+    return classes[cfg.optimizer]
+
+
+def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The group settings an :class:`OptimizerConfig` gives its optimizer."""
+    if cfg.optimizer == "sgd":
+        return {"lr": cfg.lr, "momentum": cfg.sgd_momentum, "dampening": cfg.sgd_dampening,
+                "weight_decay": cfg.weight_decay, "nesterov": cfg.sgd_nesterov}
+    if cfg.optimizer == "lion":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2),
+                "weight_decay": cfg.weight_decay}
+    return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+            "weight_decay": cfg.weight_decay}
+
+
+def state_layout(cfg: OptimizerConfig) -> tuple[int, bool]:
+    """(fp32 state tensors per master element, whether a ``step`` scalar is kept per piece)
+    once the optimizer ``cfg`` names has stepped: what the memory planner counts."""
+    kind = KINDS[config_class(cfg)]
+    tensors = 0 if cfg.optimizer == "sgd" and cfg.sgd_momentum == 0 else len(kind.state)
+    return tensors, kind.has_step
+
+
+def class_factory(cls: type[torch.optim.Optimizer], **defaults: Any) -> OptimizerFactory:
+    """``groups -> cls(groups, **defaults)`` with torch's multi-tensor (foreach) update."""
+    kind_of(cls)
+    options: dict[str, Any] = {"foreach": True, **defaults}
+
+    def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return cls(groups, **options)
+
+    return make
+
+
+def config_factory(cfg: OptimizerConfig) -> OptimizerFactory:
+    return class_factory(config_class(cfg), **config_defaults(cfg))
+
+
+def decay_groups(params: Iterable[nn.Parameter], ndims: dict[int, int] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Megatron's convention: weight decay on matrices, none on biases and norm weights
+    (``ndim < 2``). ``ndims`` overrides a parameter's own rank (stage 3 releases parameters
+    to empty tensors)."""
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for p in params:
+        ndim = (ndims or {}).get(id(p), p.ndim)
+        (decay if ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
