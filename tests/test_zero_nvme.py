@@ -20,9 +20,9 @@ from megazero.config import (
     ZeroConfig,
 )
 from megazero.testing import run_distributed
+from megazero.testing.reference import TinyLM, engine_train_step, make_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import TinyLM, engine_train_step, make_batches
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 STEPS, BATCH, SEQ, VOCAB = 4, 8, 8, 64
