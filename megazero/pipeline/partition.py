@@ -22,11 +22,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def num_model_chunks(num_layers: int, pp: int, layers_per_virtual_stage: int | None) -> int:
-    """Model chunks per pipeline stage (vpp); 1 without interleaving."""
-    return len(chunk_layer_ranges(num_layers, pp, layers_per_virtual_stage)[0])
-
-
 def chunk_layer_ranges(
     num_layers: int, pp: int, layers_per_virtual_stage: int | None = None
 ) -> list[list[LayerRange]]:

@@ -61,13 +61,6 @@ class StorageCounter:
             self.report.bytes[kind][place] += nbytes
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for state in optimizer.state.values():
-        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return out
-
-
 def formula_bytes(stage: int, numel: int, dp: int, mixed: bool, offload: bool = False) -> float:
     """ZeRO paper's model-state bytes per rank (Adam): K = 12 mixed, 8 in fp32 (masters = params).
 
