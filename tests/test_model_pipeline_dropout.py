@@ -7,8 +7,8 @@ import torch.distributed as dist
 from megazero.model import GPTModel
 from megazero.tensor_parallel import allreduce_sequence_parallel_grads, full_model_state_dict
 from megazero.testing import run_distributed
+from megazero.testing.tiny_gpt import assert_close, batch, loss_and_grads, tiny_config
 from megazero.topology import ParallelTopology
-from tests.test_model_tp_equivalence import assert_close, batch, loss_and_grads, tiny_config
 
 WORD = "embedding.word_embeddings.weight"
 

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ConfigError
+from megazero.data.random_batches import random_lm_batches
 from megazero.pipeline.executor import backward_step, deallocate_output_tensor, forward_backward
 from megazero.pipeline.grads import finalize_model_grads, sync_tied_embeddings
 from megazero.pipeline.partition import chunk_layer_ranges, chunk_roles
 from megazero.testing import run_distributed
-from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
 
 VOCAB, HIDDEN, SEQ, MBS, LAYERS = 50, 16, 8, 2, 8

@@ -14,11 +14,11 @@ differs (TP partial sums, micro-batch accumulation), so errors are ~1e-7.
 import pytest
 
 from megazero.config import ModelConfig
+from megazero.data.random_batches import random_lm_batches
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.grads import finalize_model_grads
 from megazero.pipeline.partition import build_model_chunks
 from megazero.testing import run_distributed
-from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
 
 SEQ, MBS, VOCAB, LAYERS, HIDDEN = 16, 2, 100, 8, 32
@@ -198,9 +198,8 @@ TRAIN_LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-6
 
 
 def _trained(rank, world, layouts):
-    from ckpt_runs import train_in_rank
-
     from megazero.tensor_parallel import full_model_state_dict
+    from megazero.testing.training_runs import train_in_rank
 
     out = {}
     for name, flags in layouts.items():

@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
-from test_e2e import TINY, check, read_metrics, run_training
 
 from megazero.arguments import load_config
 from megazero.config import ConfigError
+from megazero.testing.launch import TINY, check, read_metrics, run_training
 from megazero.train_setup import Batching, get_batch
 
 DS_CONFIG = """{

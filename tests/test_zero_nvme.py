@@ -280,9 +280,9 @@ def test_nvme_state_dict_round_trip_resumes_bitwise(tmp_path, stage):
 
 
 def test_checkpoint_files_round_trip_with_nvme_offload(tmp_path):
-    """The layout-independent checkpoint (tests/ckpt_runs.py): a run with NVMe optimizer
+    """The layout-independent checkpoint (``train_in_rank``): a run with NVMe optimizer
     offload saved at iteration 2 and resumed to 4 has the losses of the run straight to 4."""
-    from tests.ckpt_runs import TINY, train_in_rank
+    from megazero.testing.training_runs import TINY, train_in_rank
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({

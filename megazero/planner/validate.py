@@ -131,10 +131,10 @@ def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int 
                     track_memory: bool = True) -> list[dict[str, Any]]:
     """Run every layout (full flag lists) ``iters`` iterations on this rank; one row each."""
     from megazero.arguments import load_config
+    from megazero.data.random_batches import random_lm_batches
     from megazero.pipeline.executor import forward_backward
     from megazero.planner.activations import core_attention_saves_scores, peak_saved_bytes
     from megazero.planner.estimate import FRAGMENTATION_ITEM, rank_memory
-    from megazero.testing.batches import random_lm_batches
     from megazero.topology import ParallelTopology
     from megazero.train_setup import build_model_and_optimizer
 
