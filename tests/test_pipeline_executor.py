@@ -14,6 +14,7 @@ from torch import nn
 
 from megazero.config import ConfigError
 from megazero.data.random_batches import random_lm_batches
+from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.executor import backward_step, deallocate_output_tensor, forward_backward
 from megazero.pipeline.grads import finalize_model_grads, sync_tied_embeddings
 from megazero.pipeline.partition import chunk_layer_ranges, chunk_roles
@@ -128,9 +129,10 @@ def _equivalence_world(rank, world_size):
                     ref_losses, ref_grads = reference(batches, tied)
                     chunks = build_chunks(topo, vpp, tied)
                     sync_tied_embeddings(chunks, topo)
-                    stats = {}
+                    meter = ActivationMeter()
                     losses = forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN,
-                                              stats=stats, microbatch_group_size=group)
+                                              activation_meter=meter,
+                                              microbatch_group_size=group)
                     finalize_model_grads(chunks, topo)
                     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
                     for chunk in chunks:
@@ -138,10 +140,10 @@ def _equivalence_world(rank, world_size):
                             err = (p.grad - ref_grads[name]).abs().max().item()
                             worst = max(worst, err)
                     results.append(dict(pp=pp, vpp=vpp, m=m, group=group, tied=tied, err=worst,
-                                        peak=stats["peak_inflight"],
-                                        bytes=stats["peak_saved_bytes"],
-                                        per_fwd=stats["saved_bytes_per_forward"],
-                                        held=stats["peak_output_elements"],
+                                        peak=meter.peak_inflight,
+                                        bytes=meter.peak_saved_bytes,
+                                        per_fwd=meter.saved_bytes_per_forward,
+                                        held=meter.peak_output_elements,
                                         pp_rank=topo.pp_rank))
     # forward-only: same losses, no grads, nothing kept
     topo = ParallelTopology.build(pp=4, vpp=2)

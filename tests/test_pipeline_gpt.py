@@ -15,6 +15,7 @@ import pytest
 
 from megazero.config import ModelConfig
 from megazero.data.random_batches import random_lm_batches
+from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.grads import finalize_model_grads
 from megazero.pipeline.partition import build_model_chunks
@@ -81,9 +82,9 @@ def _gpt_world(rank, world_size):
         ref_losses, ref_grads = reference(cfg, batches)
         lpvs = None if vpp is None else LAYERS // (pp * vpp)
         chunks = build_model_chunks(cfg, topo, lpvs, sequence_parallel=sp, recompute=recompute)
-        stats: dict = {}
+        meter = ActivationMeter()
         losses = forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN,
-                                  sequence_parallel=sp, stats=stats)
+                                  sequence_parallel=sp, activation_meter=meter)
         finalize_model_grads(chunks, topo, sequence_parallel=sp)
         loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
         grad_err, names = 0.0, []
@@ -98,8 +99,8 @@ def _gpt_world(rank, world_size):
                 names.append(name)
         results.append(dict(case=(tp, pp, vpp, m, tied, sp, recompute), loss_err=loss_err,
                             grad_err=grad_err, names=names, pp_rank=topo.pp_rank,
-                            tp_rank=topo.tp_rank, peak=stats["peak_inflight"],
-                            peak_bytes=stats["peak_saved_bytes"]))
+                            tp_rank=topo.tp_rank, peak=meter.peak_inflight,
+                            peak_bytes=meter.peak_saved_bytes))
     return results, _with_zero_engine()
 
 

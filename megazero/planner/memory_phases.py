@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from megazero.pipeline.activation_meter import ActivationMeter
+
 
 class MemoryPhases:
     """``--log-memory-phases``: bytes held after forward, after backward, after the step.
@@ -24,7 +26,7 @@ class MemoryPhases:
 
     def __init__(self, engine: Any, device: torch.device) -> None:
         self.engine, self.cuda = engine, device.type == "cuda"
-        self.stats: dict[str, Any] = {}
+        self.meter = ActivationMeter()
         self.phases: dict[str, float] = {}
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -38,7 +40,7 @@ class MemoryPhases:
         now = self._now()
         self.phases["mem-after-forward"] = (
             float(torch.cuda.max_memory_allocated()) if self.cuda
-            else now + float(self.stats.get("peak_saved_bytes", 0)))
+            else now + float(self.meter.peak_saved_bytes))
         self.phases["mem-after-backward"] = now
 
     def after_step(self) -> dict[str, float]:
