@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.model.activation_memory import measure_layer_cases  # noqa: E402
 from megazero.testing import run_distributed  # noqa: E402
+from megazero.testing.activation_memory import measure_layer_cases  # noqa: E402
 
 FORMULAS = {
     "no TP": "sbh(34 + 5as/h)",

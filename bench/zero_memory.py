@@ -31,9 +31,10 @@ import torch
 from megazero.config import ModelConfig, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.model import GPTModel
 from megazero.testing import run_distributed
+from megazero.testing.reference import formula_bytes
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.accounting import formula_bytes, formula_comm_bytes
+from megazero.zero.accounting import formula_comm_bytes
 
 CPU = OffloadConfig(device="cpu")
 CASES: list[tuple[str, dict[str, Any]]] = [

@@ -61,9 +61,9 @@ from megazero.config import (
 from megazero.model import GPTModel
 from megazero.monitor import Monitor
 from megazero.testing import run_distributed
+from megazero.testing.reference import torch_adamw
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import torch_adamw
 
 MBS, DP = 4, 2
 OPT = OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=1.0)

@@ -7,7 +7,7 @@ GPT-2-shaped model (one KV group per head, a 4h GELU MLP) it reduces to the clos
 Megatron paper, :func:`model_flops_per_iteration`: per layer and token 24h² for the
 QKV/projection/MLP weights and 4sh for attention scores and values, times 3 for forward plus
 backward, plus the logit layer. Both ignore recomputation (the *model* FLOPs; the *hardware*
-FLOPs of full recomputation add one more forward: 96 instead of 72).
+FLOPs of full recomputation add one more forward: 96 instead of 72, not reported).
 """
 
 from __future__ import annotations
@@ -56,13 +56,6 @@ def gpt_flops_per_iteration(model: ModelConfig, global_batch_size: int,
     mlp = 2 * h * f * (2 if model.swiglu else 1) + 2 * f * h
     per_token = layers * (qkv + attention + projection + mlp) + 2 * h * vocab
     return 3.0 * global_batch_size * s * per_token
-
-
-def hardware_flops_per_iteration(global_batch_size: int, seq_length: int, num_layers: int,
-                                 hidden_size: int, vocab_size: int) -> float:
-    """``96 B s l h² (1 + s/(6h) + V/(16 l h))``: with full activation recomputation."""
-    b, s, n_layers, h, v = global_batch_size, seq_length, num_layers, hidden_size, vocab_size
-    return 96.0 * b * s * n_layers * h * h * (1 + s / (6 * h) + v / (16 * n_layers * h))
 
 
 def tflops_per_device(flops_per_iteration: float, seconds_per_iteration: float,

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from megazero.config import LoggingConfig
+from megazero.flops import mfu as model_flops_utilisation
+from megazero.flops import tflops_per_device
 
 # Megatron's TensorBoard tags.
 TB_TAGS = ("lm loss", "lm loss validation", "learning-rate", "grad-norm", "loss-scale",
@@ -292,8 +294,8 @@ class Monitor:
         sec = s.seconds / s.iterations
         loss = s.loss_sum / s.loss_count if s.loss_count else None
         tokens = global_batch_size * seq_length / sec if sec > 0 else 0.0
-        tflops = flops_per_iteration / (sec * world_size * 1e12) if sec > 0 else 0.0
-        mfu = tflops * 1e12 / peak_flops if (peak_flops and sec > 0) else None
+        tflops = tflops_per_device(flops_per_iteration, sec, world_size)
+        mfu = model_flops_utilisation(flops_per_iteration, sec, world_size, peak_flops)
         mem = peak_memory()
         breakdown_ms = {k: 1000.0 * v / s.iterations for k, v in s.breakdown.items()}
         overlapped_ms = {k: 1000.0 * v / s.iterations for k, v in (overlapped or {}).items()}

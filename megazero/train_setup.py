@@ -94,13 +94,17 @@ def _quiet(*_: Any, **__: Any) -> None:
 
 def build_datasets(cfg: MegazeroConfig, batching: Batching) -> tuple[Any, Any]:
     """``(train, valid)`` datasets (valid may be None when --eval-iters is 0)."""
-    from megazero.data.builder import DataConfig, build_train_valid_test_datasets
+    from megazero.data.builder import (
+        DataConfig,
+        build_train_valid_test_datasets,
+        train_valid_test_num_samples,
+    )
 
     t = cfg.train
-    evals = (batching.train_iters // t.eval_interval + 1) if t.eval_interval > 0 else 1
-    valid = evals * t.eval_iters * batching.global_batch_size if t.eval_iters > 0 else 0
     dc = DataConfig(seq_length=cfg.model.seq_length,
-                    num_samples=(batching.train_iters * batching.global_batch_size, valid, 0),
+                    num_samples=train_valid_test_num_samples(
+                        batching.train_iters, batching.global_batch_size, t.eval_interval,
+                        t.eval_iters),
                     data_path=tuple(cfg.data.data_path), split=cfg.data.split, seed=t.seed,
                     cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data,
                     vocab_size=cfg.model.vocab_size)

@@ -51,6 +51,7 @@ from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
 from megazero.peers import PeerRegistry
+from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.resume_checks import check_resume
 from megazero.save_check import check_save_dir, checkpoint_bytes
 from megazero.topology import GROUP_KINDS, ParallelTopology
@@ -117,8 +118,8 @@ class Run:
         return self.watchdog.phase(what, group, ranks)
 
 
-def _schedule(run: Run, data_iter, forward_only: bool, stats: dict | None = None
-              ) -> list[float]:
+def _schedule(run: Run, data_iter, forward_only: bool,
+              activation_meter: ActivationMeter | None = None) -> list[float]:
     """One pass of the pipeline schedule over ``m`` micro-batches; returns their mean losses."""
     from megazero.pipeline.executor import default_loss_fn, forward_backward
 
@@ -135,7 +136,7 @@ def _schedule(run: Run, data_iter, forward_only: bool, stats: dict | None = None
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=_timed_get_batch(run),
-        grad_sync=None if forward_only else run.engine, stats=stats,
+        grad_sync=None if forward_only else run.engine, activation_meter=activation_meter,
         microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage)
     return [x / scale for x in losses]
 
@@ -173,7 +174,7 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
     with t.region("backward"), run.phase(f"iteration {it}: forward-backward (pipeline "
                                          "schedule)", "mp"):
         losses = _schedule(run, data_iter, forward_only=False,
-                           stats=mem.stats if mem is not None else None)
+                           activation_meter=mem.meter if mem is not None else None)
     with t.region("grad sync (local)"), run.phase(f"iteration {it}: gradient sync", "dp"):
         run.engine.finish_grad_sync()
     if mem is not None:

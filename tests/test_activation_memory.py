@@ -8,12 +8,12 @@ of sharded input, a 2-byte dropout mask, an extra copy of Q/K/V) is at least ``s
 i.e. over 2%.
 """
 
-from megazero.model.activation_memory import (
+from megazero.testing import run_distributed
+from megazero.testing.activation_memory import (
     SavedTensorCounter,
     measure_layer_cases,
     megatron_layer_activation_bytes,
 )
-from megazero.testing import run_distributed
 
 S, B, H, A, T = 64, 2, 128, 8, 4
 

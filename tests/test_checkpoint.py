@@ -15,89 +15,23 @@ from megazero.checkpointing import (
     read_tracker,
     save_checkpoint,
 )
-from megazero.lr_scheduler import LRScheduler
-from megazero.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megazero.testing.checkpoint_state import build_state, train_steps
 from megazero.testing.distributed import DistributedTestError, run_distributed
 from megazero.testing.faults import CrashingWriter
 from megazero.topology import ParallelTopology
 
 
-class _Tracker:
-    """Stands in for the TP RNG tracker: named generator states with get/set."""
-
-    def __init__(self, seed):
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def get_states(self):
-        return {"model-parallel-rng": self.gen.get_state()}
-
-    def set_states(self, states):
-        self.gen.set_state(states["model-parallel-rng"])
-
-
-class _MomentumSGD:
-    """A minimal optimizer with state (torch.optim would import torch._dynamo in every rank,
-    seconds on a small machine)."""
-
-    def __init__(self, params, lr):
-        self.param_groups = [{"params": list(params), "lr": lr}]
-        self.state = {}
-
-    def zero_grad(self):
-        for p in self.param_groups[0]["params"]:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        for p in self.param_groups[0]["params"]:
-            buf = self.state.setdefault(p, {"momentum_buffer": torch.zeros_like(p)})
-            buf["momentum_buffer"].mul_(0.9).add_(p.grad)
-            p.sub_(self.param_groups[0]["lr"] * buf["momentum_buffer"])
-
-    def state_dict(self):
-        params = self.param_groups[0]["params"]
-        return {"momentum": [self.state[p]["momentum_buffer"].clone() for p in params],
-                "lr": self.param_groups[0]["lr"]}
-
-    def load_state_dict(self, sd):
-        for p, m in zip(self.param_groups[0]["params"], sd["momentum"]):
-            self.state[p] = {"momentum_buffer": m.clone()}
-        # Like torch.optim: loading builds a new group list (the scheduler must follow it).
-        self.param_groups = [{"params": self.param_groups[0]["params"], "lr": sd["lr"]}]
-
-
-def _build(topo, seed=0):
-    torch.manual_seed(seed + 10 * topo.tp_rank + 100 * topo.pp_rank)
-    np.random.seed(seed + topo.rank)
-    random.seed(seed + topo.rank)
-    models = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
-    for p in (p for m in models for p in m.parameters()):  # each TP rank holds its own rows
-        set_tensor_model_parallel_attributes(p, 0)
-    opt = _MomentumSGD([p for m in models for p in m.parameters()], lr=0.1)
-    sched = LRScheduler(opt, lambda step: 0.1 / (1 + step))
-    return models, opt, sched, _Tracker(seed + topo.rank)
-
-
-def _train_steps(models, opt, sched, n):
-    for _ in range(n):
-        opt.zero_grad()
-        x = torch.randn(5, 4)
-        models[1](models[0](x)).square().mean().backward()
-        opt.step()
-        sched.step()
-
-
 def _save_run(rank, world, root, fault_rank=None):
     topo = ParallelTopology.build(tp=2)
-    models, opt, sched, tracker = _build(topo)
-    _train_steps(models, opt, sched, 3)
+    models, opt, sched, tracker = build_state(topo)
+    train_steps(models, opt, sched, 3)
     save_checkpoint(root, 10, topo, models=models, optimizer=opt, scheduler=sched,
                     consumed_samples=80, config={"tp": 2}, rng_tracker=tracker)
     expect = {"weights": [p.detach().numpy().copy() for m in models for p in m.parameters()],
               "next": torch.randn(3).numpy(), "np": np.random.rand(), "py": random.random(),
               "tracker": torch.randn(2, generator=tracker.gen).numpy(),
               "lr": opt.param_groups[0]["lr"]}
-    _train_steps(models, opt, sched, 2)
+    train_steps(models, opt, sched, 2)
     # fault_rank dies (os._exit) after writing one file of iteration 20
     writer = CrashingWriter(1, hard=True) if fault_rank == rank else None
     save_checkpoint(root, 20, topo, models=models, optimizer=opt, scheduler=sched,
@@ -107,7 +41,7 @@ def _save_run(rank, world, root, fault_rank=None):
 
 def _load_run(rank, world, root):
     topo = ParallelTopology.build(tp=2)
-    models, opt, sched, tracker = _build(topo, seed=99)  # different init: load must overwrite
+    models, opt, sched, tracker = build_state(topo, seed=99)  # different init: load must overwrite
     res = load_checkpoint(root, topo, models=models, optimizer=opt, scheduler=sched,
                           rng_tracker=tracker)
     got = {"weights": [p.detach().numpy().copy() for m in models for p in m.parameters()],
@@ -167,7 +101,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
 
 def _load_explicit(rank, world, root, iteration):
     topo = ParallelTopology.build(tp=2)
-    models, opt, sched, tracker = _build(topo)
+    models, opt, sched, tracker = build_state(topo)
     return load_checkpoint(root, topo, models=models, optimizer=opt, scheduler=sched,
                            iteration=iteration)
 
@@ -175,20 +109,20 @@ def _load_explicit(rank, world, root, iteration):
 def test_layout_mismatch_and_finetune(tmp_path):
     root = str(tmp_path / "ckpt")
     topo = ParallelTopology.single()
-    models, opt, sched, tracker = _build(topo)
+    models, opt, sched, tracker = build_state(topo)
     assert load_checkpoint(root, topo, models=models, optimizer=opt, scheduler=sched) is None
-    _train_steps(models, opt, sched, 2)
+    train_steps(models, opt, sched, 2)
     save_checkpoint(root, 5, topo, models=models, optimizer=opt, scheduler=sched,
                     consumed_samples=40, config={}, zero_stage=1)
     with pytest.raises(CheckpointError, match=r"saved at layout tp=1 pp=1 dp=1 vpp=1 "
                        r"zero_stage=1, but this run is tp=1 pp=1 dp=1 vpp=1 zero_stage=2"):
         load_checkpoint(root, topo, models=models, optimizer=opt, scheduler=sched, zero_stage=2)
-    m2, o2, s2, _ = _build(topo, seed=5)
+    m2, o2, s2, _ = build_state(topo, seed=5)
     res = load_checkpoint(root, topo, models=m2, optimizer=o2, scheduler=s2, zero_stage=2,
                           finetune=True)
     assert (res.iteration, res.consumed_samples) == (0, 0)
     assert torch.equal(m2[0].weight, models[0].weight) and not o2.state and s2.num_steps == 0
-    m3, o3, s3, _ = _build(topo, seed=6)
+    m3, o3, s3, _ = build_state(topo, seed=6)
     res = load_checkpoint(root, topo, models=m3, optimizer=o3, scheduler=s3, zero_stage=1,
                           no_load_optim=True, no_load_rng=True)
     assert res.iteration == 5 and not o3.state and torch.equal(m3[1].bias, models[1].bias)

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import torch
-from ckpt_runs import TINY, train_in_rank
 
 from megazero.testing.distributed import run_distributed
+from megazero.testing.training_runs import TINY, train_in_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "checkpoint", "convert.py")

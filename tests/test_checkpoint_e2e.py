@@ -7,11 +7,11 @@ import json
 import os
 
 import pytest
-from ckpt_runs import train_in_rank
-from test_e2e import TINY, check, run_training
 
 from megazero.testing.distributed import DistributedTestError, run_distributed
 from megazero.testing.faults import CrashingWriter
+from megazero.testing.launch import TINY, check, run_training
+from megazero.testing.training_runs import train_in_rank
 
 
 def _crash_in_second_save(rank, world, args):

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 
-from ckpt_runs import TINY, train_in_rank
-
 from megazero.checkpointing import CheckpointError, Writer, read_tracker
 from megazero.errors import expected_errors
 from megazero.testing.distributed import run_distributed
 from megazero.testing.faults import CrashingWriter, FailingWriter, SimulatedCrash
+from megazero.testing.training_runs import TINY, train_in_rank
 
 # One process writes, in this order:
 SAVE_FILES = ["mp_rank_00_000/model.pt", "mp_rank_00_000/optim.pt",

@@ -9,19 +9,18 @@ import os
 
 import pytest
 import torch
-from ckpt_runs import TINY
-from test_checkpoint import _build
-from test_checkpoint_safety import _save_single
 
 from megazero.checkpoint.reader import VERSION
 from megazero.checkpointing import CheckpointError, load_checkpoint
+from megazero.testing.checkpoint_state import build_state, save_single
+from megazero.testing.training_runs import TINY
 from megazero.topology import ParallelTopology
 
 
 def _load_untouched(root):
     """Load into a fresh model; return the error and whether the weights stayed as built."""
     topo = ParallelTopology.single()
-    models, opt, sched, tracker = _build(topo, seed=3)
+    models, opt, sched, tracker = build_state(topo, seed=3)
     before = [p.detach().clone() for p in models[0].parameters()]
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(root, topo, models=models, optimizer=opt, scheduler=sched,
@@ -44,14 +43,14 @@ def _edit_meta(directory, **changes):
                                            ("2", "not an integer")])
 def test_other_format_version_is_refused(tmp_path, version, words):
     root = str(tmp_path / "ck")
-    marker = _edit_meta(_save_single(root), version=version)
+    marker = _edit_meta(save_single(root), version=version)
     msg, untouched = _load_untouched(root)
     assert marker in msg and words in msg and untouched
 
 
 def test_other_format_is_refused(tmp_path):
     root = str(tmp_path / "ck")
-    marker = _edit_meta(_save_single(root), format="torch-dcp")
+    marker = _edit_meta(save_single(root), format="torch-dcp")
     msg, untouched = _load_untouched(root)
     assert marker in msg and "'torch-dcp'" in msg and "convert.py" in msg and untouched
 

@@ -22,9 +22,9 @@ import json
 import os
 
 import pytest
-from ckpt_runs import TINY, train_in_rank
 
 from megazero.testing.distributed import run_distributed
+from megazero.testing.training_runs import TINY, train_in_rank
 
 LOSS_RTOL = 1e-5
 MODEL = [*TINY, "--global-batch-size", "8", "--micro-batch-size", "2"]

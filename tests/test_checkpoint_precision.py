@@ -10,9 +10,9 @@ import json
 import os
 
 import pytest
-from ckpt_runs import TINY, train_in_rank
 
 from megazero.testing.distributed import run_distributed
+from megazero.testing.training_runs import TINY, train_in_rank
 
 MODEL = [*TINY, "--num-layers", "2", "--global-batch-size", "4"]
 

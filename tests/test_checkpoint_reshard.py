@@ -14,10 +14,10 @@ import os
 
 import pytest
 import torch
-from ckpt_runs import TINY, train_in_rank
 
 from megazero.checkpointing import read_global_tensors, read_model_state
 from megazero.testing.distributed import run_distributed
+from megazero.testing.training_runs import TINY, train_in_rank
 
 MODEL = [*TINY, "--vocab-size", "101", "--hidden-size", "40", "--num-query-groups", "2",
          "--group-query-attention", "--global-batch-size", "12"]

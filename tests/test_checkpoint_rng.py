@@ -19,9 +19,9 @@ import os
 
 import pytest
 import torch
-from ckpt_runs import TINY, train_in_rank
 
 from megazero.testing.distributed import run_distributed
+from megazero.testing.training_runs import TINY, train_in_rank
 
 DROP = [*TINY, "--attention-dropout", "0.3", "--hidden-dropout", "0.3"]
 A = ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]

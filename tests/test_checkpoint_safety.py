@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 import torch
-from ckpt_runs import TINY, train_in_rank
-from test_checkpoint import _build, _train_steps
 
 from megazero.checkpoint.files import sha256
 from megazero.checkpoint.reader import meta_digest
 from megazero.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megazero.testing.checkpoint_state import build_state, save_single, train_steps
 from megazero.testing.distributed import DistributedTestError, run_distributed
+from megazero.testing.training_runs import TINY, train_in_rank
 from megazero.topology import ParallelTopology
 from megazero.train_setup import ChunkTrackers
 
@@ -30,19 +30,9 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
-def _save_single(root):
-    topo = ParallelTopology.single()
-    models, opt, sched, tracker = _build(topo)
-    _train_steps(models, opt, sched, 2)
-    save_checkpoint(root, 3, topo, models=models, optimizer=opt, scheduler=sched,
-                    consumed_samples=24, config={"model": {"hidden_size": 4}},
-                    rng_tracker=tracker)
-    return os.path.join(root, "iter_0000003")
-
-
 def _load_single(root, **kw):
     topo = ParallelTopology.single()
-    models, opt, sched, tracker = _build(topo, seed=3)
+    models, opt, sched, tracker = build_state(topo, seed=3)
     return load_checkpoint(root, topo, models=models, optimizer=opt, scheduler=sched,
                            rng_tracker=tracker, **kw)
 
@@ -57,7 +47,7 @@ def _rewrite_checksum(directory, rel):
 
 
 def test_pickle_payload_does_not_execute(tmp_path):
-    directory = _save_single(str(tmp_path / "ck"))
+    directory = save_single(str(tmp_path / "ck"))
     marker = tmp_path / "pwned"
     rel = "mp_rank_00_000/model.pt"
     torch.save({"model0.weight": _Payload(str(marker))}, os.path.join(directory, rel))
@@ -134,7 +124,7 @@ def test_damaged_file_is_one_error_naming_the_file(damaged, damage, rel):
 
 def test_flipped_metadata_value_is_caught_by_its_own_checksum(tmp_path):
     """A flip that keeps metadata.json valid JSON (a digit of the consumed samples)."""
-    directory = _save_single(str(tmp_path / "ck"))
+    directory = save_single(str(tmp_path / "ck"))
     path = os.path.join(directory, "metadata.json")
     text = open(path).read()
     assert '"consumed_samples": 24' in text
@@ -163,7 +153,7 @@ def test_tracker_that_names_no_complete_checkpoint_is_an_error_naming_the_newest
     """``latest`` is authoritative (Megatron, DeepSpeed): no silent fallback to another
     iteration; the error names the newest complete checkpoint and how to resume from it."""
     root = str(tmp_path / "ck")
-    _save_single(root)
+    save_single(root)
     tracker = _tracker_case(root, case)
     with pytest.raises(CheckpointError) as e:
         _load_single(root)
@@ -181,10 +171,10 @@ def test_tracker_that_names_no_complete_checkpoint_is_an_error_naming_the_newest
 
 def test_tracker_may_name_an_older_checkpoint_and_none_means_a_fresh_start(tmp_path):
     root = str(tmp_path / "ck")
-    _save_single(root)
+    save_single(root)
     topo = ParallelTopology.single()
-    models, opt, sched, tracker = _build(topo)
-    _train_steps(models, opt, sched, 1)
+    models, opt, sched, tracker = build_state(topo)
+    train_steps(models, opt, sched, 1)
     save_checkpoint(root, 1, topo, models=models, optimizer=opt, scheduler=sched,
                     consumed_samples=8, config={"model": {"hidden_size": 4}},
                     rng_tracker=tracker)
@@ -200,7 +190,7 @@ def test_tracker_may_name_an_older_checkpoint_and_none_means_a_fresh_start(tmp_p
 
 def test_truncated_metadata_and_other_model(tmp_path):
     root = str(tmp_path / "ck")
-    directory = _save_single(root)
+    directory = save_single(root)
     with pytest.raises(CheckpointError, match=r"--hidden-size is 8 but the checkpoint was "
                        r"saved with 4 \(config\.json\)"):
         _load_single(root, config={"model": {"hidden_size": 8}})
@@ -213,15 +203,15 @@ def test_truncated_metadata_and_other_model(tmp_path):
 
 def _save_tp2(rank, world, root):
     topo = ParallelTopology.build(tp=2)
-    models, opt, sched, tracker = _build(topo)
-    _train_steps(models, opt, sched, 1)
+    models, opt, sched, tracker = build_state(topo)
+    train_steps(models, opt, sched, 1)
     save_checkpoint(root, 1, topo, models=models, optimizer=opt, scheduler=sched,
                     consumed_samples=8, config={}, rng_tracker=tracker)
 
 
 def _load_tp2(rank, world, root):
     topo = ParallelTopology.build(tp=2)
-    models, opt, sched, tracker = _build(topo, seed=1)
+    models, opt, sched, tracker = build_state(topo, seed=1)
     before = models[0].weight.detach().clone()
     try:
         load_checkpoint(root, topo, models=models, optimizer=opt, scheduler=sched,
@@ -253,7 +243,7 @@ def _load_and_raise(rank, world, root):
 
 def test_old_format_is_one_line(tmp_path):
     root = str(tmp_path / "ck")
-    directory = _save_single(root)
+    directory = save_single(root)
     meta = os.path.join(directory, "metadata.json")
     old = json.load(open(meta))
     json.dump({"iteration": 3, "layout": old["layout"]}, open(meta, "w"))  # format 1 marker

@@ -9,9 +9,9 @@ import json
 import re
 
 import numpy as np
-from test_e2e import run_training
 
 from megazero.data.indexed_dataset import IndexedDatasetBuilder
+from megazero.testing.launch import run_training
 
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

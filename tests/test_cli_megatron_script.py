@@ -3,9 +3,8 @@ script and the ones commonly added to it) runs unchanged apart from the sizes.""
 
 from __future__ import annotations
 
-from test_e2e import check, run_training
-
 from megazero.config import load_config
+from megazero.testing.launch import check, run_training
 
 # Megatron's examples/gpt3 flag set; only the sizes are shrunk, --mock-data replaces the corpus.
 MEGATRON_GPT3 = [

@@ -148,4 +148,22 @@ def test_config_errors(two_corpora, tmp_path):
         build_train_valid_test_datasets(cfg)
     with pytest.raises(ValueError, match="no --data-path"):
         DataConfig(seq_length=8, num_samples=(1, 0, 0))
-    assert train_valid_test_num_samples(100, 8, 50, 5) == (800, 120, 40)
+    # evaluations at iterations 50 and 100 and one at the end; no test split in training
+    assert train_valid_test_num_samples(100, 8, 50, 5) == (800, 120, 0)
+    assert train_valid_test_num_samples(100, 8, 0, 5) == (800, 40, 0)  # only the final one
+    assert train_valid_test_num_samples(100, 8, 50, 0) == (800, 0, 0)
+
+
+def test_training_run_builds_the_sample_counts_of_train_valid_test_num_samples():
+    from megazero.config import load_config
+    from megazero.train_setup import Batching, build_datasets
+
+    cfg = load_config(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+                       "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+                       "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size",
+                       "4", "--train-iters", "10", "--eval-interval", "4", "--eval-iters", "3"],
+                      world_size=1)
+    train, valid = build_datasets(cfg, Batching.from_config(cfg, 1))
+    # 10 iterations x 4 samples; evaluations at 4, 8 and the end: 3 x 3 x 4
+    assert (len(train), len(valid)) == (40, 36)
+    assert (len(train), len(valid), 0) == train_valid_test_num_samples(10, 4, 4, 3)

@@ -7,8 +7,6 @@ from ``--log-json`` (full float precision) rather than the 7-digit log line.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
 import subprocess
@@ -17,58 +15,17 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "pretrain_gpt.py")
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-
-TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "3e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
-        "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
-        "--eval-interval", "1000", "--eval-iters", "1", "--seed", "7",
-        # The CPU suite runs on gloo whatever the machine has (a GPU box picks NCCL by default).
-        "--distributed-backend", "gloo"]
-LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-# fp32, 20 iterations: losses at tp2 x pp2 x dp2 (+SP, vpp 2, ZeRO-1) equal the one-process run
-# to within fp32 rounding of differently ordered sums (observed <= 3e-8 relative).
-LOSS_RTOL = 2e-6
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(k, None)
-    return e
-
-
-def run_training(args: list[str], nproc: int = 1, timeout: float = 240,
-                 extra_env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    if nproc == 1 and launcher is None:
-        cmd = [sys.executable, SCRIPT, *args]
-    else:
-        cmd = [TORCHRUN, *(launcher or ["--standalone"]), "--nproc_per_node", str(nproc),
-               SCRIPT, *args]
-    proc = subprocess.run(cmd, env={**env(), **(extra_env or {})}, cwd=REPO, timeout=timeout,
-                          capture_output=True, text=True)
-    return proc
-
-
-def check(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-5000:]}"
-    return proc.stdout
-
-
-def read_metrics(path) -> dict[int, dict]:
-    """iteration -> the training metrics logged for it (validation records excluded)."""
-    out = {}
-    for line in open(path, encoding="utf-8"):
-        rec = json.loads(line)
-        if "learning-rate" in rec:  # training records; a skipped iteration has no lm loss
-            out[rec["iteration"]] = rec
-    return out
+from megazero.testing.launch import (
+    LAYOUT_3D,
+    LOSS_RTOL,
+    REPO,
+    SCRIPT,
+    TINY,
+    check,
+    env,
+    read_metrics,
+    run_training,
+)
 
 
 def test_layouts_agree_and_tensorboard(tmp_path):

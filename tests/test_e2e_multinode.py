@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from test_e2e import LOSS_RTOL, REPO, SCRIPT, TINY, TORCHRUN, env
+
+from megazero.testing.launch import LOSS_RTOL, REPO, SCRIPT, TINY, TORCHRUN, env
 
 
 def _free_port() -> int:

@@ -1,7 +1,8 @@
 """megazero.initialize: a DeepSpeed training loop on megazero's ZeRO engine.
 
 Multi-rank cases run in gloo worlds on CPU (one world per rank count runs every case in
-sequence, since starting ranks is the slow part); rank functions live in tests/engine_runs.py.
+sequence, since starting ranks is the slow part); rank functions live in
+megazero/testing/engine_runs.py.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import math
 import pytest
 import torch
 
+from megazero.testing import engine_runs as R
+from megazero.testing import engine_state_runs as S
 from megazero.testing.distributed import preload, run_distributed
-from tests import engine_runs as R
-from tests import engine_state_runs as S
 
 # Every rank builds a Hugging Face model: import transformers once, in the forkserver.
 preload("transformers", "transformers.models.gpt2.modeling_gpt2")

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_e2e import TINY, check, read_metrics, run_training
 
 from megazero.checkpointing import read_model_state
 from megazero.config import ConfigError, LoggingConfig, load_config
@@ -26,6 +25,7 @@ from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megazero.lr_scheduler import build_lr_function
 from megazero.monitor import Monitor
 from megazero.save_check import checkpoint_bytes, explain_write_error, save_dir_problem
+from megazero.testing.launch import TINY, check, read_metrics, run_training
 from megazero.training import HISTORY_LENGTH, TrainState
 
 

@@ -16,8 +16,8 @@ from megazero.generation import (
 )
 from megazero.model import GPTModel
 from megazero.testing import run_distributed
+from megazero.testing.hf_models import VOCAB, build
 from megazero.topology import ParallelTopology
-from tests.hf_models import VOCAB, build
 
 KINDS = {"gpt2": dict(initializer_range=0.3), "llama": dict(initializer_range=0.1)}
 PROMPT = [[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6]]
@@ -116,7 +116,7 @@ def saved_run(tmp_path_factory):
     """A tiny GPT-2-style megazero checkpoint (tp=1) whose config names a GPT-2 BPE tokenizer."""
     from megazero.checkpointing import save_checkpoint
     from megazero.config import DataConfig, MegazeroConfig, ModelConfig
-    from tests.hf_models import write_bpe_files
+    from megazero.testing.hf_models import write_bpe_files
 
     d = tmp_path_factory.mktemp("gen")
     vocab_file, merge_file, vocab = write_bpe_files(str(d))

@@ -18,10 +18,10 @@ import torch
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.model import GPTModel
 from megazero.tensor_parallel import ParallelContext
+from megazero.testing.launch import REPO, SCRIPT, TINY, env, read_metrics
+from megazero.testing.tiny_gpt import assert_close, batch, tiny_config
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from tests.test_e2e import REPO, SCRIPT, TINY, env, read_metrics
-from tests.test_model_tp_equivalence import assert_close, batch, tiny_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -20,8 +20,8 @@ from megazero.convert import (
 from megazero.model import GPTModel
 from megazero.tensor_parallel import gather_from_tensor_parallel_region
 from megazero.testing import run_distributed
+from megazero.testing.hf_models import VOCAB, build
 from megazero.topology import ParallelTopology
-from tests.hf_models import VOCAB, build
 
 # GPT-2 with weights large enough that GELU's inputs span O(1), where tanh and exact differ.
 KINDS = {"gpt2": dict(initializer_range=0.3), "llama": dict(initializer_range=0.1)}
@@ -159,7 +159,7 @@ def test_import_logits_match_at_tp2_pp2():
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
 ])
 def test_unsupported_configs_are_refused_by_name(kind, override, needle):
-    from tests.hf_models import gpt2_config, llama_config
+    from megazero.testing.hf_models import gpt2_config, llama_config
 
     cfg = (gpt2_config() if kind == "gpt2" else llama_config()).to_dict()
     cfg.update(override)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.hf_models import build, write_bpe_files
+from megazero.testing.hf_models import build, write_bpe_files
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools", "checkpoint")
 

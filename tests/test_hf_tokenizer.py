@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from test_e2e import check, run_training
 
 from megazero.config import ConfigError
 from megazero.data.tokenizers import HuggingFaceTokenizer, build_tokenizer
+from megazero.testing.launch import check, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7}" for i in range(60)]

@@ -9,14 +9,14 @@ from megazero.model import GPTModel
 from megazero.tensor_parallel import full_model_state_dict
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
-from tests.test_model_tp_equivalence import (
+from megazero.testing.tiny_gpt import (
     assert_close,
     batch,
     loss_and_grads,
     stage0_engine,
     tiny_config,
 )
+from megazero.topology import ParallelTopology
 
 WORD = "embedding.word_embeddings.weight"
 

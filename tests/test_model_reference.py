@@ -12,8 +12,8 @@ from megazero.config import ConfigError
 from megazero.model import GPTModel
 from megazero.model.positional import RotaryEmbedding, apply_rotary
 from megazero.tensor_parallel import ParallelContext, full_model_state_dict
+from megazero.testing.tiny_gpt import assert_close, batch, tiny_config
 from megazero.topology import ParallelTopology
-from tests.test_model_tp_equivalence import assert_close, batch, tiny_config
 
 
 def _norm(x, sd, prefix, cfg):

@@ -10,7 +10,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megazero.config import LoggingConfig, ModelConfig
 from megazero.flops import (
     gpt_flops_per_iteration,
-    hardware_flops_per_iteration,
     mfu,
     model_flops_per_iteration,
     peak_flops,
@@ -174,9 +173,6 @@ def test_flops_formula_hand_computed():
     base = 72 * 8 * 1024 * 24 * 2048**2
     assert f == pytest.approx(base * (1 + 1024 / 12288 + 50304 / 589824))
     assert f == pytest.approx(6.93852e13, rel=1e-5)  # 5.9373e13 * 1.168620
-    hw = hardware_flops_per_iteration(8, 1024, 24, 2048, 50304)
-    assert hw == pytest.approx(96 * 8 * 1024 * 24 * 2048**2 * (1 + 1024 / 12288
-                                                                 + 50304 / (16 * 24 * 2048)))
     # Counted GEMM by GEMM, a GPT-2-shaped model gives the closed form exactly.
     gpt = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=1024,
                       vocab_size=50304)

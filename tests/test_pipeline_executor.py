@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.data.random_batches import random_lm_batches
+from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.executor import backward_step, deallocate_output_tensor, forward_backward
 from megazero.pipeline.grads import sync_tied_embeddings
 from megazero.pipeline.partition import chunk_layer_ranges, chunk_roles
 from megazero.testing import run_distributed
-from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
@@ -140,9 +141,9 @@ def _equivalence_world(rank, world_size):
                     chunks = build_chunks(topo, vpp, tied)
                     sync_tied_embeddings(chunks, topo)
                     engine = stage0_engine(chunks, topo)
-                    stats = {}
+                    meter = ActivationMeter()
                     losses = forward_backward(chunks, iter(batches), topo, m, SEQ, MBS, HIDDEN,
-                                              stats=stats, microbatch_group_size=group,
+                                              activation_meter=meter, microbatch_group_size=group,
                                               grad_sync=engine)
                     engine.finish_grad_sync()
                     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -151,10 +152,10 @@ def _equivalence_world(rank, world_size):
                             err = (p.grad - ref_grads[name]).abs().max().item()
                             worst = max(worst, err)
                     results.append(dict(pp=pp, vpp=vpp, m=m, group=group, tied=tied, err=worst,
-                                        peak=stats["peak_inflight"],
-                                        bytes=stats["peak_saved_bytes"],
-                                        per_fwd=stats["saved_bytes_per_forward"],
-                                        held=stats["peak_output_elements"],
+                                        peak=meter.peak_inflight,
+                                        bytes=meter.peak_saved_bytes,
+                                        per_fwd=meter.saved_bytes_per_forward,
+                                        held=meter.peak_output_elements,
                                         pp_rank=topo.pp_rank))
     # forward-only: same losses, no grads, nothing kept
     topo = ParallelTopology.build(pp=4, vpp=2)

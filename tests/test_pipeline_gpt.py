@@ -22,11 +22,12 @@ from megazero.config import (
     RecomputeConfig,
     ZeroConfig,
 )
+from megazero.data.random_batches import random_lm_batches
+from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import build_model_chunks
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
-from megazero.testing.batches import random_lm_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
@@ -97,9 +98,10 @@ def _gpt_world(rank, world_size):
                                                                            sequence_parallel=sp))
         engine = build_zero_optimizer(chunks, OptimizerConfig(), ZeroConfig(stage=0),
                                       PrecisionConfig(), topo, sequence_parallel=sp)
-        stats: dict = {}
+        meter = ActivationMeter()
         losses = forward_backward(chunks, iter(replicas[topo.dp_rank]), topo, m, SEQ, MBS,
-                                  HIDDEN, sequence_parallel=sp, stats=stats, grad_sync=engine)
+                                  HIDDEN, sequence_parallel=sp, activation_meter=meter,
+                                  grad_sync=engine)
         engine.finish_grad_sync()
         loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
         grad_err, names = 0.0, []
@@ -114,8 +116,8 @@ def _gpt_world(rank, world_size):
                 names.append(name)
         results.append(dict(case=(tp, pp, vpp, m, tied, sp, recompute), loss_err=loss_err,
                             grad_err=grad_err, names=names, pp_rank=topo.pp_rank,
-                            tp_rank=topo.tp_rank, peak=stats["peak_inflight"],
-                            peak_bytes=stats["peak_saved_bytes"]))
+                            tp_rank=topo.tp_rank, peak=meter.peak_inflight,
+                            peak_bytes=meter.peak_saved_bytes))
     return results, _with_zero_engine()
 
 
@@ -213,9 +215,8 @@ TRAIN_LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-6
 
 
 def _trained(rank, world, layouts):
-    from ckpt_runs import train_in_rank
-
     from megazero.tensor_parallel import full_model_state_dict
+    from megazero.testing.training_runs import train_in_rank
 
     out = {}
     for name, flags in layouts.items():

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, load_config
-from megazero.model.activation_memory import measure_saved_bytes, megatron_layer_activation_bytes
 from megazero.planner.activations import inflight_chunk_forwards, layer_bytes
 from megazero.planner.cluster import load_cluster
 from megazero.planner.deepspeed_compat import zero2_mem_needs, zero3_mem_needs
 from megazero.planner.estimate import estimate
 from megazero.planner.presets import LLAMA_FLAGS, preset_argv
+from megazero.testing.activation_memory import measure_saved_bytes, megatron_layer_activation_bytes
 
 
 def test_deepspeed_zero2_formula_hand_values():

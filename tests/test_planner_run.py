@@ -9,11 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_e2e import TINY, check, read_metrics, run_training
-
 from megazero.config import load_config
 from megazero.planner.model_states import model_state_report
 from megazero.planner.shapes import meta_chunks, shape_topology
+from megazero.testing.launch import TINY, check, read_metrics, run_training
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = str(REPO / "tools" / "plan_layout.py")

@@ -20,13 +20,13 @@ import time
 
 import pytest
 import torch
-from ckpt_runs import train_in_rank
-from test_e2e import REPO, SCRIPT, TINY, TORCHRUN, env, read_metrics
 
 from megazero.checkpoint.reader import complete_iterations
 from megazero.checkpointing import read_model_state, read_tracker
 from megazero.testing.distributed import run_distributed
 from megazero.testing.faults import launched_ranks
+from megazero.testing.launch import REPO, SCRIPT, TINY, TORCHRUN, env, read_metrics
+from megazero.testing.training_runs import train_in_rank
 
 SEED = int(os.environ.get("MEGAZERO_FAULT_SEED", "20261123"))
 ITERS = 10

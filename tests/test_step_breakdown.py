@@ -9,9 +9,9 @@ import pytest
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.monitor import Timers
 from megazero.testing import run_distributed
+from megazero.testing.reference import TinyLM, make_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import TinyLM, make_batches
 
 
 def _breakdown_world(rank, world_size):

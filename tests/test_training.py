@@ -6,9 +6,9 @@ import re
 
 import pytest
 import torch
-from test_e2e import TINY, check, read_metrics, run_training
 
 from megazero.config import ConfigError, load_config
+from megazero.testing.launch import TINY, check, read_metrics, run_training
 from megazero.train_setup import Batching, get_batch
 
 DS_CONFIG = """{

@@ -11,15 +11,15 @@ import torch.distributed as dist
 
 from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
-from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import (
+from megazero.testing.reference import (
     TinyLM,
     engine_train_step,
     make_batches,
     reference_run,
     torch_adamw,
 )
+from megazero.topology import ParallelTopology
+from megazero.zero import build_zero_optimizer
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 STEPS, BATCH, SEQ, VOCAB = 10, 8, 8, 64

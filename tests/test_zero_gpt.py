@@ -27,9 +27,9 @@ from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import build_model_chunks
 from megazero.tensor_parallel import ParallelContext, full_model_state_dict
 from megazero.testing import run_distributed
+from megazero.testing.reference import torch_adamw
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import torch_adamw
 
 SEQ, VOCAB, HIDDEN, STEPS, ROWS = 16, 100, 32, 10, 8  # ROWS: global batch
 # eps 1e-6: Adam's update is scale-free, so an element whose gradient is at rounding level

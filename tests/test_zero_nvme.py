@@ -20,9 +20,9 @@ from megazero.config import (
     ZeroConfig,
 )
 from megazero.testing import run_distributed
+from megazero.testing.reference import TinyLM, engine_train_step, make_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import TinyLM, engine_train_step, make_batches
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 STEPS, BATCH, SEQ, VOCAB = 4, 8, 8, 64
@@ -280,9 +280,9 @@ def test_nvme_state_dict_round_trip_resumes_bitwise(tmp_path, stage):
 
 
 def test_checkpoint_files_round_trip_with_nvme_offload(tmp_path):
-    """The layout-independent checkpoint (tests/ckpt_runs.py): a run with NVMe optimizer
+    """The layout-independent checkpoint (``train_in_rank``): a run with NVMe optimizer
     offload saved at iteration 2 and resumed to 4 has the losses of the run straight to 4."""
-    from tests.ckpt_runs import TINY, train_in_rank
+    from megazero.testing.training_runs import TINY, train_in_rank
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({

@@ -23,9 +23,9 @@ from megazero.config import (
     load_config,
 )
 from megazero.testing import run_distributed
+from megazero.testing.reference import TinyLM, engine_train_step, make_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.reference import TinyLM, engine_train_step, make_batches
 
 STEPS, BATCH, SEQ, VOCAB = 4, 8, 8, 64
 CLIP, WD = 1.0, 0.1

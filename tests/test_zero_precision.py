@@ -7,9 +7,9 @@ import torch
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.testing import run_distributed
+from megazero.testing.reference import TinyLM, make_batches, reference_run
 from megazero.topology import ParallelTopology
 from megazero.zero import LossScaleError, build_zero_optimizer
-from megazero.zero.reference import TinyLM, make_batches, reference_run
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 FP16 = PrecisionConfig(fp16=True, initial_scale_power=8, loss_scale_window=2, hysteresis=2)

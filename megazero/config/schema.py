@@ -318,10 +318,6 @@ class PrecisionConfig:
 
         return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
 
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        return self.fp16 and self.loss_scale == 0
-
 
 @dataclass(frozen=True)
 class OptimizerConfig:

@@ -54,10 +54,15 @@ class DataConfig:
 
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
                                  eval_iters: int) -> tuple[int, int, int]:
-    """Megatron's sample counts: validation runs every ``eval_interval`` and once at the end."""
-    evals = (train_iters // eval_interval + 1) if eval_interval > 0 else 0
-    return (train_iters * global_batch_size, evals * eval_iters * global_batch_size,
-            eval_iters * global_batch_size)
+    """The samples a training run draws from each split (what ``pretrain_gpt.py`` builds).
+
+    Validation runs ``eval_iters`` global batches every ``eval_interval`` iterations and once at
+    the end (only at the end when ``eval_interval`` is 0); no validation when ``eval_iters`` is
+    0. The test split is never evaluated during training, so it gets no samples.
+    """
+    evals = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
+    valid = evals * eval_iters * global_batch_size if eval_iters > 0 else 0
+    return train_iters * global_batch_size, valid, 0
 
 
 def build_train_valid_test_datasets(config: DataConfig, is_builder: bool | None = None,

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.p2p import P2P, tensor_shape
 from megazero.pipeline.schedules import build_schedule, virtual_stage
 from megazero.protocols import GradSync
@@ -69,59 +70,6 @@ def backward_step(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 def _viewless(t: torch.Tensor) -> torch.Tensor:
     """An output that is a view would keep its base alive after deallocation; copy it out."""
     return t.clone() if t._base is not None else t
-
-
-class _ActivationMeter:
-    """Counts what forwards leave behind for their backwards, per (chunk, micro-batch).
-
-    ``inflight`` counts chunk-micro-batches whose forward ran and whose backward has not;
-    ``saved_bytes`` adds up the storages of the tensors autograd saved during each forward
-    (parameters excluded), taken with ``saved_tensors_hooks``, and drops them when that
-    backward finishes. A storage counts once per forward however many saved views share it
-    (attention saves its output and the projection saves the same storage as its input; the
-    slices Q, K, V of one fused projection output are one storage), so the count is the bytes
-    the forward keeps alive, not the sum of the saved views.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.live: dict[tuple[int, int], int] = {}
-        self._storages: set[int] = set()
-        self.peak_inflight = 0
-        self.peak_bytes = 0
-        self.bytes_per_forward: list[int] = []
-        self.peak_output_elements = 0
-        self._current: tuple[int, int] | None = None
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._current is None:
-            return t
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.param_ptrs and ptr not in self._storages:
-            self._storages.add(ptr)
-            self.live[self._current] += storage.nbytes()
-        return t
-
-    @contextlib.contextmanager
-    def forward(self, key: tuple[int, int]):
-        self.live[key] = 0
-        self._current = key
-        self._storages = set()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            yield
-        self._current = None
-        self.bytes_per_forward.append(self.live[key])
-        self.peak_inflight = max(self.peak_inflight, len(self.live))
-        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
-
-    def backward_done(self, key: tuple[int, int]) -> None:
-        self.live.pop(key, None)
-
-    def held_outputs(self, outputs: dict[tuple[int, int], torch.Tensor]) -> None:
-        """Elements still stored in kept forward outputs (deallocated ones hold one)."""
-        held = sum(o.numel() for o in outputs.values())
-        self.peak_output_elements = max(self.peak_output_elements, held)
 
 
 def _sync_objects(grad_sync: GradSyncArg, num_chunks: int) -> list[GradSync] | None:
@@ -163,7 +111,7 @@ def forward_backward(
     loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] = default_loss_fn,
     get_batch: Callable[[Iterator], dict[str, torch.Tensor]] = default_get_batch,
     grad_sync: GradSyncArg = None,
-    stats: dict[str, Any] | None = None,
+    activation_meter: ActivationMeter | None = None,
     microbatch_group_size: int | None = None,
 ) -> list[float]:
     """Run one iteration of the pipeline schedule on this rank; return per-micro-batch losses.
@@ -181,8 +129,8 @@ def forward_backward(
     ``microbatch_group_size``: the interleaved schedule's group size N (micro-batches that go
     through a model chunk in a row; default pp), see
     :func:`megazero.pipeline.schedules.interleaved_one_f_one_b`.
-    ``stats``, if given, receives ``peak_inflight``, ``peak_saved_bytes``,
-    ``saved_bytes_per_forward`` and ``peak_output_elements`` (see :class:`_ActivationMeter`).
+    ``activation_meter``, if given, measures this iteration's saved activations (see
+    :class:`megazero.pipeline.activation_meter.ActivationMeter`).
     """
     vpp, pp, m = len(model_chunks), topo.pp_size, num_microbatches
     if vpp != (topo.vpp_size or 1):
@@ -196,7 +144,9 @@ def forward_backward(
     first = [v == 0 for v in vstages]
     last = [v == pp * vpp - 1 for v in vstages]
     syncs = _sync_objects(grad_sync, vpp)
-    meter = _ActivationMeter(params) if stats is not None else None
+    meter = activation_meter
+    if meter is not None:
+        meter.start(params)
 
     batches: dict[tuple[int, int], dict] = {}
     shared_draws: list[dict] = []
@@ -280,10 +230,6 @@ def forward_backward(
     assert not outputs and not inputs and not recv_act and not recv_grad, "schedule left work"
     if syncs and not isinstance(grad_sync, Sequence) and not forward_only:
         syncs[0].start_grad_sync()
-    if stats is not None and meter is not None:
-        stats.update(peak_inflight=meter.peak_inflight, peak_saved_bytes=meter.peak_bytes,
-                     saved_bytes_per_forward=list(meter.bytes_per_forward),
-                     peak_output_elements=meter.peak_output_elements)
     return _broadcast_losses(losses, topo, device)
 
 

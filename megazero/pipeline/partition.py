@@ -20,9 +20,6 @@ from megazero.topology import ParallelTopology
 LayerRange = tuple[int, int]
 
 
-def num_model_chunks(num_layers: int, pp: int, layers_per_virtual_stage: int | None) -> int:
-    """Model chunks per pipeline stage (vpp); 1 without interleaving."""
-    return len(chunk_layer_ranges(num_layers, pp, layers_per_virtual_stage)[0])
 
 
 def chunk_layer_ranges(

@@ -175,7 +175,7 @@ def peak_saved_bytes(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *
     """Peak bytes autograd holds for backward on pipeline rank ``pp_rank``: walk the step list
     :func:`megazero.pipeline.schedules.build_schedule` gives this rank (the one the executor
     runs); each forward adds its chunk's saved bytes until its backward. This is what the
-    executor's activation meter measures (``stats["peak_saved_bytes"]``); the transient of
+    executor's activation meter measures (``ActivationMeter.peak_saved_bytes``); the transient of
     rematerialising a full-recompute segment in backward comes on top
     (:func:`segment_peak_bytes`)."""
     from megazero.pipeline.schedules import build_schedule

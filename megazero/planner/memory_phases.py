@@ -7,9 +7,11 @@ monitor writes the three values as TensorBoard / JSON scalars ``mem-after-forwar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from megazero.pipeline.activation_meter import ActivationMeter
 
 if TYPE_CHECKING:
     from megazero.zero.optimizer import ZeroOptimizer
@@ -27,7 +29,7 @@ class MemoryPhases:
 
     def __init__(self, engine: ZeroOptimizer, device: torch.device) -> None:
         self.engine, self.cuda = engine, device.type == "cuda"
-        self.stats: dict[str, Any] = {}
+        self.meter = ActivationMeter()
         self.phases: dict[str, float] = {}
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -41,7 +43,7 @@ class MemoryPhases:
         now = self._now()
         self.phases["mem-after-forward"] = (
             float(torch.cuda.max_memory_allocated()) if self.cuda
-            else now + float(self.stats.get("peak_saved_bytes", 0)))
+            else now + float(self.meter.peak_saved_bytes))
         self.phases["mem-after-backward"] = now
 
     def after_step(self) -> dict[str, float]:

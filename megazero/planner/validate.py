@@ -5,7 +5,7 @@
 does, runs ``iters`` training iterations (pipeline executor, gradient sync, optimizer step) and
 returns, per rank, the measured and the predicted:
 
-* **saved activation bytes**: the executor's activation meter (``stats["peak_saved_bytes"]``
+* **saved activation bytes**: the executor's activation meter (``peak_saved_bytes``
   of the last iteration: the peak, over the schedule, of the storages autograd holds for
   backward) against :func:`megazero.planner.activations.peak_saved_bytes` (the same schedule
   walked with the planner's per-layer bytes);
@@ -131,10 +131,11 @@ def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int 
                     track_memory: bool = True) -> list[dict[str, Any]]:
     """Run every layout (full flag lists) ``iters`` iterations on this rank; one row each."""
     from megazero.config import load_config
+    from megazero.data.random_batches import random_lm_batches
+    from megazero.pipeline.activation_meter import ActivationMeter
     from megazero.pipeline.executor import forward_backward
     from megazero.planner.activations import core_attention_saves_scores, peak_saved_bytes
     from megazero.planner.estimate import FRAGMENTATION_ITEM, rank_memory
-    from megazero.testing.batches import random_lm_batches
     from megazero.topology import ParallelTopology
     from megazero.train_setup import build_model_and_optimizer
 
@@ -152,7 +153,7 @@ def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int 
         m = (t.global_batch_size or t.micro_batch_size * topo.dp_size) // (
             t.micro_batch_size * topo.dp_size)
         sp = p.sequence_parallel_active
-        stats: dict[str, Any] = {}
+        meter = ActivationMeter()
         tracker: Any = None
         if track_memory:
             tracker = LiveStorageBytes() if device.type == "cpu" else CudaPeakBytes()
@@ -169,7 +170,7 @@ def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int 
                         chunks, iter(batches), topo, m, cfg.model.seq_length,
                         t.micro_batch_size, cfg.model.hidden_size, sequence_parallel=sp,
                         dtype=cfg.precision.params_dtype, grad_sync=engine,
-                        stats=stats if last else None,
+                        activation_meter=meter if last else None,
                         microbatch_group_size=p.microbatch_group_size_per_vp_stage)
                     engine.finish_grad_sync()
                     engine.step()
@@ -180,7 +181,7 @@ def measure_layouts(rank: int, world: int, layouts: list[list[str]], iters: int 
         rows.append(dict(
             flags=flags, rank=topo.rank, pp_rank=topo.pp_rank, tp_rank=topo.tp_rank,
             dp_rank=topo.dp_rank, microbatches=m,
-            measured_saved=stats["peak_saved_bytes"],
+            measured_saved=meter.peak_saved_bytes,
             predicted_saved=peak_saved_bytes(cfg, topo.pp_rank, m, flash=flash,
                                              sdpa_math=not flash and cpu),
             measured_peak=tracker.peak if tracker is not None else None,

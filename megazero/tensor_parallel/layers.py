@@ -300,9 +300,3 @@ def load_full_into_shard(param: nn.Parameter, full: torch.Tensor, group: Group) 
                             group_rank(group), group_size(group))
     with torch.no_grad():
         param.copy_(full)
-
-
-def vocab_range(param: torch.Tensor, group: Group) -> tuple[int, int]:
-    local = param.shape[0]
-    start = group_rank(group) * local
-    return start, start + local

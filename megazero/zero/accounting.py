@@ -61,26 +61,6 @@ class StorageCounter:
             self.report.bytes[kind][place] += nbytes
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for state in optimizer.state.values():
-        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return out
-
-
-def formula_bytes(stage: int, numel: int, dp: int, mixed: bool, offload: bool = False) -> float:
-    """ZeRO paper's model-state bytes per rank (Adam): K = 12 mixed, 8 in fp32 (masters = params).
-
-    With the optimizer offloaded, fp32 training needs a host copy of the master weights too
-    (the device keeps the parameters it computes with), so K = 12 there as well.
-    """
-    p = g = 2 if mixed else 4
-    k = 12 if mixed or offload else 8
-    n = float(dp)
-    per = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
-    return per * numel
-
-
 def formula_comm_bytes(stage: int, numel: int, dp: int, elem_size: int) -> float:
     """Data-parallel bytes moved per rank per step with ring collectives."""
     factor = 3 if stage == 3 else 2

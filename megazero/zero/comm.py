@@ -49,9 +49,6 @@ class CommLog:
         self.physical[(group, physical_op)] += physical
         self.calls[(group, op)] += 1
 
-    def total_logical(self, group: str | None = None) -> float:
-        return sum(v for (g, _), v in self.logical.items() if group is None or g == group)
-
     def report(self) -> dict[str, Any]:
         return {
             "logical_bytes": {f"{g}/{op}": v for (g, op), v in sorted(self.logical.items())},

@@ -294,7 +294,13 @@ class ZeroOptimizer:
     # --- accounting ---------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes this rank holds for params, grads and optimizer state, by placement."""
+        """Bytes this rank holds for params, grads and optimizer state, by placement, counted
+        from real tensor storage (:class:`megazero.zero.accounting.MemoryReport` as a dict:
+        ``bytes[kind][place]``, ``device_total``, ``offload_total``, ``padding_elements``).
+
+        The run-time side of the one cost model: ``--log-memory-phases``, the checkpoint size
+        check before saving and the planner's validation read it, and tests compare it byte
+        for byte with :mod:`megazero.planner.model_states`."""
         device = next(iter(self._all_params()), torch.empty(0)).device.type
         report = MemoryReport(device_type=device,
                               padding_elements=sum(s.padding for s in self.stores))
@@ -309,7 +315,9 @@ class ZeroOptimizer:
         return report.as_dict()
 
     def comm_report(self) -> dict[str, Any]:
-        """Bytes each collective moved during the last completed step, by group."""
+        """Bytes each collective moved during the last completed step, by ``group/op``:
+        ``logical_bytes`` (ring-collective bytes per rank, the ZeRO paper's traffic formulas),
+        ``physical_bytes`` (what the operation actually issued moves) and ``calls``."""
         return self._last_comm
 
     def _all_params(self) -> Iterator[nn.Parameter]:
@@ -340,7 +348,8 @@ class ZeroOptimizer:
         self.masters.sync_masters_from_model()
 
     def full_parameters(self) -> dict[int, torch.Tensor]:
-        """A full copy of every parameter keyed by ``id(param)`` (collective at stage 3)."""
+        """A full copy of every parameter keyed by ``id(param)`` (collective over dp at
+        stage 3: every dp rank must call it); the stage-3 checkpoint writer saves these."""
         out: dict[int, torch.Tensor] = {}
         for store in self.stores:
             out.update(store.gathered_state())

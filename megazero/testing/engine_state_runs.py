@@ -1,13 +1,13 @@
 """Rank functions for the engine tests that check state rather than loss equivalence: fp16
 overflow skipping, out-of-order calls and config errors, checkpoints, zero.Init (see
-tests/engine_runs.py for the models, data split and references)."""
+megazero/testing/engine_runs.py for the models, data split and references)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tests.engine_runs import (
+from megazero.testing.engine_runs import (
     GAS,
     MICRO,
     TinyLM,

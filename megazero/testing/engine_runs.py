@@ -42,7 +42,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     if kind == "hf":
         import transformers
 
-        from tests.hf_models import gpt2_config
+        from megazero.testing.hf_models import gpt2_config
 
         return transformers.GPT2LMHeadModel(gpt2_config(n_positions=SEQ))
     return TinyLM()

@@ -1,5 +1,6 @@
 """A tiny stand-in language model and the single-process reference loop the ZeRO engine must
-match (used by the tests and benchmarks).
+match, and the ZeRO paper's model-state bytes to compare its accounting with (used by the
+tests and benchmarks).
 
 The model has what matters to ZeRO: an embedding tied to the output projection (used outside
 the module that owns it, like a GPT's tied word embedding), matrices and vectors (weight decay on
@@ -116,3 +117,15 @@ def engine_train_step(model: nn.Module, engine: Any, tokens: torch.Tensor, label
     engine.finish_grad_sync()
     return total, engine.step()
 
+
+def formula_bytes(stage: int, numel: int, dp: int, mixed: bool, offload: bool = False) -> float:
+    """ZeRO paper's model-state bytes per rank (Adam): K = 12 mixed, 8 in fp32 (masters = params).
+
+    With the optimizer offloaded, fp32 training needs a host copy of the master weights too
+    (the device keeps the parameters it computes with), so K = 12 there as well.
+    """
+    p = g = 2 if mixed else 4
+    k = 12 if mixed or offload else 8
+    n = float(dp)
+    per = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+    return per * numel

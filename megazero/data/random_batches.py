@@ -1,4 +1,5 @@
-"""Deterministic language-model micro-batches for tests."""
+"""Deterministic random language-model micro-batches: the planner's measurement runs
+(``megazero.planner.validate``) and tests drive the model with them."""
 
 from __future__ import annotations
 
