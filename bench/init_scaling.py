@@ -56,6 +56,17 @@ def model_params(tp: int) -> list[tuple[str, tuple[int, ...], int | None, int, i
     return out
 
 
+def spec(name: str):
+    """The rule GPTModel's layers declare for ``name`` (megazero.model.init.InitSpec)."""
+    from megazero.model.init import InitSpec
+
+    if "layernorm" in name:
+        return InitSpec("ones" if name.endswith("weight") else "zeros", key=name)
+    if name.endswith("bias"):
+        return InitSpec("zeros", key=name)
+    return InitSpec("normal", name.endswith(("linear_proj.weight", "linear_fc2.weight")), name)
+
+
 def _rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -78,7 +89,7 @@ def child(tp: int, method: str) -> dict:
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=16,
                       vocab_size=VOCAB, seq_length=SEQ)
     rank, seed = tp - 1, 1234
-    mi.init_parameter_(torch.empty(4, 4), "warmup.weight", cfg, seed)  # load kernels
+    mi.init_parameter_(torch.empty(4, 4), mi.InitSpec(key="w"), cfg, seed)  # load kernels
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = _rss_kib("VmRSS")
     t0 = time.perf_counter()
@@ -91,12 +102,12 @@ def child(tp: int, method: str) -> dict:
         elif dim is not None:
             set_tensor_model_parallel_attributes(p, dim, stride)
         if method == "shard":
-            mi.init_parameter_(p, name, cfg, seed, rank, tp)
+            mi.init_parameter_(p, spec(name), cfg, seed, rank, tp)
         else:  # the previous scheme: the full tensor on every rank, keep the slice
             full = torch.empty(mi.full_shape(p, tp))
-            if mi.init_kind(name) == "normal":
+            if spec(name).kind == "normal":
                 gen = torch.Generator().manual_seed(mi.param_seed(seed, name))
-                full.normal_(0.0, mi._std(name, cfg), generator=gen)
+                full.normal_(0.0, spec(name).std(cfg), generator=gen)
             if vocab is not None:
                 pad = torch.cat([full, full.new_zeros(shape[0] * tp - vocab, shape[1])])
                 p.data.copy_(pad.chunk(tp)[rank])

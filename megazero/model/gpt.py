@@ -21,7 +21,7 @@ from torch import nn
 from megazero.config import ConfigError, ModelConfig, check_tensor_parallel_split
 from megazero.model.attention import BACKENDS
 from megazero.model.dropout import dropout
-from megazero.model.init import initialize_parameters
+from megazero.model.init import declare, initialize_parameters, scope
 from megazero.model.positional import RotaryEmbedding
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TransformerBlock
@@ -76,6 +76,8 @@ class Embedding(nn.Module):
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size,
                                                     dtype=params_dtype)
+            declare(self.position_embeddings.weight, key="position_embeddings.weight")
+        declare(self.word_embeddings.weight, key="word_embeddings.weight")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
@@ -122,13 +124,14 @@ class GPTModel(nn.Module):
         self.rng_tracker = rng_tracker or self.default_rng_tracker(seed, topo, layer_range[0])
         group = topo.tp_group
 
-        self.embedding = Embedding(config, topo, self.sequence_parallel, self.rng_tracker,
-                                   params_dtype) if pre_process else None
+        self.embedding = scope(Embedding(config, topo, self.sequence_parallel, self.rng_tracker,
+                                         params_dtype), "embedding") if pre_process else None
         self.rotary = (RotaryEmbedding(config.head_dim, config.max_positions, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, layer_range, group, self.sequence_parallel,
                                         self.rng_tracker, attention_backend, post_process,
                                         params_dtype)
+        scope(self.decoder, "decoder")
         self.output_layer = None
         tied = not config.untie_embeddings_and_output_weights
         if post_process and not (tied and pre_process):
@@ -136,6 +139,7 @@ class GPTModel(nn.Module):
             weight = nn.Parameter(torch.empty(self.padded_vocab_size // tp, config.hidden_size,
                                               dtype=params_dtype))
             mark_vocab_parallel(weight, config.vocab_size, self.padded_vocab_size)
+            declare(weight, key=WORD_EMBEDDING if tied else "output_layer.weight")
             if tied:  # the last stage's copy of the word embedding
                 weight.init_name = WORD_EMBEDDING
                 weight.shared_embedding = True

@@ -8,6 +8,7 @@ from torch import nn
 from megazero.config import ModelConfig
 from megazero.model.attention import SelfAttention
 from megazero.model.dropout import dropout
+from megazero.model.init import scope
 from megazero.model.mlp import MLP
 from megazero.model.norms import build_norm
 from megazero.tensor_parallel.mappings import Group
@@ -42,6 +43,10 @@ class TransformerLayer(nn.Module):
                                             attention_backend, params_dtype)
         self.pre_mlp_layernorm = build_norm(*norm)
         self.mlp = MLP(config, group, sequence_parallel, params_dtype)
+        for child, name in ((self.input_layernorm, "input_layernorm"),
+                            (self.self_attention, "self_attention"),
+                            (self.pre_mlp_layernorm, "pre_mlp_layernorm"), (self.mlp, "mlp")):
+            scope(child, name)
 
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
@@ -70,13 +75,15 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.tracker = tracker
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, i, group, sequence_parallel, tracker,
-                                     attention_backend, params_dtype)
+            str(i): scope(TransformerLayer(config, i, group, sequence_parallel, tracker,
+                                           attention_backend, params_dtype), f"layers.{i}")
             for i in range(*layer_range)
         })
         self.final_layernorm = build_norm(
             config.normalization, config.hidden_size, config.norm_epsilon, sequence_parallel,
             params_dtype) if post_process else None
+        if self.final_layernorm is not None:
+            scope(self.final_layernorm, "final_layernorm")
         self.recompute_segments: list[tuple[int, int]] = []
 
     def _run(self, layers: list[nn.Module]):
