@@ -27,6 +27,7 @@ from pathlib import Path
 
 HIDDEN, LAYERS, VOCAB, SEQ, DIVISIBLE = 1024, 8, 32000, 1024, 128
 TPS = (1, 2, 4, 8)
+ROUNDS = 3
 
 
 def model_params(tp: int) -> list[tuple[str, tuple[int, ...], int | None, int, int | None]]:
@@ -129,9 +130,16 @@ def main() -> None:
     rows = []
     for method in ("shard", "full"):
         for tp in TPS:
-            out = subprocess.run([sys.executable, __file__, "--child", str(tp), method],
-                                 check=True, capture_output=True, text=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
+            rounds = []
+            for _ in range(ROUNDS):  # a shared machine: time is the best round, memory the worst
+                out = subprocess.run([sys.executable, __file__, "--child", str(tp), method],
+                                     check=True, capture_output=True, text=True).stdout
+                rounds.append(json.loads(out.strip().splitlines()[-1]))
+            row = min(rounds, key=lambda r: r["init_s"])
+            worst = max(rounds, key=lambda r: r["peak_extra_mib"])
+            row.update(peak_extra_mib=worst["peak_extra_mib"],
+                       peak_over_shard=worst["peak_over_shard"], rounds=ROUNDS)
+            rows.append(row)
     print(f"{'method':>6} {'tp':>3} {'init s':>8} {'shard MiB':>10} {'peak MiB':>9} "
           f"{'peak/shard':>10}")
     for r in rows:

@@ -6,6 +6,7 @@ validated :class:`~megazero.config.MegazeroConfig` and the topology explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -148,17 +149,31 @@ def recompute_spec(cfg: MegazeroConfig) -> Any:
 def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
                               device: torch.device) -> tuple[list[torch.nn.Module], Any]:
     """Model chunks for this rank (fp32 init, identical at every layout), then the ZeRO engine,
-    which casts them to the training dtype and keeps fp32 masters."""
+    which casts them to the training dtype and keeps fp32 masters.
+
+    With ZeRO stage 3 the chunks are built on the meta device and the engine materialises only
+    this rank's partition of each unit (the values the full build would have), so a model
+    larger than one rank's memory can start."""
+    from megazero.model.init import ParamInitializer
     from megazero.pipeline.partition import build_model_chunks
     from megazero.zero import build_zero_optimizer
 
     sp = cfg.parallel.sequence_parallel and topo.tp_size > 1
-    chunks = build_model_chunks(cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
-                                sequence_parallel=sp, recompute=recompute_spec(cfg),
-                                seed=cfg.train.seed)
-    chunks = [c.to(device) for c in chunks]
+    meta = cfg.zero.stage == 3
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        chunks = build_model_chunks(
+            cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
+            sequence_parallel=sp, recompute=recompute_spec(cfg), seed=cfg.train.seed)
+    param_init = None
+    if meta:
+        for c in chunks:
+            c.materialize_buffers(device)
+        param_init = ParamInitializer(cfg.model, cfg.train.seed, topo.tp_rank, topo.tp_size,
+                                      device)
+    else:
+        chunks = [c.to(device) for c in chunks]
     engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
-                                  sequence_parallel=sp)
+                                  sequence_parallel=sp, param_init=param_init)
     return chunks, engine
 
 

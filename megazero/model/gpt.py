@@ -156,6 +156,14 @@ class GPTModel(nn.Module):
             else:
                 apply_recompute(self, *recompute)
 
+    def materialize_buffers(self, device: torch.device) -> None:
+        """Recompute buffers left on the meta device by a build under ``torch.device("meta")``
+        (the rotary tables; parameters are materialised by ZeRO stage 3)."""
+        if self.rotary is not None and self.rotary.cos.is_meta:
+            c = self.config
+            with torch.device(device):
+                self.rotary = RotaryEmbedding(c.head_dim, c.max_positions, c.rotary_base)
+
     @staticmethod
     def default_rng_tracker(seed: int, topo: ParallelTopology, first_layer: int = 0
                             ) -> RNGStatesTracker:

@@ -348,6 +348,9 @@ class ParamInitializer:
 
 def initialize_parameters(model: nn.Module, config: ModelConfig, topo: Any, seed: int) -> None:
     """Fill every parameter of ``model`` with its slice of the seeded full tensor, by the rule
-    its layer declared."""
+    its layer declared. Parameters on the meta device are only checked for a rule: they are
+    filled later, partition by partition (:class:`ParamInitializer`)."""
     for name, p in model.named_parameters():
-        init_parameter_(p, spec_of(p, name), config, seed, topo.tp_rank, topo.tp_size)
+        spec = spec_of(p, name)
+        if not p.is_meta:
+            init_parameter_(p, spec, config, seed, topo.tp_rank, topo.tp_size)
