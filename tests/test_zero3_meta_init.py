@@ -24,19 +24,27 @@ def _world(rank, world_size):
     out = []
     for name, extra in CASES.items():
         for tp, pp in ((1, 1), (2, 1), (1, 2)) if name == "gelu" else ((1, 1),):
-            out.append((name, tp, pp, _case(world_size, extra, tp, pp)))
+            # threshold 0: every unit partitioned; the default keeps small units whole
+            for threshold in (0, None) if (tp, pp) == (1, 1) else (0,):
+                out.append((name, tp, pp, _case(world_size, extra, tp, pp, threshold)))
     return out
 
 
-def _case(world_size, extra, tp, pp):
+def _case(world_size, extra, tp, pp, threshold):
     from megazero.arguments import load_config
     from megazero.pipeline.partition import build_model_chunks
     from megazero.topology import ParallelTopology
     from megazero.train_setup import build_model_and_optimizer, recompute_spec
     from megazero.zero import build_zero_optimizer
 
+    ds = None
+    if threshold is not None:
+        ds = {"train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
     cfg = load_config(ARGV + extra + [f"--tensor-model-parallel-size={tp}",
-                                      f"--pipeline-model-parallel-size={pp}"], world_size)
+                                      f"--pipeline-model-parallel-size={pp}"], world_size, ds)
+    assert cfg.zero.stage3_param_persistence_threshold == (threshold if threshold is not None
+                                                           else 100_000)
     topo = ParallelTopology.build(tp=tp, pp=pp)
     built = {}
 
@@ -69,14 +77,15 @@ def _case(world_size, extra, tp, pp):
     return {"devices": sorted(built["devices"]), "n": len(got),
             "same": [a[:2] == b[:2] and a[3] == b[3] and torch.equal(a[2], b[2])
                      for a, b in zip(got, want)],
-            "persistent": sum(a[3] for a in got), "masters": masters, "rotary": rotary,
+            "persistent": sum(a[3] for a in got), "threshold": threshold, "masters": masters,
+            "rotary": rotary,
             "nonzero": sum(int(a[2].count_nonzero()) for a in got)}
 
 
 def test_meta_build_materialises_the_same_partitions():
     """2 ranks: dp 2; tp 2; pp 2. GELU/LayerNorm/tied and SwiGLU/RoPE/RMSNorm/untied."""
     for rank_rows in run_distributed(_world, 2, timeout=300):
-        assert len(rank_rows) == 4
+        assert len(rank_rows) == 6
         for name, tp, pp, r in rank_rows:
             case = (name, tp, pp)
             assert r["devices"] == ["meta"], case  # no full copy before the engine
@@ -84,3 +93,4 @@ def test_meta_build_materialises_the_same_partitions():
             assert r["masters"] and all(r["masters"]), case
             assert all(r["rotary"]), case
             assert r["nonzero"] > 0, case
+            assert (r["persistent"] == 0) == (r["threshold"] == 0), case
