@@ -154,7 +154,6 @@ def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
     With ZeRO stage 3 the chunks are built on the meta device and the engine materialises only
     this rank's partition of each unit (the values the full build would have), so a model
     larger than one rank's memory can start."""
-    from megazero.model.init import ParamInitializer
     from megazero.pipeline.partition import build_model_chunks
     from megazero.zero import build_zero_optimizer
 
@@ -168,8 +167,7 @@ def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
     if meta:
         for c in chunks:
             c.materialize_buffers(device)
-        param_init = ParamInitializer(cfg.model, cfg.train.seed, topo.tp_rank, topo.tp_size,
-                                      device)
+        param_init = chunks[0].param_initializer(device)
     else:
         chunks = [c.to(device) for c in chunks]
     engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,

@@ -94,3 +94,56 @@ def test_meta_build_materialises_the_same_partitions():
             assert all(r["rotary"]), case
             assert r["nonzero"] > 0, case
             assert (r["persistent"] == 0) == (r["threshold"] == 0), case
+
+
+def _engine_world(rank, world_size):
+    import megazero
+    from megazero.config import ConfigError, ModelConfig
+    from megazero.model import GPTModel
+    from megazero.topology import ParallelTopology
+
+    mcfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                       seq_length=16, swiglu=True, position_embedding_type="rope",
+                       hidden_dropout=0.0, attention_dropout=0.0)
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    topo = ParallelTopology.build(tp=1, pp=1)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 100, (2, 16), generator=g)
+    labels = torch.randint(0, 100, (2, 16), generator=g)
+    out = {}
+    for how in ("real", "meta"):
+        if how == "meta":
+            with torch.device("meta"):
+                model = GPTModel(mcfg, topo, seed=3)
+        else:
+            model = GPTModel(mcfg, topo, seed=3)
+        engine, *_ = megazero.initialize(model=model, config=ds)
+        shards = [u.shard.clone() for s in engine.optimizer.stores for u in s.units]
+        losses = []
+        for _ in range(2):
+            loss = engine(tokens, labels).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[how] = (shards, losses)
+    with torch.device("meta"):
+        model = GPTModel(mcfg, topo, seed=3)
+    try:
+        megazero.initialize(model=model, config={**ds, "zero_optimization": {"stage": 2}})
+        out["stage2_error"] = None
+    except ConfigError as e:
+        out["stage2_error"] = str(e)
+    return {"same_shards": [torch.equal(a, b) for a, b in zip(out["real"][0], out["meta"][0])],
+            "losses": (out["real"][1], out["meta"][1]), "stage2_error": out["stage2_error"]}
+
+
+def test_engine_api_materialises_a_meta_gpt():
+    """megazero.initialize with a GPTModel built under torch.device("meta"): the same shards and
+    the same losses as the model built on the CPU; stages 0-2 refuse it with the fix named."""
+    for r in run_distributed(_engine_world, 2, timeout=240):
+        assert len(r["same_shards"]) > 5 and all(r["same_shards"]), r
+        real, meta = r["losses"]
+        assert real == meta and real[1] != real[0], r
+        assert "zero_optimization.stage 3" in r["stage2_error"]

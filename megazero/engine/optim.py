@@ -78,8 +78,9 @@ def regroup(zero: ZeroOptimizer, cls: type, groups: list[dict[str, Any]]) -> Non
 
 
 def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: Any, client: Any,
-                    model_parameters: Any) -> tuple[ZeroOptimizer, Any]:
-    """The ZeRO optimizer over ``module`` and the client optimizer it was built from (or None)."""
+                    model_parameters: Any, param_init: Any = None) -> tuple[ZeroOptimizer, Any]:
+    """The ZeRO optimizer over ``module`` and the client optimizer it was built from (or None).
+    ``param_init``: ``module`` is on the meta device (see ``build_zero_optimizer``)."""
     if callable(client) and not isinstance(client, torch.optim.Optimizer):
         params = model_parameters if model_parameters is not None else module.parameters()
         client = client(params)
@@ -105,7 +106,7 @@ def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: Any, client: A
     for g in groups:
         g["params"] = [p for p in g["params"] if id(p) in trainable]
     zero = build_zero_optimizer(module, replace(o, optimizer="adamw"), cfg.zero, cfg.precision,
-                                topo)
+                                topo, param_init=param_init)
     regroup(zero, cls, groups)
     return zero, client
 

@@ -21,7 +21,7 @@ from torch import nn
 from megazero.config import ConfigError, ModelConfig, check_tensor_parallel_split
 from megazero.model.attention import BACKENDS
 from megazero.model.dropout import dropout
-from megazero.model.init import declare, initialize_parameters, scope
+from megazero.model.init import ParamInitializer, declare, initialize_parameters, scope
 from megazero.model.positional import RotaryEmbedding
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TransformerBlock
@@ -163,6 +163,12 @@ class GPTModel(nn.Module):
             c = self.config
             with torch.device(device):
                 self.rotary = RotaryEmbedding(c.head_dim, c.max_positions, c.rotary_base)
+
+    def param_initializer(self, device: torch.device) -> ParamInitializer:
+        """What computes any element of this model's parameters (for ZeRO-3 to materialise
+        partitions of a build on the meta device), placing them on ``device``."""
+        return ParamInitializer(self.config, self.seed, self.topo.tp_rank, self.topo.tp_size,
+                                device)
 
     @staticmethod
     def default_rng_tracker(seed: int, topo: ParallelTopology, first_layer: int = 0
