@@ -113,10 +113,15 @@ def _engine_world(rank, world_size):
     tokens = torch.randint(0, 100, (2, 16), generator=g)
     labels = torch.randint(0, 100, (2, 16), generator=g)
     out = {}
-    for how in ("real", "meta"):
+    for how in ("real", "meta", "zero.Init"):
         if how == "meta":
             with torch.device("meta"):
                 model = GPTModel(mcfg, topo, seed=3)
+        elif how == "zero.Init":
+            with megazero.zero.Init():
+                model = GPTModel(mcfg, topo, seed=3)
+            out["init_shards"] = sorted({tuple(p.mz_shard.shape) == (-(-p.mz_shape.numel() // 2),)
+                                         and p.numel() == 0 for p in model.parameters()})
         else:
             model = GPTModel(mcfg, topo, seed=3)
         engine, *_ = megazero.initialize(model=model, config=ds)
@@ -135,15 +140,19 @@ def _engine_world(rank, world_size):
         out["stage2_error"] = None
     except ConfigError as e:
         out["stage2_error"] = str(e)
-    return {"same_shards": [torch.equal(a, b) for a, b in zip(out["real"][0], out["meta"][0])],
-            "losses": (out["real"][1], out["meta"][1]), "stage2_error": out["stage2_error"]}
+    return {"same_shards": [torch.equal(a, b) for how in ("meta", "zero.Init")
+                            for a, b in zip(out["real"][0], out[how][0])],
+            "losses": (out["real"][1], out["meta"][1], out["zero.Init"][1]),
+            "init_shards": out["init_shards"], "stage2_error": out["stage2_error"]}
 
 
 def test_engine_api_materialises_a_meta_gpt():
-    """megazero.initialize with a GPTModel built under torch.device("meta"): the same shards and
-    the same losses as the model built on the CPU; stages 0-2 refuse it with the fix named."""
+    """megazero.initialize with a GPTModel built under torch.device("meta") or inside
+    zero.Init (built on meta, each parameter's shard computed): the same shards and losses as
+    the model built on the CPU; stages 0-2 refuse a meta model with the fix named."""
     for r in run_distributed(_engine_world, 2, timeout=240):
         assert len(r["same_shards"]) > 5 and all(r["same_shards"]), r
-        real, meta = r["losses"]
-        assert real == meta and real[1] != real[0], r
+        real, meta, zinit = r["losses"]
+        assert real == meta == zinit and real[1] != real[0], r
+        assert r["init_shards"] == [True]  # zero.Init: only 1/dp flat shards, no full tensor
         assert "zero_optimization.stage 3" in r["stage2_error"]

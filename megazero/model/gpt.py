@@ -94,6 +94,10 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
+    #: ``megazero.zero.Init`` builds it on the meta device and computes each parameter's shard
+    #: (:meth:`param_initializer`), never a full tensor
+    mz_meta_init = True
+
     def __init__(self, config: ModelConfig, topo: ParallelTopology, *,
                  sequence_parallel: bool = False, layer_range: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True,
