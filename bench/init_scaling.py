@@ -96,6 +96,8 @@ def child(tp: int, method: str) -> dict:
     t0 = time.perf_counter()
     shard_bytes = 0
     params = []
+    held = mi.workspace()  # as GPTModel's initialize_parameters holds it for the whole model
+    held.__enter__()
     for name, shape, dim, stride, vocab in model_params(tp):
         p = torch.nn.Parameter(torch.empty(shape))
         if vocab is not None:
@@ -119,6 +121,7 @@ def child(tp: int, method: str) -> dict:
             del full
         shard_bytes += p.numel() * p.element_size()
         params.append(p)
+    held.__exit__(None, None, None)
     seconds = time.perf_counter() - t0
     peak = (_rss_kib("VmHWM") - base) * 1024
     return {"tp": tp, "method": method, "rank": rank, "init_s": seconds,

@@ -29,8 +29,10 @@ Python definition the vectorised one is tested against.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -72,7 +74,8 @@ def splitmix64_reference(key: int, index: int) -> int:
 
 
 class _Workspace:
-    """The generator's scratch buffers, allocated once per process and reused by every chunk.
+    """The generator's scratch buffers, reused by every chunk of every parameter while
+    :func:`workspace` is held (a whole model's initialisation), freed when it is left.
 
     Why not fresh temporaries per chunk: glibc raises its mmap threshold after the first
     half-megabyte temporary is freed, so later ones come from the heap between the parameters
@@ -81,7 +84,18 @@ class _Workspace:
 
     def __init__(self) -> None:
         self.size = 0
+        self.depth = 0
         self.bufs: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.size, self.bufs = 0, {}
 
     def get(self, n: int) -> dict[str, torch.Tensor]:
         if n > self.size:
@@ -94,6 +108,11 @@ class _Workspace:
 
 
 _WS = _Workspace()
+
+
+def workspace() -> contextlib.AbstractContextManager[None]:
+    """Hold the generator's scratch buffers across many fills (one allocation in all)."""
+    return _WS.held()
 
 
 def _shr(z: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,7 +266,12 @@ def fill_normal_shard_(out: torch.Tensor, key: int, full: tuple[int, ...],
         shape = [1] * (len(full) - 1)
         shape[d - 1] = -1
         rest = rest + (idx[d] * strides[d]).view(shape)
-    rest = rest.reshape(-1)
+    with _WS.held():
+        _fill_rows(out, key, strides, idx, rest.reshape(-1), std, valid_rows)
+
+
+def _fill_rows(out: torch.Tensor, key: int, strides: list[int], idx: list[torch.Tensor],
+               rest: torch.Tensor, std: float, valid_rows: int | None) -> None:
     row_elems = max(rest.numel(), 1)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // row_elems)
     flat_out = out.view(out.shape[0], -1) if out.dim() > 1 else out.view(-1, 1)
@@ -295,7 +319,12 @@ def fill_flat_range_(out: torch.Tensor, param: torch.Tensor, spec: InitSpec,
     gstrides = [1] * len(full)
     for d in range(len(full) - 2, -1, -1):
         gstrides[d] = gstrides[d + 1] * full[d + 1]
-    shape = list(param.shape)
+    with _WS.held():
+        _fill_range(out, key, std, valid, list(param.shape), idx, gstrides, lo)
+
+
+def _fill_range(out: torch.Tensor, key: int, std: float, valid: int | None, shape: list[int],
+                idx: list[torch.Tensor], gstrides: list[int], lo: int) -> None:
     for c0 in range(0, out.numel(), CHUNK_ELEMENTS):
         n = min(CHUNK_ELEMENTS, out.numel() - c0)
         ws = _WS.get(n)
@@ -350,7 +379,8 @@ def initialize_parameters(model: nn.Module, config: ModelConfig, topo: Any, seed
     """Fill every parameter of ``model`` with its slice of the seeded full tensor, by the rule
     its layer declared. Parameters on the meta device are only checked for a rule: they are
     filled later, partition by partition (:class:`ParamInitializer`)."""
-    for name, p in model.named_parameters():
-        spec = spec_of(p, name)
-        if not p.is_meta:
-            init_parameter_(p, spec, config, seed, topo.tp_rank, topo.tp_size)
+    with workspace():
+        for name, p in model.named_parameters():
+            spec = spec_of(p, name)
+            if not p.is_meta:
+                init_parameter_(p, spec, config, seed, topo.tp_rank, topo.tp_size)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.compat import all_gather_into_tensor
+from megazero.model.init import workspace
 
 
 def _group_info(group: Any) -> tuple[int, int]:
@@ -136,19 +137,23 @@ class Init:
         size, rank = _group_info(self.group)
         init = module.param_initializer(device)  # type: ignore[operator]
         module.materialize_buffers(device)  # type: ignore[operator]
-        for p in module.parameters():
-            if not p.is_meta:
-                continue
-            n, dtype = p.numel(), self.dtype or p.dtype
-            per = -(-n // size)
-            lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
-            shard = torch.zeros(per, dtype=dtype, device=device)
-            init.fill_flat_(shard[:hi - lo], p, lo)
-            shape, attrs = p.shape, dict(p.__dict__)
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
-                                                     requires_grad=p.requires_grad))
-            p.__dict__.update(attrs)
-            p.mz_shard, p.mz_shape, p.mz_group = shard, shape, self.group
+        with workspace():
+            for p in module.parameters():
+                if p.is_meta:
+                    self._shard_meta(p, init, size, rank, device)
+
+    def _shard_meta(self, p: nn.Parameter, init: Any, size: int, rank: int,
+                    device: torch.device) -> None:
+        n, dtype = p.numel(), self.dtype or p.dtype
+        per = -(-n // size)
+        lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
+        shard = torch.zeros(per, dtype=dtype, device=device)
+        init.fill_flat_(shard[:hi - lo], p, lo)
+        shape, attrs = p.shape, dict(p.__dict__)
+        torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                 requires_grad=p.requires_grad))
+        p.__dict__.update(attrs)
+        p.mz_shard, p.mz_shape, p.mz_group = shard, shape, self.group
 
     def _partition_tree(self, module: nn.Module) -> None:
         for m in module.modules():

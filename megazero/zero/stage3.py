@@ -46,7 +46,7 @@ from torch import nn
 
 from megazero.config import ZeroConfig
 from megazero.errors import MegazeroError
-from megazero.model.init import ParamInitializer
+from megazero.model.init import ParamInitializer, workspace
 from megazero.zero.comm import Handle
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
@@ -113,8 +113,9 @@ class Stage3Params:
         if self.plan.params_nvme:
             swapped, self.swap = plan_swapped_units(
                 [sum(p.numel() for p in ps) for ps, _ in groups], zero, self.dp.size, self.dtype)
-        for (params, owner), nvme in zip(groups, swapped):
-            self.owner[self._add_unit(params, kinds, nvme)] = owner
+        with workspace():  # the init generator's scratch, shared by all units
+            for (params, owner), nvme in zip(groups, swapped):
+                self.owner[self._add_unit(params, kinds, nvme)] = owner
         self.units_of: dict[nn.Module, list[Unit]] = {}
         self.order: list[Unit] = []
         self._pos: dict[Unit, int] = {}
