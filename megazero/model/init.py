@@ -1,8 +1,9 @@
 """Layout-independent parameter initialisation that only draws this rank's shard.
 
 Every element of every parameter's full (tp=1, unpadded) master tensor has a fixed value: a
-normal drawn from a counter-based generator addressed by ``(seed, global parameter name,
-flat index of the element in the full tensor)``. The global name uses global layer indices, so
+normal drawn from a counter-based generator addressed by ``(seed, the parameter's key, flat
+index of the element in the full tensor)``. The key (spelled like the tp=1 model's parameter
+name, e.g. ``decoder.layers.5.mlp.linear_fc1.weight``) uses global layer indices, so
 layer 5 is the same tensor whether it lives in the full model or in pipeline chunk ``[4, 8)``;
 a tp=4 model holds bitwise the slices of the tp=1 model. Because any element can be computed
 on its own, each rank computes only the elements of its shard (column-parallel rows,
