@@ -6,6 +6,7 @@ validated :class:`~megazero.config.MegazeroConfig` and the topology explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -142,19 +143,32 @@ def get_batch(data_iterator: Iterator[dict],
 def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
                               device: torch.device) -> tuple[list[torch.nn.Module], Any]:
     """Model chunks for this rank (fp32 init, identical at every layout), then the ZeRO engine,
-    which casts them to the training dtype and keeps fp32 masters."""
+    which casts them to the training dtype and keeps fp32 masters.
+
+    With ZeRO stage 3 the chunks are built on the meta device and the engine materialises only
+    this rank's partition of each unit (the values the full build would have), so a model
+    larger than one rank's memory can start."""
     from megazero.pipeline.partition import build_model_chunks
     from megazero.tensor_parallel.context import ParallelContext
     from megazero.zero import build_zero_optimizer
 
     parallel = ParallelContext.from_topology(topo,
                                              sequence_parallel=cfg.parallel.sequence_parallel)
-    chunks = build_model_chunks(cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
-                                parallel=parallel, recompute=cfg.parallel.recompute,
-                                seed=cfg.train.seed)
-    chunks = [c.to(device) for c in chunks]
+    meta = cfg.zero.stage == 3
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        chunks = build_model_chunks(
+            cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
+            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed)
+    param_init = None
+    if meta:
+        for c in chunks:
+            c.materialize_buffers(device)
+        param_init = chunks[0].param_initializer(device)
+    else:
+        chunks = [c.to(device) for c in chunks]
     engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
-                                  sequence_parallel=parallel.sequence_parallel)
+                                  sequence_parallel=parallel.sequence_parallel,
+                                  param_init=param_init)
     return chunks, engine
 
 

@@ -60,6 +60,26 @@ def _mark_shared(module: nn.Module) -> None:
             p.zero_external = True
 
 
+def _meta_initializer(model: nn.Module, stage: int, device: torch.device) -> Any:
+    """For a model built under ``torch.device("meta")``: what materialises its ZeRO-3
+    partitions (``model.param_initializer(device)``, which megazero's GPTModel provides; its
+    meta buffers are recomputed on ``device``). None for a model on a real device."""
+    from megazero.config import ConfigError
+
+    if not any(p.is_meta for p in model.parameters()):
+        return None
+    make = getattr(model, "param_initializer", None)
+    if stage != 3 or make is None:
+        raise ConfigError(
+            f"the model's parameters are on the meta device; megazero.initialize materialises "
+            f"them only with zero_optimization.stage 3 (config has {stage}) and a model that "
+            f"can compute its own values (param_initializer(device), e.g. megazero's GPTModel; "
+            f"{type(model).__name__} has {'one' if make else 'none'}). Build the model on a "
+            "real device, or inside megazero.zero.Init to partition it as it is built")
+    model.materialize_buffers(device)
+    return make(device)
+
+
 def _dataloader(data: Any, engine_cfg: Any, topo: ParallelTopology, collate_fn: Any) -> Any:
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -102,8 +122,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     cfg = load_engine_config(args, config, config_params, dist.get_world_size())
     device, local_rank = _device()
     topo = ParallelTopology.build(tp=1, pp=1)
-    model.to(device)
+    param_init = _meta_initializer(model, cfg.zero.stage, device)
+    if param_init is None:
+        model.to(device)
     for p in model.parameters():
+        if p.is_meta:  # values computed from the seed, identical on every rank
+            continue
         if getattr(p, "mz_shard", None) is not None:  # shards of a model built in zero.Init
             p.mz_shard = p.mz_shard.to(device)
         elif topo.dp_size > 1:  # every rank starts from rank 0's weights, however seeded
@@ -117,7 +141,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             if is_partitioned(p):
                 p.data = gather_partitioned(p)
                 forget_partition(p)
-    zero, client = build_optimizer(model, cfg, topo, optimizer, model_parameters)
+    zero, client = build_optimizer(model, cfg, topo, optimizer, model_parameters,
+                                   param_init=param_init)
     scheduler = build_scheduler(cfg, zero, lr_scheduler)
     for store in zero.stores:  # what zero.GatheredParameters needs to find its way back
         for p in store.params():

@@ -58,8 +58,9 @@ def _check_coverage(module: nn.Module, groups: list[dict[str, Any]]) -> None:
 
 
 def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: ParallelTopology, client: Any,
-                    model_parameters: Any) -> tuple[ZeroOptimizer, Any]:
-    """The ZeRO optimizer over ``module`` and the client optimizer it was built from (or None)."""
+                    model_parameters: Any, param_init: Any = None) -> tuple[ZeroOptimizer, Any]:
+    """The ZeRO optimizer over ``module`` and the client optimizer it was built from (or None).
+    ``param_init``: ``module`` is on the meta device (see ``build_zero_optimizer``)."""
     if callable(client) and not isinstance(client, torch.optim.Optimizer):
         params = model_parameters if model_parameters is not None else module.parameters()
         client = client(params)
@@ -83,7 +84,8 @@ def build_optimizer(module: nn.Module, cfg: MegazeroConfig, topo: ParallelTopolo
     for g in groups:
         g["params"] = [p for p in g["params"] if id(p) in trainable]
     zero = build_zero_optimizer(module, o, cfg.zero, cfg.precision, topo,
-                                optimizer_factory=class_factory(cls), param_groups=groups)
+                                optimizer_factory=class_factory(cls), param_groups=groups,
+                                param_init=param_init)
     return zero, client
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from megazero.config import ModelConfig
 from megazero.model.dropout import dropout
+from megazero.model.init import declare_linear, scope
 from megazero.model.positional import apply_rotary
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import (
@@ -134,6 +135,8 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * d, config.hidden_size, parallel=parallel,
             bias=config.add_bias_linear, init_method=_NO_INIT)
+        scope(declare_linear(self.linear_qkv), "linear_qkv")
+        scope(declare_linear(self.linear_proj, depth_scaled=True), "linear_proj")
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:

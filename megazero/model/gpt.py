@@ -23,7 +23,7 @@ from torch import nn
 from megazero.config import ConfigError, ModelConfig, RecomputeConfig, check_tensor_parallel_split
 from megazero.config.rules import check_sequence_split
 from megazero.model.dropout import dropout
-from megazero.model.init import initialize_parameters
+from megazero.model.init import ParamInitializer, declare, initialize_parameters, scope
 from megazero.model.positional import RotaryEmbedding
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TransformerBlock
@@ -79,6 +79,8 @@ class Embedding(nn.Module):
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size,
                                                     dtype=parallel.params_dtype)
+            declare(self.position_embeddings.weight, key="position_embeddings.weight")
+        declare(self.word_embeddings.weight, key="word_embeddings.weight")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
@@ -95,6 +97,10 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
+    #: ``megazero.zero.Init`` builds it on the meta device and computes each parameter's shard
+    #: (:meth:`param_initializer`), never a full tensor
+    mz_meta_init = True
+
     def __init__(self, config: ModelConfig, topo: ParallelTopology, *,
                  parallel: ParallelContext | None = None,
                  layer_range: tuple[int, int] | None = None,
@@ -130,11 +136,13 @@ class GPTModel(nn.Module):
         self.rng_tracker = parallel.rng_tracker
         params_dtype = parallel.params_dtype
 
-        self.embedding = Embedding(config, parallel=parallel) if pre_process else None
+        self.embedding = (scope(Embedding(config, parallel=parallel), "embedding")
+                          if pre_process else None)
         self.rotary = (RotaryEmbedding(config.head_dim, config.max_positions, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, layer_range, parallel=parallel,
                                         post_process=post_process)
+        scope(self.decoder, "decoder")
         self.output_layer = None
         tied = not config.untie_embeddings_and_output_weights
         if post_process and not (tied and pre_process):
@@ -142,6 +150,7 @@ class GPTModel(nn.Module):
             weight = nn.Parameter(torch.empty(self.padded_vocab_size // tp, config.hidden_size,
                                               dtype=params_dtype))
             mark_vocab_parallel(weight, config.vocab_size, self.padded_vocab_size)
+            declare(weight, key=WORD_EMBEDDING if tied else "output_layer.weight")
             if tied:  # the last stage's copy of the word embedding
                 weight.init_name = WORD_EMBEDDING
                 weight.shared_embedding = True
@@ -152,6 +161,20 @@ class GPTModel(nn.Module):
         initialize_parameters(self, config, topo, seed)
         self.recompute = recompute or RecomputeConfig()
         apply_recompute(self, self.recompute)
+
+    def materialize_buffers(self, device: torch.device) -> None:
+        """Recompute buffers left on the meta device by a build under ``torch.device("meta")``
+        (the rotary tables; parameters are materialised by ZeRO stage 3)."""
+        if self.rotary is not None and self.rotary.cos.is_meta:
+            c = self.config
+            with torch.device(device):
+                self.rotary = RotaryEmbedding(c.head_dim, c.max_positions, c.rotary_base)
+
+    def param_initializer(self, device: torch.device) -> ParamInitializer:
+        """What computes any element of this model's parameters (for ZeRO-3 to materialise
+        partitions of a build on the meta device), placing them on ``device``."""
+        return ParamInitializer(self.config, self.seed, self.topo.tp_rank, self.topo.tp_size,
+                                device)
 
     @staticmethod
     def default_rng_tracker(seed: int, topo: ParallelTopology, first_layer: int = 0

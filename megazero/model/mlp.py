@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.model.init import declare_linear, scope
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import (
     DEFERRED_INIT,
@@ -34,6 +35,8 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(
             ffn, config.hidden_size, parallel=parallel, bias=config.add_bias_linear,
             init_method=_NO_INIT)
+        scope(declare_linear(self.linear_fc1), "linear_fc1")
+        scope(declare_linear(self.linear_fc2, depth_scaled=True), "linear_fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

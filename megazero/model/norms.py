@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.model.init import declare_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
@@ -31,4 +33,4 @@ def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool,
         raise ValueError(f"unknown normalization {kind!r}; expected LayerNorm or RMSNorm")
     for p in norm.parameters():
         p.sequence_parallel = sequence_parallel
-    return norm
+    return declare_norm(norm)

@@ -8,6 +8,7 @@ from torch import nn
 from megazero.config import ModelConfig
 from megazero.model.attention import SelfAttention
 from megazero.model.dropout import dropout
+from megazero.model.init import scope
 from megazero.model.mlp import MLP
 from megazero.model.norms import build_norm
 from megazero.tensor_parallel.context import ParallelContext
@@ -37,6 +38,10 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, parallel=parallel)
         self.pre_mlp_layernorm = build_norm(*norm)
         self.mlp = MLP(config, parallel=parallel)
+        for child, name in ((self.input_layernorm, "input_layernorm"),
+                            (self.self_attention, "self_attention"),
+                            (self.pre_mlp_layernorm, "pre_mlp_layernorm"), (self.mlp, "mlp")):
+            scope(child, name)
 
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
@@ -65,11 +70,14 @@ class TransformerBlock(nn.Module):
         parallel = parallel or ParallelContext()
         self.parallel = parallel
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, i, parallel=parallel) for i in range(*layer_range)
+            str(i): scope(TransformerLayer(config, i, parallel=parallel), f"layers.{i}")
+            for i in range(*layer_range)
         })
         self.final_layernorm = build_norm(
             config.normalization, config.hidden_size, config.norm_epsilon,
             parallel.sequence_parallel, parallel.params_dtype) if post_process else None
+        if self.final_layernorm is not None:
+            scope(self.final_layernorm, "final_layernorm")
         self.recompute_segments: list[tuple[int, int]] = []
 
     def _run(self, layers: list[nn.Module]):

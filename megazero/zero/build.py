@@ -77,7 +77,8 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                          sequence_parallel: bool = False,
                          reduce_scatter_impl: str = "auto",
                          optimizer_factory: OptimizerFactory | None = None,
-                         param_groups: list[dict[str, Any]] | None = None) -> ZeroOptimizer:
+                         param_groups: list[dict[str, Any]] | None = None,
+                         param_init: Any = None) -> ZeroOptimizer:
     """Cast the chunks to the training dtype, lay their parameters into flat buffers (stages
     0-2) or shard them (stage 3), and wrap a torch optimizer around this rank's fp32 master
     shard: ``optimizer_factory(groups)`` (default: the one ``optimizer_config`` names), over
@@ -86,9 +87,15 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
 
     ``sequence_parallel`` must match how the model was built: it decides whether parameters
     flagged ``sequence_parallel`` have their gradients summed over tensor-parallel ranks.
+    ``param_init`` (:class:`megazero.model.init.ParamInitializer`): the chunks were built on the
+    meta device; stage 3 materialises only this rank's partition of each unit.
     """
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     check_zero_config(zero_config, topo)
+    if zero_config.stage != 3 and any(p.is_meta for c in chunks for p in c.parameters()):
+        raise ConfigError(f"parameters on the meta device are materialised by ZeRO stage 3 "
+                          f"only (zero_optimization.stage is {zero_config.stage}); build the "
+                          "model on a real device for stages 0-2")
     dtype = precision_config.params_dtype
     for chunk in chunks:
         for p in chunk.parameters():
@@ -106,7 +113,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
         if zero_config.stage == 3:
             from megazero.zero.stage3 import Stage3Params
 
-            stores.append(Stage3Params(chunk, zero_config, comms, grad_dtype, kinds))
+            stores.append(Stage3Params(chunk, zero_config, comms, grad_dtype, kinds, param_init))
         else:
             stores.append(GradBuffer(
                 params, stage=zero_config.stage, dp=comms.dp,

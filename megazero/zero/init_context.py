@@ -15,7 +15,10 @@ nothing, as with DeepSpeed's ``zero.Init``; put such code inside :class:`Gathere
 Why wrap ``__init__`` rather than build on the meta device and initialise shards: an arbitrary
 user model initialises its weights with its own code (``reset_parameters``, ``post_init``), which
 only exists as code that writes full tensors; replaying it shard by shard would need per-module
-knowledge that megazero has only for its own GPT (``megazero/model/init.py``).
+knowledge that megazero has only for its own GPT (``megazero/model/init.py``). A class that has
+that knowledge says so with ``mz_meta_init = True`` (megazero's ``GPTModel``): it is built on the
+meta device and each parameter's shard is computed directly
+(``param_initializer(device).fill_flat_``), so not even one module exists in full.
 
 :func:`megazero.initialize` with stage 3 turns these per-parameter shards into its per-module
 units one unit at a time (:func:`gather_partitioned`), so the full model is never materialised
@@ -26,6 +29,7 @@ engine's fp32 masters); without ``modifier_rank`` changes made inside are discar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -36,6 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megazero import collectives
+from megazero.model.init import workspace
 
 if TYPE_CHECKING:
     from megazero.zero.optimizer import ZeroOptimizer
@@ -140,8 +145,35 @@ class Init:
 
     def _partition_own(self, module: nn.Module) -> None:
         for p in module.parameters(recurse=False):
-            if not is_partitioned(p):
+            if not is_partitioned(p) and not p.is_meta:  # meta: its mz_meta_init owner's job
                 partition_param(p, self.group, self.device, self.dtype)
+
+    def _partition_meta(self, module: nn.Module) -> None:
+        """Compute this rank's flat shard of every meta parameter of ``module`` (an
+        ``mz_meta_init`` class) from its initializer; its meta buffers are recomputed."""
+        device = self.device or torch.device("cpu")
+        size, rank = _group_info(self.group)
+        init = module.param_initializer(device)  # type: ignore[operator]
+        module.materialize_buffers(device)  # type: ignore[operator]
+        with workspace():
+            for p in module.parameters():
+                if p.is_meta:
+                    self._shard_meta(p, init, size, rank, device)
+
+    def _shard_meta(self, p: nn.Parameter, init: Any, size: int, rank: int,
+                    device: torch.device) -> None:
+        n, dtype = p.numel(), self.dtype or p.dtype
+        per = -(-n // size)
+        lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
+        shard = torch.zeros(per, dtype=dtype, device=device)
+        init.fill_flat_(shard[:hi - lo], p, lo)
+        shape, attrs = p.shape, dict(p.__dict__)
+        torch.utils.swap_tensors(  # type: ignore[no-untyped-call]  # unannotated in torch
+            p, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                            requires_grad=p.requires_grad))
+        p.__dict__.update(attrs)
+        q = cast("PartitionedParam", p)
+        q.mz_shard, q.mz_shape, q.mz_group = shard, shape, self.group
 
     def _partition_tree(self, module: nn.Module) -> None:
         for m in module.modules():
@@ -157,12 +189,16 @@ class Init:
         def init(module: nn.Module, *args: Any, **kwargs: Any) -> None:
             key = id(module)
             ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            meta = getattr(cls, "mz_meta_init", False) and ctx._depth[key] == 1
             try:
-                orig(module, *args, **kwargs)
+                with torch.device("meta") if meta else contextlib.nullcontext():
+                    orig(module, *args, **kwargs)
             finally:
                 ctx._depth[key] -= 1
             if ctx._depth[key] == 0:
                 del ctx._depth[key]
+                if meta:
+                    ctx._partition_meta(module)
                 ctx._partition_own(module)
 
         self._patched[cls] = orig

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from megazero.config import ZeroConfig
+from megazero.errors import MegazeroError
+from megazero.model.init import ParamInitializer, workspace
 from megazero.zero.comm import Handle
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
@@ -83,13 +85,23 @@ class Stage3Params:
     """Sharded parameters of one model chunk, with the hooks that gather and release them."""
 
     def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Comms, grad_dtype: torch.dtype,
-                 kinds: dict[int, str]) -> None:
+                 kinds: dict[int, str], param_init: ParamInitializer | None = None) -> None:
+        """``param_init``: for a chunk built on the meta device, what computes any element of
+        its parameters; each unit then materialises only this rank's partition (a persistent
+        unit its whole flat buffer), so no rank ever holds the full model."""
         self.zero = zero
         self.dp = comms.dp
         self.grad_dtype = grad_dtype
         self.overlap = zero.overlap_comm
         first = next(chunk.parameters())
         self.device, self.dtype = first.device, first.dtype
+        self.param_init = param_init
+        if first.is_meta:
+            if param_init is None:
+                raise MegazeroError("a ZeRO stage-3 model on the meta device needs param_init "
+                                    "(megazero.model.init.ParamInitializer) to materialise "
+                                    "its partitions")
+            self.device = param_init.device
         self.plan = OffloadPlan.from_config(zero)
         self.offload = self.plan.params
         self.units: list[Unit] = []
@@ -104,8 +116,9 @@ class Stage3Params:
         if self.plan.params_nvme:
             swapped, self.swap = plan_swapped_units(
                 [sum(p.numel() for p in ps) for ps, _ in groups], zero, self.dp.size, self.dtype)
-        for (params, owner), nvme in zip(groups, swapped):
-            self.owner[self._add_unit(params, kinds, nvme)] = owner
+        with workspace():  # the init generator's scratch, shared by all units
+            for (params, owner), nvme in zip(groups, swapped):
+                self.owner[self._add_unit(params, kinds, nvme)] = owner
         self.units_of: dict[nn.Module, list[Unit]] = {}
         self.order: list[Unit] = []
         self._pos: dict[Unit, int] = {}
@@ -134,26 +147,26 @@ class Stage3Params:
         # TP-split weight and its sequence-parallel bias; only the bias is summed over TP.
         u.deferred = [(s, p.numel(), kinds[id(p)]) for p, s in zip(params, u.starts)
                       if id(p) in kinds]
-        flat = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
-        for p, s in zip(params, u.starts):
-            flat[s:s + p.numel()].copy_(p.data.reshape(-1))
-        shard = flat[u.own_lo:u.own_hi]
         if u.persistent:
-            u.full, u.shard = flat, shard
+            flat = self._unit_values(u, 0, u.padded)
+            u.full, u.shard = flat, flat[u.own_lo:u.own_hi]
+            self._leave_meta(params)
             u.attach()
-        elif nvme:
-            assert self.swap is not None
-            u.swap = self.swap.handle(len(self._swapped), u.shard_size)
-            self._swapped.append(u)
-            self.swap.write_shard(u.swap.slot, shard)
-            # Only shape and dtype remain here; the optimizer's pieces view it (Piece.swapped).
-            u.shard = torch.empty(u.shard_size, dtype=self.dtype, device="meta")
-            for p in params:
-                p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         else:
-            u.shard = (host_empty(u.shard_size, self.dtype, self.plan.pin_params) if self.offload
-                       else torch.empty(u.shard_size, dtype=self.dtype, device=self.device))
-            u.shard.copy_(shard)
+            shard = self._unit_values(u, u.own_lo, u.own_hi)
+            if nvme:
+                assert self.swap is not None
+                u.swap = self.swap.handle(len(self._swapped), u.shard_size)
+                self._swapped.append(u)
+                self.swap.write_shard(u.swap.slot, shard)
+                # Only shape and dtype remain; the optimizer's pieces view it (Piece.swapped).
+                u.shard = torch.empty(u.shard_size, dtype=self.dtype, device="meta")
+            elif self.offload:
+                u.shard = host_empty(u.shard_size, self.dtype, self.plan.pin_params)
+                u.shard.copy_(shard)
+            else:
+                u.shard = shard
+            self._leave_meta(params)
             for p in params:
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         u.grad_shard = torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device)
@@ -162,6 +175,33 @@ class Stage3Params:
         for p in params:
             self.unit_of_param[id(p)] = u
         return u
+
+    def _unit_values(self, u: Unit, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the unit's padded flat buffer, built without the rest: copied
+        from full parameters, or computed for parameters on the meta device."""
+        out = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+        for p, s in zip(u.params, u.starts):
+            a, b = max(lo, s), min(hi, s + p.numel())
+            if a >= b:
+                continue
+            if p.is_meta:
+                assert self.param_init is not None
+                self.param_init.fill_flat_(out[a - lo:b - lo], p, a - s)
+            else:
+                out[a - lo:b - lo].copy_(p.data.reshape(-1)[a - s:b - s])
+        return out
+
+    def _leave_meta(self, params: list[nn.Parameter]) -> None:
+        """Give meta parameters real (empty) storage on the device, keeping each Python object
+        (modules, optimizer pieces and autograd hold it) and its attributes: ``.data`` cannot
+        move a tensor off the meta device, so the tensors are swapped."""
+        for p in params:
+            if p.is_meta:
+                attrs = dict(p.__dict__)
+                torch.utils.swap_tensors(p, nn.Parameter(  # type: ignore[no-untyped-call]
+                    torch.empty(0, dtype=self.dtype, device=self.device),
+                    requires_grad=p.requires_grad))
+                p.__dict__.update(attrs)
 
     # --- gather / release ---------------------------------------------------------------------
 
