@@ -31,11 +31,11 @@ def _world(rank, world_size):
 
 
 def _case(world_size, extra, tp, pp, threshold):
-    from megazero.arguments import load_config
+    from megazero.config import load_config
 
     from megazero.pipeline.partition import build_model_chunks
     from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_and_optimizer, recompute_spec
+    from megazero.train_setup import build_model_and_optimizer
     from megazero.zero import build_zero_optimizer
 
     ds = None
@@ -66,7 +66,7 @@ def _case(world_size, extra, tp, pp, threshold):
         chunks, engine = build_model_and_optimizer(cfg, topo, torch.device("cpu"))
     finally:
         s3.Stage3Params.__init__ = orig
-    ref_chunks = build_model_chunks(cfg.model, topo, None, recompute=recompute_spec(cfg),
+    ref_chunks = build_model_chunks(cfg.model, topo, None, recompute=cfg.parallel.recompute,
                                     seed=cfg.train.seed)
     ref_rotary = [c.rotary.cos.clone() if c.rotary is not None else None for c in ref_chunks]
     ref = build_zero_optimizer(ref_chunks, cfg.optimizer, cfg.zero, cfg.precision, topo)
