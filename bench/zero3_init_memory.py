@@ -36,8 +36,8 @@ def _kib(field: str) -> int:
 
 def _rank(rank: int, world_size: int) -> dict:
     import torch
-    from megazero.config import load_config
 
+    from megazero.config import load_config
     from megazero.topology import ParallelTopology
     from megazero.train_setup import build_model_and_optimizer
 

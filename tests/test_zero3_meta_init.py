@@ -32,7 +32,6 @@ def _world(rank, world_size):
 
 def _case(world_size, extra, tp, pp, threshold):
     from megazero.config import load_config
-
     from megazero.pipeline.partition import build_model_chunks
     from megazero.topology import ParallelTopology
     from megazero.train_setup import build_model_and_optimizer
