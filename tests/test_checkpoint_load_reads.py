@@ -16,9 +16,9 @@ import json
 import os
 
 import torch
-from ckpt_runs import TINY, train_in_rank
 
 from megazero.testing.distributed import run_distributed
+from megazero.testing.training_runs import TINY, train_in_rank
 
 # vocab 256: no padding rows at tp 1 or tp 2, so every byte a rank holds comes from the file
 MODEL = [*TINY, "--vocab-size", "256", "--hidden-size", "48"]
