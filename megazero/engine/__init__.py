@@ -15,7 +15,10 @@ gradient clipping); see :mod:`megazero.engine.engine`.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +42,45 @@ def init_distributed(dist_backend: str | None = None, timeout_minutes: float = 3
     from megazero.dist_init import initialize_distributed
 
     initialize_distributed(dist_backend, timeout_minutes)
+    _EXIT.arm(timedelta(minutes=timeout_minutes))
+
+
+class _ExitInOrder:
+    """At exit of a script whose process group :func:`init_distributed` made: a barrier, then
+    ``destroy_process_group``, so no rank closes its connections while a peer still talks to it
+    (gloo aborts such a peer: "terminate called without an active exception"). After an
+    uncaught exception the peers may never reach a barrier: the group is only destroyed."""
+
+    def __init__(self) -> None:
+        self.failed = False
+        self.timeout = timedelta(minutes=30)
+
+    def arm(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        hook = sys.excepthook
+
+        def note_failure(*exc: Any) -> None:
+            self.failed = True
+            hook(*exc)
+
+        sys.excepthook = note_failure
+        atexit.register(self.leave)
+
+    def leave(self) -> None:
+        if not dist.is_initialized():
+            return
+        if not self.failed and dist.get_world_size() > 1:
+            try:
+                if dist.get_backend() == "gloo":
+                    dist.monitored_barrier(timeout=self.timeout)
+                else:
+                    dist.barrier()
+            except RuntimeError:
+                pass  # a peer left first; nothing more to wait for
+        dist.destroy_process_group()
+
+
+_EXIT = _ExitInOrder()
 
 
 def _device() -> tuple[torch.device, int]:

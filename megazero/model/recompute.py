@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megazero.config import RecomputeConfig
+from megazero.model.attention import SelfAttention
 from megazero.tensor_parallel.random import RNGStatesTracker, checkpoint
 
 
@@ -42,14 +43,13 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
     n = len(block.layers)
     tracker = block.parallel.rng_tracker
     block.recompute_segments = []
-    for layer in block.layers.values():
-        attn = layer.self_attention
+    attentions = [m for m in block.modules() if isinstance(m, SelfAttention)]
+    for attn in attentions:
         if isinstance(attn.core_attention, RecomputedModule):
             attn.core_attention = attn.core_attention.module
     if recompute.granularity == "selective":
         if "core_attn" in recompute.modules:
-            for layer in block.layers.values():
-                attn = layer.self_attention
+            for attn in attentions:
                 attn.core_attention = RecomputedModule(attn.core_attention, tracker)
     elif recompute.granularity == "full":
         k = recompute.num_layers

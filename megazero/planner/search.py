@@ -92,7 +92,7 @@ def _config(base: list[str], flags: list[str], world: int):
 def search(base: list[str], world: int, cluster: Cluster, gbs: int,
            stages: tuple[int, ...] = (0, 1, 2, 3)) -> tuple[list[Candidate], list[Candidate]]:
     """(fitting candidates by predicted time, all evaluated candidates)."""
-    num_layers = load_config(base, None).model.num_layers
+    num_layers = load_config(base, world).model.num_layers
     evaluated = []
     for flags in candidate_flags(num_layers, world, cluster.gpus_per_node, gbs, stages=stages):
         try:
