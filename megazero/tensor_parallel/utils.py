@@ -26,6 +26,20 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def is_duplicate_copy(param: nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` duplicates a copy another rank holds, so that
+    counting only the copies for which this is False counts every element of the model once per
+    data-parallel replica (the global gradient norm and the parameter count both do).
+
+    Duplicates: the last pipeline stage's copy of a tied word embedding (``shared``; the first
+    stage's copy is the parameter), and a tensor every tensor-parallel rank holds whole (norms,
+    row-parallel biases; not ``tensor_model_parallel``) on tensor-parallel ranks other than 0.
+    """
+    if getattr(param, "shared", False):
+        return True
+    return not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
+
+
 def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, world: int
                  ) -> torch.Tensor:
     """Rank ``rank``'s slice of ``full`` along ``dim``: with ``stride`` k, the full tensor is k
