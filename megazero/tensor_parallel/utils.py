@@ -26,20 +26,6 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def is_duplicate_copy(param: nn.Parameter, tp_rank: int) -> bool:
-    """Whether this rank's copy of ``param`` duplicates a copy another rank holds, so that
-    counting only the copies for which this is False counts every element of the model once per
-    data-parallel replica (the global gradient norm and the parameter count both do).
-
-    Duplicates: the last pipeline stage's copy of a tied word embedding (``shared``; the first
-    stage's copy is the parameter), and a tensor every tensor-parallel rank holds whole (norms,
-    row-parallel biases; not ``tensor_model_parallel``) on tensor-parallel ranks other than 0.
-    """
-    if getattr(param, "shared", False):
-        return True
-    return not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
-
-
 def shard_tensor(full: torch.Tensor, dim: int, stride: int, rank: int, world: int
                  ) -> torch.Tensor:
     """Rank ``rank``'s slice of ``full`` along ``dim``: with ``stride`` k, the full tensor is k
@@ -80,6 +66,20 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, topo_or_tp_rank:
     topology or the TP rank."""
     tp_rank = getattr(topo_or_tp_rank, "tp_rank", topo_or_tp_rank)
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def is_duplicate_copy(param: nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` duplicates a copy another rank holds, so that
+    counting only the copies for which this is False counts every element of the model once per
+    data-parallel replica (the global gradient norm and the parameter count both do).
+
+    Duplicates: the last pipeline stage's copy of a tied word embedding (``shared``; the first
+    stage's copy is the parameter), and a tensor every tensor-parallel rank holds whole (norms,
+    row-parallel biases; not ``tensor_model_parallel``) on tensor-parallel ranks other than 0.
+    """
+    if getattr(param, "shared", False):
+        return True
+    return not param_is_not_tensor_parallel_duplicate(param, tp_rank)
 
 
 def gather_full_param(param: torch.Tensor, topo: ParallelTopology,
