@@ -13,7 +13,9 @@ with ``offload_param``). Hooks make the full parameters exist only while needed:
   ``stage3_param_persistence_threshold`` elements: kept whole, like DeepSpeed); wrap the outputs
   in an autograd function whose backward gathers the unit again before the module's backward;
 * post-accumulate-grad hooks: once all of a unit's gradients exist, reduce-scatter them into
-  the persistent gradient shard (asynchronously with ``overlap_comm``) and release the unit.
+  the persistent gradient shard (asynchronously with ``overlap_comm``) and release the unit
+  (:mod:`megazero.zero.stage3_grads`). Which parameters form a unit, and how a unit's partition
+  is built (also from the meta device), is :mod:`megazero.zero.units`.
 
 Parameters used outside the module that owns them (a tied embedding used by the output layer:
 ``chunk.shared_embedding_or_output_weight()``, or ``shared_embedding`` / ``zero_external`` set)
