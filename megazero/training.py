@@ -54,6 +54,7 @@ from megazero.peers import PeerRegistry
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.resume_checks import check_resume
 from megazero.save_check import check_save_dir, checkpoint_bytes
+from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
     Batching,
@@ -400,21 +401,18 @@ def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology)
     """This rank's share of the model's parameter count; summed over one data-parallel replica
     (the tp x pp ranks) it is the count of the model itself, the same at every layout.
 
-    A TP-split tensor counts its slice; a tensor every TP rank holds whole (norms, row-parallel
-    biases) counts 1/tp on each; vocabulary pad rows (the vocabulary is padded to a multiple of
-    ``make_vocab_size_divisible_by x tp``) are not parameters of the model; the last stage's copy
-    of a tied word embedding is the first stage's parameter, not another one.
+    Copies that duplicate another rank's (:func:`~megazero.tensor_parallel.utils.
+    is_duplicate_copy`: a tensor every TP rank holds whole counts on TP rank 0, the last stage's
+    copy of a tied word embedding not at all) are skipped; a TP-split tensor counts its slice;
+    vocabulary pad rows (the vocabulary is padded to a multiple of
+    ``make_vocab_size_divisible_by x tp``) are not parameters of the model.
     """
     share = 0.0
     for c in chunks:
         for p in c.parameters():
-            if not topo.is_first_stage and getattr(p, "shared_embedding", False):
+            if is_duplicate_copy(p, topo.tp_rank):
                 continue
-            if getattr(p, "tensor_model_parallel", False):
-                share += p.numel() * getattr(p, "vocab_size", 1) / getattr(p, "padded_vocab_size",
-                                                                             1)
-            else:
-                share += p.numel() / topo.tp_size
+            share += p.numel() * getattr(p, "vocab_size", 1) / getattr(p, "padded_vocab_size", 1)
     return share
 
 

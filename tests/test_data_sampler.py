@@ -16,6 +16,7 @@ from megazero.data.gpt_dataset import GPTDataset
 from megazero.data.indexed_dataset import IndexedDatasetBuilder
 from megazero.data.mock_dataset import MockGPTDataset
 from megazero.data.sampler import MegatronPretrainingSampler
+from megazero.errors import ConfigError
 
 
 def per_rank_batches(total, consumed, mbs, dp, gbs):
@@ -58,7 +59,8 @@ def test_resume_continues_exactly(dp):
 
 
 def test_sampler_errors():
-    with pytest.raises(ValueError, match="not a multiple of micro_batch_size x dp_size"):
+    with pytest.raises(ConfigError, match=r"train_batch_size \(--global-batch-size\) 6 is not "
+                       r"divisible by .* 2 x data-parallel size 2 = 4; use a multiple of 4"):
         MegatronPretrainingSampler(100, 0, 2, 0, 2, 6)
     with pytest.raises(ValueError, match="consumed_samples 3 is not a multiple"):
         MegatronPretrainingSampler(100, 3, 2, 0, 2, 8)

@@ -2,7 +2,8 @@
 
 Modules:
 
-* :mod:`~megazero.config.schema`: the frozen dataclasses, the single source of truth.
+* :mod:`~megazero.config.schema`: the frozen dataclasses, the single source of truth
+  (the optimizer, precision and ZeRO sections in :mod:`~megazero.config.optim_schema`).
 * :mod:`~megazero.config.rules`: one function per rule about sizes (divisibility, batch, SP),
   called by the config's validation and by the topology, partition, model, setup and planner.
 * :mod:`~megazero.config.cli`: the flag table and its argparse parser (help text in
@@ -26,6 +27,13 @@ from megazero.config.cli import FLAGS, build_parser, field_default, flag_values,
 from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES, UnimplementedConfigWarning
 from megazero.config.jsonc import load_ds_json, parse_ds_json
 from megazero.config.merge import config_from_dict
+from megazero.config.optim_schema import (
+    AioConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
 from megazero.config.rules import (
     check_microbatch_groups,
     check_tensor_parallel_split,
@@ -33,19 +41,14 @@ from megazero.config.rules import (
     validate,
 )
 from megazero.config.schema import (
-    AioConfig,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
     MegazeroConfig,
     ModelConfig,
-    OffloadConfig,
-    OptimizerConfig,
     ParallelConfig,
-    PrecisionConfig,
     RecomputeConfig,
     TrainConfig,
-    ZeroConfig,
 )
 from megazero.errors import ConfigError
 

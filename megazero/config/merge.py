@@ -39,20 +39,22 @@ from megazero.config.deepspeed import (
     get_path,
     json_field_values,
 )
+from megazero.config.optim_schema import (
+    AioConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
 from megazero.config.rules import num_microbatches
 from megazero.config.schema import (
-    AioConfig,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
     MegazeroConfig,
     ModelConfig,
-    OffloadConfig,
-    OptimizerConfig,
     ParallelConfig,
-    PrecisionConfig,
     TrainConfig,
-    ZeroConfig,
 )
 from megazero.errors import ConfigError
 

@@ -28,9 +28,10 @@ class MegatronPretrainingSampler:
         step = micro_batch_size * dp_size
         if global_batch_size is None:
             global_batch_size = step
-        if global_batch_size % step:
-            raise ValueError(f"global batch size {global_batch_size} is not a multiple of "
-                             f"micro_batch_size x dp_size = {micro_batch_size} x {dp_size}")
+        # Imported here: the config package imports megazero.data (the tokenizer names).
+        from megazero.config.rules import num_microbatches
+
+        num_microbatches(global_batch_size, micro_batch_size, dp_size)
         if consumed_samples % step:
             raise ValueError(f"consumed_samples {consumed_samples} is not a multiple of "
                              f"micro_batch_size x dp_size = {step}; it must be a sample count "

@@ -22,7 +22,7 @@ from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.zero.accounting import MemoryReport
 from megazero.zero.optimizer import _DTYPES
-from megazero.zero.stage3 import unit_param_groups
+from megazero.zero.units import unit_param_groups
 
 STEP_BYTES = 4  # torch Adam/AdamW keep a float32 scalar ``step`` tensor per parameter
 

@@ -68,6 +68,20 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, topo_or_tp_rank:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def is_duplicate_copy(param: nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` duplicates a copy another rank holds, so that
+    counting only the copies for which this is False counts every element of the model once per
+    data-parallel replica (the global gradient norm and the parameter count both do).
+
+    Duplicates: the last pipeline stage's copy of a tied word embedding (``shared``; the first
+    stage's copy is the parameter), and a tensor every tensor-parallel rank holds whole (norms,
+    row-parallel biases; not ``tensor_model_parallel``) on tensor-parallel ranks other than 0.
+    """
+    if getattr(param, "shared", False):
+        return True
+    return not param_is_not_tensor_parallel_duplicate(param, tp_rank)
+
+
 def gather_full_param(param: torch.Tensor, topo: ParallelTopology,
                       unpad: bool = True) -> torch.Tensor:
     """The full (tp=1) tensor of ``param``, reassembled from the TP group; collective over

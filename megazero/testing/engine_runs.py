@@ -20,7 +20,12 @@ WARMUP, LR_MIN = 3, 2e-3
 
 
 class TinyLM(nn.Module):
-    """A plain module: embedding, MLP block with a norm, output head; returns the loss."""
+    """A plain module: embedding, MLP block with a norm, output head; returns the loss.
+
+    Shaped like a user's Hugging Face-style module, unlike :class:`megazero.testing.reference.
+    TinyLM` (``GPTModel``'s signature: per-token losses, tied embedding): ``model(ids,
+    labels=ids)`` returns the mean next-token loss, and the untied head has a bias that the
+    engine tests modify through ``GatheredParameters``."""
 
     def __init__(self) -> None:
         super().__init__()

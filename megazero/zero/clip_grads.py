@@ -4,9 +4,10 @@ The norm is one number for the whole model across every rank. Each rank sums squ
 gradient elements it *owns*: its data-parallel shard (stages 1-3) or everything (stage 0, whose
 full gradients are identical on every data-parallel rank, so only data-parallel rank 0
 contributes). A non-finite sum is the overflow / NaN check (see ``ZeroOptimizer.step``). Within a
-model-parallel group, parameters replicated across tensor-parallel ranks are counted on
-``tp_rank == 0`` only and the last stage's copy of a tied embedding (``shared=True``) is skipped,
-so every element of the logical model counts exactly once.
+model-parallel group, duplicate copies are skipped
+(:func:`megazero.tensor_parallel.utils.is_duplicate_copy`: parameters replicated across
+tensor-parallel ranks count on ``tp_rank == 0`` only, the last stage's copy of a tied embedding
+not at all), so every element of the logical model counts exactly once.
 """
 
 from __future__ import annotations
@@ -15,13 +16,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-
-
-def counts_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """Whether this rank's copy of ``param`` contributes to the global norm."""
-    if getattr(param, "shared", False):
-        return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
 def sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 from megazero.config import PrecisionConfig, ZeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.protocols import ParamStore
+from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import ParallelTopology
 from megazero.zero import clip_grads
 from megazero.zero.accounting import MemoryReport, StorageCounter
@@ -211,7 +212,7 @@ class ZeroOptimizer:
         # norm), with no separate pass over the gradients.
         tp_rank = self.topo.tp_rank
         sq = clip_grads.sum_of_squares(
-            p.grad for p in pieces if clip_grads.counts_in_norm(p.param, tp_rank))
+            p.grad for p in pieces if not is_duplicate_copy(p.param, tp_rank))
         if self.zero.stage == 0 and self.topo.dp_rank != 0:
             sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
         scalars = torch.stack([sq.to(self.device, torch.float32).reshape(()),

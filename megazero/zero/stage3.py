@@ -13,7 +13,9 @@ with ``offload_param``). Hooks make the full parameters exist only while needed:
   ``stage3_param_persistence_threshold`` elements: kept whole, like DeepSpeed); wrap the outputs
   in an autograd function whose backward gathers the unit again before the module's backward;
 * post-accumulate-grad hooks: once all of a unit's gradients exist, reduce-scatter them into
-  the persistent gradient shard (asynchronously with ``overlap_comm``) and release the unit.
+  the persistent gradient shard (asynchronously with ``overlap_comm``) and release the unit
+  (:mod:`megazero.zero.stage3_grads`). Which parameters form a unit, and how a unit's partition
+  is built (also from the meta device), is :mod:`megazero.zero.units`.
 
 Parameters used outside the module that owns them (a tied embedding used by the output layer:
 ``chunk.shared_embedding_or_output_weight()``, or ``shared_embedding`` / ``zero_external`` set)
@@ -47,42 +49,20 @@ from torch import nn
 from megazero.config import ZeroConfig
 from megazero.errors import MegazeroError
 from megazero.model.init import ParamInitializer, workspace
-from megazero.zero.comm import Handle
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan, host_empty
 from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
-from megazero.zero.units import Unit, wrap_outputs
+from megazero.zero.stage3_grads import Stage3Grads
+from megazero.zero.units import Unit, leave_meta, unit_param_groups, unit_values, wrap_outputs
 
 if TYPE_CHECKING:
     from megazero.zero.optimizer import Comms
 
 
-def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Module]]:
-    """The parameter groups stage 3 partitions and gathers as one unit each, with the module whose
-    forward gathers it: a module's own parameters together, except those used outside it (the
-    tied word embedding, shared embedding copies, parameters marked ``zero_external``), which
-    are units of their own gathered around the whole chunk. The planner replays the same
-    grouping (:mod:`megazero.planner.model_states`)."""
-    tied = getattr(chunk, "shared_embedding_or_output_weight", None)
-    tied = tied() if callable(tied) else None
-    groups: list[tuple[list[nn.Parameter], nn.Module]] = []
-    seen: set[int] = set()  # a parameter registered in two modules (tied weights) goes once
-    for module in chunk.modules():
-        own = [p for p in module.parameters(recurse=False)
-               if p.requires_grad and id(p) not in seen]
-        seen.update(id(p) for p in own)
-        ext = [p for p in own if p is tied or getattr(p, "shared_embedding", False)
-               or getattr(p, "zero_external", False)]
-        rest = [p for p in own if all(p is not e for e in ext)]
-        if rest:
-            groups.append((rest, module))
-        groups.extend(([p], chunk) for p in ext)
-    return groups
-
-
-class Stage3Params:
-    """Sharded parameters of one model chunk, with the hooks that gather and release them."""
+class Stage3Params(Stage3Grads):
+    """Sharded parameters of one model chunk, with the hooks that gather and release them (the
+    gradient side is :class:`Stage3Grads`)."""
 
     def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Comms, grad_dtype: torch.dtype,
                  kinds: dict[int, str], param_init: ParamInitializer | None = None) -> None:
@@ -148,12 +128,13 @@ class Stage3Params:
         u.deferred = [(s, p.numel(), kinds[id(p)]) for p, s in zip(params, u.starts)
                       if id(p) in kinds]
         if u.persistent:
-            flat = self._unit_values(u, 0, u.padded)
+            flat = unit_values(u, 0, u.padded, self.dtype, self.device, self.param_init)
             u.full, u.shard = flat, flat[u.own_lo:u.own_hi]
-            self._leave_meta(params)
+            leave_meta(params, self.dtype, self.device)
             u.attach()
         else:
-            shard = self._unit_values(u, u.own_lo, u.own_hi)
+            shard = unit_values(u, u.own_lo, u.own_hi, self.dtype, self.device,
+                                self.param_init)
             if nvme:
                 assert self.swap is not None
                 u.swap = self.swap.handle(len(self._swapped), u.shard_size)
@@ -166,7 +147,7 @@ class Stage3Params:
                 u.shard.copy_(shard)
             else:
                 u.shard = shard
-            self._leave_meta(params)
+            leave_meta(params, self.dtype, self.device)
             for p in params:
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         u.grad_shard = torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device)
@@ -175,33 +156,6 @@ class Stage3Params:
         for p in params:
             self.unit_of_param[id(p)] = u
         return u
-
-    def _unit_values(self, u: Unit, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the unit's padded flat buffer, built without the rest: copied
-        from full parameters, or computed for parameters on the meta device."""
-        out = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
-        for p, s in zip(u.params, u.starts):
-            a, b = max(lo, s), min(hi, s + p.numel())
-            if a >= b:
-                continue
-            if p.is_meta:
-                assert self.param_init is not None
-                self.param_init.fill_flat_(out[a - lo:b - lo], p, a - s)
-            else:
-                out[a - lo:b - lo].copy_(p.data.reshape(-1)[a - s:b - s])
-        return out
-
-    def _leave_meta(self, params: list[nn.Parameter]) -> None:
-        """Give meta parameters real (empty) storage on the device, keeping each Python object
-        (modules, optimizer pieces and autograd hold it) and its attributes: ``.data`` cannot
-        move a tensor off the meta device, so the tensors are swapped."""
-        for p in params:
-            if p.is_meta:
-                attrs = dict(p.__dict__)
-                torch.utils.swap_tensors(p, nn.Parameter(  # type: ignore[no-untyped-call]
-                    torch.empty(0, dtype=self.dtype, device=self.device),
-                    requires_grad=p.requires_grad))
-                p.__dict__.update(attrs)
 
     # --- gather / release ---------------------------------------------------------------------
 
@@ -351,110 +305,10 @@ class Stage3Params:
             if u in self._pos:
                 self._prefetch(self._pos[u], -1)
 
-    # --- gradients ----------------------------------------------------------------------------
+    # --- optimizer side -----------------------------------------------------------------------
 
     def params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
-
-    def zero_grad(self) -> None:
-        for u in self.units:
-            u.grad_shard.zero_()
-            u.grad_full = None
-            u.reduce_handle = None
-            u.reduced = False
-            u.filled = set()
-            u.pending = {id(p) for p in u.params}
-            for p in u.params:
-                p.grad = None
-
-    def _absorb(self, u: Unit) -> None:
-        """Copy the unit's gradients into its flat buffer, applying the 1/dp of the average in
-        the same pass; slots never filled are zeroed before the reduction."""
-        if u.grad_full is None:
-            u.grad_full = torch.empty(u.padded, dtype=self.grad_dtype, device=self.device)
-        for i, (p, s, shape) in enumerate(zip(u.params, u.starts, u.shapes)):
-            if p.grad is not None:
-                torch.mul(p.grad.reshape(-1), 1.0 / self.dp.size,
-                          out=u.grad_full[s:s + shape.numel()])
-                u.filled.add(i)
-                p.grad = None
-
-    @staticmethod
-    def _zero_unfilled(u: Unit) -> None:
-        for i, (s, shape) in enumerate(zip(u.starts, u.shapes)):
-            if i not in u.filled:
-                u.full_grad()[s:s + shape.numel()].zero_()
-                u.filled.add(i)
-        u.full_grad()[u.numel:].zero_()
-
-    def grad_accumulated(self, param: nn.Parameter) -> None:
-        """Inside ``no_sync``: keep the gradient, release the parameters once all arrived."""
-        u = self.unit_of_param[id(param)]
-        u.pending.discard(id(param))
-        if not u.pending:
-            u.pending = {id(p) for p in u.params}
-            self._release(u)
-
-    def grad_ready(self, param: nn.Parameter) -> None:
-        u = self.unit_of_param[id(param)]
-        if u.reduced:
-            raise RuntimeError("a gradient arrived after its unit was already reduced this "
-                               "step; run earlier micro-batches inside engine.no_sync()")
-        u.pending.discard(id(param))
-        if u.pending:
-            return
-        self._absorb(u)
-        self._release(u)
-        if u.kind is None:
-            self._reduce(u, async_op=self.overlap)
-
-    def _reduce(self, u: Unit, async_op: bool) -> None:
-        u.reduced = True
-        if u.grad_full is None:
-            u.grad_full = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
-        else:
-            self._zero_unfilled(u)
-        h = self.dp.reduce_scatter(u.grad_shard, u.grad_full, async_op=async_op)
-        u.reduce_handle = Handle(h, lambda: setattr(u, "grad_full", None))
-        if not async_op:
-            u.reduce_handle.wait()
-
-    def flush(self) -> None:
-        for u in self.units:
-            if u.reduced or u.kind is not None:
-                continue
-            self._absorb(u)
-            self._release(u)
-            self._reduce(u, async_op=self.overlap)
-
-    def wait(self) -> None:
-        for u in self.units:
-            if u.reduce_handle is not None:
-                u.reduce_handle.wait()
-
-    def absorb_deferred(self) -> None:
-        for u in self.units:
-            if u.kind is not None and not u.reduced:
-                self._absorb(u)
-                self._zero_unfilled(u)
-                self._release(u)
-
-    def deferred_grads(self, kind: str) -> list[torch.Tensor]:
-        """The gradient slices of this kind's parameters (not the whole unit: its other
-        parameters' gradients must not be summed)."""
-        return [u.full_grad()[s:s + n] for u in self.units if not u.reduced
-                for s, n, k in u.deferred if k == kind]
-
-    def reduce_deferred(self) -> None:
-        for u in self.units:
-            if u.kind is not None and not u.reduced:
-                self._reduce(u, async_op=False)
-
-    def unused_params(self) -> list[nn.Parameter]:
-        return [p for u in self.units if not u.reduced for p in u.params
-                if id(p) in u.pending and p.grad is None]
-
-    # --- optimizer side -----------------------------------------------------------------------
 
     def pieces(self) -> list[Piece]:
         out = []
@@ -488,12 +342,6 @@ class Stage3Params:
         if self.offload:  # NVMe: the host buffers shards stream through
             return {"device": full, "offload": shards + ([self.swap.pool] if self.swap else [])}
         return {"device": full + shards}
-
-    def held_grads(self) -> list[torch.Tensor]:
-        out = [u.grad_shard for u in self.units]
-        out += [u.grad_full for u in self.units if u.grad_full is not None]
-        out += [p.grad for u in self.units for p in u.params if p.grad is not None]
-        return out
 
     def param_shapes(self) -> dict[int, torch.Size]:
         return {id(p): shape for u in self.units for p, shape in zip(u.params, u.shapes)}

@@ -1,5 +1,7 @@
-"""Stage-3 building blocks: a module's flattened, sharded parameters, and the autograd identity
-that lets a module gather its parameters again right before its backward runs."""
+"""Stage-3 building blocks: which parameters form a unit, a unit's flattened, sharded parameters
+(its partition built from full parameters or, on the meta device, computed element by element),
+and the autograd identity that lets a module gather its parameters again right before its
+backward runs."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megazero.model.init import ParamInitializer
 from megazero.zero.comm import Handle
 
 
@@ -64,6 +67,29 @@ class Unit:
             p.data = full[s:s + shape.numel()].view(shape)
 
 
+def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Module]]:
+    """The parameter groups stage 3 partitions and gathers as one unit each, with the module whose
+    forward gathers it: a module's own parameters together, except those used outside it (the
+    tied word embedding, shared embedding copies, parameters marked ``zero_external``), which
+    are units of their own gathered around the whole chunk. The planner replays the same
+    grouping (:mod:`megazero.planner.model_states`)."""
+    tied = getattr(chunk, "shared_embedding_or_output_weight", None)
+    tied = tied() if callable(tied) else None
+    groups: list[tuple[list[nn.Parameter], nn.Module]] = []
+    seen: set[int] = set()  # a parameter registered in two modules (tied weights) goes once
+    for module in chunk.modules():
+        own = [p for p in module.parameters(recurse=False)
+               if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        ext = [p for p in own if p is tied or getattr(p, "shared_embedding", False)
+               or getattr(p, "zero_external", False)]
+        rest = [p for p in own if all(p is not e for e in ext)]
+        if rest:
+            groups.append((rest, module))
+        groups.extend(([p], chunk) for p in ext)
+    return groups
+
+
 class _PreBackward(torch.autograd.Function):
     """Identity whose backward runs ``callback`` first (gathers a unit before its backward)."""
 
@@ -95,3 +121,32 @@ def wrap_outputs(output: Any, callback: Any) -> Any:
             out[k] = wrap_outputs(v, callback)
         return out
     return output
+
+
+def unit_values(u: Unit, lo: int, hi: int, dtype: torch.dtype, device: torch.device,
+                param_init: ParamInitializer | None) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the unit's padded flat buffer, built without the rest: copied
+    from full parameters, or computed by ``param_init`` for parameters on the meta device."""
+    out = torch.zeros(hi - lo, dtype=dtype, device=device)
+    for p, s in zip(u.params, u.starts):
+        a, b = max(lo, s), min(hi, s + p.numel())
+        if a >= b:
+            continue
+        if p.is_meta:
+            assert param_init is not None
+            param_init.fill_flat_(out[a - lo:b - lo], p, a - s)
+        else:
+            out[a - lo:b - lo].copy_(p.data.reshape(-1)[a - s:b - s])
+    return out
+
+
+def leave_meta(params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+    """Give meta parameters real (empty) storage on the device, keeping each Python object
+    (modules, optimizer pieces and autograd hold it) and its attributes: ``.data`` cannot
+    move a tensor off the meta device, so the tensors are swapped."""
+    for p in params:
+        if p.is_meta:
+            attrs = dict(p.__dict__)
+            torch.utils.swap_tensors(p, nn.Parameter(  # type: ignore[no-untyped-call]
+                torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad))
+            p.__dict__.update(attrs)

@@ -1,0 +1,151 @@
+"""The optimizer-side sections of :class:`megazero.config.MegazeroConfig`: the optimizer and its
+learning-rate schedule, mixed precision, and ZeRO with its offload and ``aio`` blocks; the parts
+the DeepSpeed JSON's ``optimizer``, ``scheduler``, ``fp16`` / ``bf16``, ``zero_optimization``
+and ``aio`` blocks fill (see :mod:`megazero.config.schema` for the rest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from megazero.config.rules import check as _check
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """``offload_optimizer`` / ``offload_param``. With ``device: nvme`` the states live in files
+    under ``nvme_path`` and stream through ``buffer_count`` host buffers (checked in
+    :func:`megazero.zero.offload.check_offload`). ``buffer_count`` None: DeepSpeed's default
+    for the block (4 for the optimizer, 5 for parameters)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    pin_memory: bool = False
+    nvme_path: str | None = None
+    buffer_count: int | None = None
+    buffer_size: int = 100_000_000  # offload_param: elements per buffer
+    max_in_cpu: int = 1_000_000_000  # offload_param: elements kept in host memory, not on disk
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """Offloaded at all (the optimizer step runs on the host for both devices)."""
+        return self.device in ("cpu", "nvme")
+
+    @property
+    def nvme(self) -> bool:
+        return self.device == "nvme"
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """DeepSpeed's top-level ``aio`` block: how swap files are read and written.
+    ``intra_op_parallelism`` x ``queue_depth`` requests of ``block_size`` bytes are in flight at
+    once (``thread_count`` is the older name of ``intra_op_parallelism``)."""
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """DeepSpeed's ``zero_optimization`` block (same key names and defaults)."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    sub_group_size: int = 1_000_000_000
+    round_robin_gradients: bool = False
+    elastic_checkpoint: bool = False
+    ignore_unused_parameters: bool = True
+    zero_hpz_partition_size: int = 1
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    aio: AioConfig = field(default_factory=AioConfig)  # the JSON's top-level "aio" block
+
+    def __post_init__(self) -> None:
+        _check(self.stage in (0, 1, 2, 3),
+               f"zero_optimization.stage: got {self.stage!r}, expected one of 0, 1, 2, 3")
+        for name in ("allgather_bucket_size", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                     "stage3_max_reuse_distance", "sub_group_size"):
+            _check(getattr(self, name) >= 0, f"zero_optimization.{name}: got "
+                   f"{getattr(self, name)}, expected an integer >= 0")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """``fp16`` / ``bf16`` blocks. fp32 master weights are kept in both mixed modes."""
+
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float = 0.0  # 0 = dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None  # None: params' dtype
+
+    def __post_init__(self) -> None:
+        _check(not (self.fp16 and self.bf16),
+               "fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        _check(self.loss_scale >= 0, f"fp16.loss_scale (--loss-scale): got {self.loss_scale}, "
+               f"expected 0 (dynamic) or a positive static scale")
+        _check(self.hysteresis >= 1 and self.loss_scale_window >= 1,
+               f"fp16.hysteresis ({self.hysteresis}) and fp16.loss_scale_window "
+               f"({self.loss_scale_window}) must be >= 1")
+        _check(self.communication_data_type in (None, "fp32", "fp16", "bf16"),
+               f"communication_data_type: got {self.communication_data_type!r}, expected fp32, "
+               f"fp16 or bf16")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        import torch
+
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
+    # lion: Lion (betas from adam_beta1/2)
+    optimizer: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9  # Megatron's --sgd-momentum default
+    sgd_nesterov: bool = False
+    sgd_dampening: float = 0.0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0  # 0 disables clipping
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # default: train_iters
+    lr_warmup_fraction: float | None = None  # warm-up = fraction x decay steps (Megatron)
+    lr_warmup_samples: int | None = None  # sample-based lengths, turned into iterations
+    lr_decay_samples: int | None = None  # by ds_merge once the global batch is known
+    scheduler_type: str | None = None  # DeepSpeed scheduler block: WarmupLR, WarmupDecayLR, ...
+    scheduler_params: dict[str, Any] = field(default_factory=dict)  # its params, "auto" filled in
+    # The DeepSpeed JSON has an "optimizer" block: the engine builds the optimizer from it.
+    from_ds_config: bool = False
