@@ -130,13 +130,16 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             largest, z.reduce_bucket_size) * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
     # gradients to fp32; AdamW's foreach update keeps one fp32 temporary of the sub-group's
-    # size (sqrt of the second moment, divided and shifted in place).
+    # size (sqrt of the second moment, divided and shifted in place). Adam on host masters
+    # runs the fused CPU kernel (megazero.zero.optimizers.update_kernel): no temporary.
     shard = out.numel / (dp if z.stage else 1)
     sub = min(shard, z.sub_group_size) * 4
+    on_host = z.offload_optimizer.enabled or device_is_cpu
     step = out.host if z.offload_optimizer.enabled else out.step
     if ps != 4 or z.offload_optimizer.enabled:
         step["fp32 grad sub-group"] = sub
-    step["optimizer update temporary"] = sub
+    if not (on_host and cfg.optimizer.optimizer in ("adam", "adamw")):
+        step["optimizer update temporary"] = sub
     # Not counted: buffers the collective library allocates for itself (NCCL's channels,
     # gloo's flat staging copy of an all-gather's output), which CUDA's allocator statistics
     # do not see either.
