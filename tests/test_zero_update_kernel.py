@@ -131,3 +131,25 @@ def test_host_gradient_staging_is_one_buffer_allocated_once(monkeypatch):
     assert len(masters.sub_groups) > 3
     assert sizes[len(built):] == [width]  # one staging buffer over 3 steps
     assert len(set(ptrs)) == 1
+
+
+def test_a_checkpoint_from_the_other_kernel_does_not_switch_it():
+    """A state dict saved where the masters ran foreach (an accelerator, an older run) loads
+    into host masters that keep the fused kernel, and resumes bitwise like fused torch."""
+    zero = ZeroConfig(stage=1, sub_group_size=SUB, offload_optimizer=OffloadConfig(device="cpu"))
+    batches = make_batches(STEPS, BATCH, SEQ, VOCAB)
+    model = _tiny()
+    engine = build_zero_optimizer([model], OPT, zero, PrecisionConfig(), _topo1())
+    for t, y in batches[:3]:
+        engine_train_step(model, engine, t, y)
+    sd = engine.state_dict()
+    for g in sd["master"]["optimizer"]["param_groups"]:
+        g["fused"], g["foreach"] = None, True
+    engine.load_state_dict(sd)
+    groups = engine.masters.optimizer.param_groups
+    assert [(g["fused"], g["foreach"]) for g in groups] == [(True, None)] * len(groups)
+    for t, y in batches[3:]:
+        engine_train_step(model, engine, t, y)
+    full = engine.full_parameters()
+    _, fused_w = _torch_run("fused")
+    assert all(torch.equal(full[id(p)], fused_w[n]) for n, p in model.named_parameters())

@@ -333,7 +333,14 @@ class MasterParams:
         for p, n in zip(self.pieces, numels):
             p.master.copy_(sd["masters"][pos:pos + n])
             pos += n
+        # torch's load_state_dict takes every group setting from the saved groups, the update
+        # kernel too; this run's kernel follows where its masters are (update_kernel), so
+        # a checkpoint written with the other kernel must not switch it
+        kernel = [{k: g.get(k) for k in ("fused", "foreach")}
+                  for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(sd["optimizer"])
+        for g, k in zip(self.optimizer.param_groups, kernel):
+            g.update(k)
         self.sync_model_from_masters()
 
 
