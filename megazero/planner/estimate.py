@@ -26,7 +26,10 @@ from megazero.planner.shapes import meta_chunks, shape_topology
 FRAGMENTATION = 0.05  # CUDA caching-allocator allowance on top of the tracked peak (not on CPU)
 
 
-STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments")
+#: fp32 gradient copies on host masters go through one buffer kept between steps
+#: (megazero.zero.master.MasterParams._staged): live throughout, like the model states
+GRAD_STAGING_ITEM = "fp32 grad staging buffer (host)"
+STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments", GRAD_STAGING_ITEM)
 FRAGMENTATION_ITEM = "fragmentation allowance (5%)"
 
 
@@ -137,7 +140,10 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     on_host = z.offload_optimizer.enabled or device_is_cpu
     step = out.host if z.offload_optimizer.enabled else out.step
     if ps != 4 or z.offload_optimizer.enabled:
-        step["fp32 grad sub-group"] = sub
+        if on_host:
+            (out.host if z.offload_optimizer.enabled else out.items)[GRAD_STAGING_ITEM] = sub
+        else:
+            step["fp32 grad sub-group"] = sub
     if not (on_host and cfg.optimizer.optimizer in ("adam", "adamw")):
         step["optimizer update temporary"] = sub
     # Not counted: buffers the collective library allocates for itself (NCCL's channels,
