@@ -26,7 +26,10 @@ from megazero.planner.shapes import meta_chunks, shape_topology
 FRAGMENTATION = 0.05  # CUDA caching-allocator allowance on top of the tracked peak (not on CPU)
 
 
-STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments")
+#: fp32 gradient copies on host masters go through one buffer kept between steps
+#: (megazero.zero.master.MasterParams._staged): live throughout, like the model states
+GRAD_STAGING_ITEM = "fp32 grad staging buffer (host)"
+STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments", GRAD_STAGING_ITEM)
 FRAGMENTATION_ITEM = "fragmentation allowance (5%)"
 
 
@@ -130,13 +133,19 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             largest, z.reduce_bucket_size) * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
     # gradients to fp32; AdamW's foreach update keeps one fp32 temporary of the sub-group's
-    # size (sqrt of the second moment, divided and shifted in place).
+    # size (sqrt of the second moment, divided and shifted in place). Adam on host masters
+    # runs the fused CPU kernel (megazero.zero.optimizers.update_kernel): no temporary.
     shard = out.numel / (dp if z.stage else 1)
     sub = min(shard, z.sub_group_size) * 4
+    on_host = z.offload_optimizer.enabled or device_is_cpu
     step = out.host if z.offload_optimizer.enabled else out.step
     if ps != 4 or z.offload_optimizer.enabled:
-        step["fp32 grad sub-group"] = sub
-    step["optimizer update temporary"] = sub
+        if on_host:
+            (out.host if z.offload_optimizer.enabled else out.items)[GRAD_STAGING_ITEM] = sub
+        else:
+            step["fp32 grad sub-group"] = sub
+    if not (on_host and cfg.optimizer.optimizer in ("adam", "adamw")):
+        step["optimizer update temporary"] = sub
     # Not counted: buffers the collective library allocates for itself (NCCL's channels,
     # gloo's flat staging copy of an all-gather's output), which CUDA's allocator statistics
     # do not see either.

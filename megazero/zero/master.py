@@ -119,6 +119,8 @@ class MasterParams:
         self.flat: torch.Tensor | None = None
         self.swap: OptimizerSwapper | None = None
         self._resident = False
+        self.pin_memory = pin_memory
+        self._grad_stage: torch.Tensor | None = None  # see _staged
         total = sum(p.model.numel() for p in self.pieces)
         if swapper is not None:
             # Masters are placeholders; the step points them at a slot of the swapper.
@@ -239,13 +241,28 @@ class MasterParams:
         for group in self.sub_groups:
             self._step_group(group, factor)
 
-    def _step_group(self, group: list[Piece], factor: float) -> None:
-        grads = []
+    def _staged(self, group: list[Piece]) -> list[torch.Tensor]:
+        """fp32 copies of the group's gradients on the masters' device. On the host they land
+        in one buffer of the largest sub-group's size, allocated at the first step and reused:
+        a fresh host tensor per sub-group would be a new mmap of that size each time, whose
+        page faults cost more than the copy itself (and than the fused update). On an
+        accelerator the caching allocator already reuses memory: a transient copy, no buffer
+        kept between steps."""
+        device = group[0].master.device
+        if device.type != "cpu":
+            return [p.grad.to(device=device, dtype=torch.float32, copy=True) for p in group]
+        if self._grad_stage is None:
+            width = max(sum(p.model.numel() for p in g) for g in self.sub_groups)
+            self._grad_stage = host_empty(width, torch.float32, self.pin_memory)
+        out, pos = [], 0
         for p in group:
-            g = p.grad
-            if self.copy:
-                g = g.to(device=p.master.device, dtype=torch.float32, copy=True)
-            grads.append(g)
+            n = p.model.numel()
+            out.append(self._grad_stage[pos:pos + n].copy_(p.grad))
+            pos += n
+        return out
+
+    def _step_group(self, group: list[Piece], factor: float) -> None:
+        grads = self._staged(group) if self.copy else [p.grad for p in group]
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
         for p, g in zip(group, grads):
@@ -316,7 +333,14 @@ class MasterParams:
         for p, n in zip(self.pieces, numels):
             p.master.copy_(sd["masters"][pos:pos + n])
             pos += n
+        # torch's load_state_dict takes every group setting from the saved groups, the update
+        # kernel too; this run's kernel follows where its masters are (update_kernel), so
+        # a checkpoint written with the other kernel must not switch it
+        kernel = [{k: g.get(k) for k in ("fused", "foreach")}
+                  for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(sd["optimizer"])
+        for g, k in zip(self.optimizer.param_groups, kernel):
+            g.update(k)
         self.sync_model_from_masters()
 
 

@@ -1,7 +1,8 @@
 """Where offloaded model states live: host memory (``device: cpu``) or files (``device: nvme``).
 
 ``offload_optimizer`` (stages 1-3) puts the fp32 master weights and the optimizer moments on the
-host; the optimizer step runs there (torch's foreach AdamW on CPU tensors), reading gradients
+host; the optimizer step runs there (torch's fused CPU Adam/AdamW, see
+:func:`megazero.zero.optimizers.update_kernel`), reading gradients
 copied from the device one sub-group at a time and writing the updated weights back. With
 ``device: nvme`` (ZeRO-Infinity) the masters and moments live in swap files under
 ``nvme_path`` and stream through a few host buffers, one sub-group at a time

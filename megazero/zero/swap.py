@@ -169,7 +169,12 @@ class OptimizerSwapper:
         """Call ``fn(g, master, exp_avg, exp_avg_sq)`` for every sub-group in order, with views
         of a slot holding its states (read from the files first when ``read``), writing them
         back afterwards when ``write``. Slots rotate: with S slots, S - 2 sub-groups are read
-        ahead while one is written behind (S = 2: one ahead, none behind; S = 1: in turn)."""
+        ahead while one is written behind (S = 2: one ahead, none behind; S = 1: in turn).
+
+        ``last_stream`` then holds the bytes read and written, ``seconds`` (wall time from the
+        first read issued to the last write completed) and ``io_wait_seconds`` (time this
+        thread spent blocked on a read or on a slot's pending write): their ratio near 1 means
+        the disk bounds the stream, near 0 the update does."""
         count, nslots = len(self.numels), len(self.slots)
         ahead = nslots - 2 if nslots >= 3 else nslots - 1
         reads: dict[int, Pending] = {}
