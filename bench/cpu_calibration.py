@@ -5,19 +5,21 @@ training run share the machine's cores):
 
 * GEMM rate: ``torch.mm`` at the shapes of the benchmark model's layers (full and halved by
   tensor parallelism), FLOP/s per rank -> ``peak_tflops_32``;
-* per-layer and per-micro-batch overhead: forward + backward of a GPTModel with hidden size 16
-  (nearly no arithmetic) at 1 and 5 layers: the slope per layer / 3 (forward, backward) is
-  ``per_layer_overhead_us`` (the step-time model charges it 3 times per layer: forward and
-  the two halves of backward), the intercept (embedding, loss, optimizer-free step glue) is
-  ``per_microbatch_overhead_us``;
+* per-layer overhead: forward + backward of a GPTModel with hidden size 16 (nearly no
+  arithmetic) at 1 and 5 layers: the slope per layer / 3 is ``per_layer_overhead_us`` (the
+  step-time model charges it per pass over a layer: forward and the two halves of backward);
+* per-micro-batch overhead: a full-size 1-layer model at micro-batch 1 and 4, ``t(b) = c + b k``:
+  ``c`` less the 3 layer passes is ``per_microbatch_overhead_us`` (embedding, loss, glue, and
+  the slower rows of small GEMMs);
 * achievable fraction: forward + backward of full-size transformer layers (hidden 256, seq
   128, micro-batch 4; 3 layers minus 1 layer, halved): their GEMM FLOPs / (time - layer
   overhead) / GEMM rate -> the share of the GEMM rate a layer's arithmetic reaches with its
   softmax, norms and element-wise work;
 * gloo collectives: all-reduce, all-gather, reduce-scatter and send/recv at 4 KiB-16 MiB;
-  a least-squares line per kind ``t = alpha + bytes_on_the_wire / beta`` (ring bytes: 2(n-1)/n
-  of the buffer for all-reduce, (n-1)/n for the others) -> ``per_collective_latency_us``
-  (alpha) and ``intra_node_gbps`` (beta), and every kind's line -> ``collectives``;
+  a line per kind ``t = alpha + bytes_on_the_wire / beta`` through 4 KiB and 16 MiB (ring
+  bytes: 2(n-1)/n of the buffer for all-reduce, (n-1)/n for the others)
+  -> ``per_collective_latency_us`` (alpha) and ``intra_node_gbps`` (beta), and every
+  kind's line -> ``collectives``;
 * AdamW: a torch AdamW step on a flat 2M-element fp32 shard -> ``device_adam_gparams_per_s``
   and ``cpu_adam_gparams_per_s`` (the host is the device); ``comm_overlaps_compute`` is false
   (gloo's copies and reductions need the cores the ranks compute on).
@@ -101,7 +103,12 @@ def _overheads(gemm_gflops: float) -> dict:
     t1 = _fwd_bwd_seconds(16, 1, 8, 1, 30)
     t5 = _fwd_bwd_seconds(16, 5, 8, 1, 30)
     per_layer_pass = (t5 - t1) / 4 / 3
-    per_mb = t1 - 3 * per_layer_pass
+    # a micro-batch's fixed part at full size: t(b) = c + b k from micro-batches 1 and 4 of a
+    # 1-layer model (small GEMMs run slower per row; embedding, loss and glue), less the layer
+    # passes charged apart
+    b1 = _fwd_bwd_seconds(H, 1, S, 1, 15)
+    b4 = _fwd_bwd_seconds(H, 1, S, 4, 9)
+    per_mb = (4 * b1 - b4) / 3 - 3 * per_layer_pass
     # full-size layers: (3 layers - 1 layer) / 2 isolates one from embedding and logits
     f1 = _fwd_bwd_seconds(H, 1, S, B, 9)
     f3 = _fwd_bwd_seconds(H, 3, S, B, 9)
@@ -109,17 +116,18 @@ def _overheads(gemm_gflops: float) -> dict:
     gemm = 3 * S * B * 2 * (4 * H * H + 2 * H * FFN + 2 * S * H)
     fraction = gemm / (gemm_gflops * 1e9) / max(1e-9, layer - 3 * per_layer_pass)
     return {"tiny_1_layer_s": t1, "tiny_5_layers_s": t5, "per_layer_pass_s": per_layer_pass,
+            "one_layer_mbs1_s": b1, "one_layer_mbs4_s": b4,
             "per_microbatch_s": per_mb, "full_layer_fwd_bwd_s": layer,
             "full_layer_gemm_flops": gemm, "achievable_fraction": fraction}
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``t = alpha + x / beta``: (alpha seconds, beta bytes/s)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return max(0.0, my - slope * mx), 1.0 / slope
+    """``t = alpha + x / beta`` through the smallest and the largest buffer: (alpha seconds,
+    beta bytes/s). Two points, not least squares: a descheduled peer adds a scheduler tick
+    (~4 ms) to some calls of any size, which would tilt a fitted line through them all."""
+    (x0, y0), (x1, y1) = min(points), max(points)
+    beta = (x1 - x0) / max(1e-9, y1 - y0)
+    return max(0.0, y0 - x0 / beta), beta
 
 
 def _collectives(rank: int, world: int) -> dict:
@@ -213,6 +221,11 @@ def main() -> None:
     constants["collectives"] = {
         kind: [statistics.median(r["constants"]["collectives"][kind][i] for r in runs)
                for i in range(2)] for kind in runs[0]["constants"]["collectives"]}
+    # the product (the layer rate) is what the model uses: keep its median, not two medians'
+    # product
+    rate = statistics.median(r["constants"]["peak_tflops_32"]
+                             * r["constants"]["achievable_fraction"] for r in runs)
+    constants["achievable_fraction"] = round(min(1.0, rate / constants["peak_tflops_32"]), 3)
     print("median of", args.repeats, "runs:", json.dumps(constants))
     path = Path(__file__).parent / "results" / "cpu_calibration.json"
     path.write_text(json.dumps({"load_before": load, "load_after": os.getloadavg()[0],
