@@ -127,3 +127,18 @@ def test_tensor_parallel_all_reduces_vs_sequence_parallel_gathers():
 def test_without_a_measured_table_the_link_bandwidth_and_latency_are_used():
     t = terms(["--zero-stage=0"], cl=cluster(collectives=None))
     assert t["data parallel"] == pytest.approx(30e-6 + 2 * 4 * PARAMS / 2 / 3e9, rel=1e-12)
+
+
+def test_nongemm_work_repeats_on_tp_ranks_unless_sequence_parallel():
+    cl = cluster(nongemm_share=0.5)
+    mb, over = 8, 3 * L * LAYER_US * 1e-6 + MB_US * 1e-6
+    gemm = gemm_per_mb(L, tp=2)
+    plain = terms(["--tensor-model-parallel-size=2"], cl=cl)["compute"]
+    assert plain == pytest.approx(mb * (gemm + 2 * gemm * 0.5 + over), rel=1e-12)
+    sp = terms(["--tensor-model-parallel-size=2", "--sequence-parallel"], cl=cl)["compute"]
+    assert sp == pytest.approx(mb * (gemm + gemm * 0.5 + over), rel=1e-12)
+
+
+def test_bubble_runs_at_the_solo_speed():
+    t = terms(["--pipeline-model-parallel-size=2"], cl=cluster(solo_speedup=2.0))
+    assert t["pipeline bubble"] / t["compute"] == pytest.approx(1 / 8 / 2.0, rel=1e-12)

@@ -50,6 +50,14 @@ class Cluster:
     # [alpha microseconds per call, GB/s of ring wire bytes]; replaces the link bandwidths and
     # ``per_collective_latency_us`` for the kinds it names
     collectives: dict[str, list[float]] | None = None
+    # how much faster a rank computes while the other ranks of its node idle (1 where every
+    # rank has its own device; more on a CPU whose ranks share cores and memory bandwidth):
+    # the pipeline's warm-up and cool-down run at that speed
+    solo_speedup: float = 1.0
+    # a layer's non-GEMM time (norms, dropout, residuals, softmax) as a share of its GEMM time
+    # at tp = 1, charged apart from ``achievable_fraction``: tensor parallelism without SP
+    # repeats it on every TP rank, SP splits it (0: folded into ``achievable_fraction``)
+    nongemm_share: float = 0.0
 
     @property
     def memory_bytes(self) -> float:

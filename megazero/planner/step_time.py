@@ -4,10 +4,12 @@
   grouped-query K/V, the projection, the MLP with two or three matrices, attention scores and
   values; the logits on the last stage; x3 for forward + backward, plus one more forward of
   the layers with full recompute, plus the core attention forward with selective recompute)
-  at ``achievable_fraction`` of the dense peak, plus the cluster's per-layer overhead for
+  at ``achievable_fraction`` of the dense peak, plus the non-GEMM work (``nongemm_share`` of
+  the tp = 1 GEMM time: every TP rank repeats it unless SP splits it), the per-layer overhead for
   each pass over a layer (3, or 4 with full recompute) and per-micro-batch overhead per chunk;
-* pipeline bubble ``(p-1)/(v m)`` of that compute, and the p2p of one activation per micro-batch
-  per chunk boundary each way;
+* pipeline bubble ``(p-1)/(v m)`` of that compute (over the cluster's ``solo_speedup``: the
+  working ranks of the warm-up and cool-down may run faster while the others idle), and the
+  p2p of one activation per micro-batch per chunk boundary each way;
 * tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
   4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), over NVLink when the
   TP group fits in a node;
@@ -129,13 +131,16 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     node = cluster.gpus_per_node
     out = StepTime(tokens=gbs * s, world=layout.world_size, peak=peak)
     passes = 4 if p.recompute.granularity == "full" else 3
-    per_mb = stage_flops_per_microbatch(cfg) / (peak * cluster.achievable_fraction)
+    gemm = stage_flops_per_microbatch(cfg) / (peak * cluster.achievable_fraction)
+    sp = sequence_parallel_active(p.sequence_parallel, tp)
+    per_mb = gemm + gemm * tp * cluster.nongemm_share / (tp if sp else 1)
     per_mb += cluster.per_layer_overhead_us * 1e-6 * passes * m.num_layers / pp
     per_mb += cluster.per_microbatch_overhead_us * 1e-6 * vpp
     compute = per_mb * mb
     out.terms["compute"] = compute
-    if pp > 1:  # the slowest stage sets the pace; (p-1)/(v m) of its time is idle
-        out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb)
+    if pp > 1:  # the slowest stage sets the pace; (p-1)/(v m) of its time is idle, and the
+        # ranks that work meanwhile run ``solo_speedup`` times faster
+        out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb) / cluster.solo_speedup
         cross = tp * dp >= node and layout.world_size > node
         act = e * s * b * h / (tp if sequence_parallel_active(p.sequence_parallel, tp) else 1)
         bw = cluster.inter_node_gbps if cross else cluster.intra_node_gbps
