@@ -5,6 +5,8 @@ training run share the machine's cores):
 
 * GEMM rate: ``torch.mm`` at the shapes of the benchmark model's layers (full and halved by
   tensor parallelism), FLOP/s per rank -> ``peak_tflops_32``;
+* solo speedup: the GEMM rate of rank 0 while rank 1 waits, over its rate while both compute
+  -> ``solo_speedup`` (the ranks share the machine's cores and memory bandwidth);
 * per-layer overhead: forward + backward of a GPTModel with hidden size 16 (nearly no
   arithmetic) at 1 and 5 layers: the slope per layer / 3 is ``per_layer_overhead_us`` (the
   step-time model charges it per pass over a layer: forward and the two halves of backward);
@@ -13,8 +15,8 @@ training run share the machine's cores):
   the slower rows of small GEMMs);
 * achievable fraction: forward + backward of full-size transformer layers (hidden 256, seq
   128, micro-batch 4; 3 layers minus 1 layer, halved): their GEMM FLOPs / (time - layer
-  overhead) / GEMM rate -> the share of the GEMM rate a layer's arithmetic reaches with its
-  softmax, norms and element-wise work;
+  overhead) / GEMM rate = f; ``nongemm_share`` = 1/f - 1 (the softmax, norms and element-wise
+  work beside the GEMMs), ``achievable_fraction`` 1;
 * gloo collectives: all-reduce, all-gather, reduce-scatter and send/recv at 4 KiB-16 MiB;
   a line per kind ``t = alpha + bytes_on_the_wire / beta`` through 4 KiB and 16 MiB (ring
   bytes: 2(n-1)/n of the buffer for all-reduce, (n-1)/n for the others)
@@ -48,7 +50,9 @@ H, S, B, FFN = 256, 128, 4, 1024
 
 
 def _timed(fn, reps: int) -> float:
-    """Median seconds of ``reps`` calls after two warm-up calls."""
+    """Mean seconds of ``reps`` calls after two warm-up calls. The mean, not the median: on a
+    shared machine a call now and then waits a scheduler tick (~4 ms) for a descheduled peer,
+    and a run's time is the sum of its calls, ticks included."""
     fn()
     fn()
     out = []
@@ -56,7 +60,7 @@ def _timed(fn, reps: int) -> float:
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return statistics.mean(out)
 
 
 def _gemm_rate() -> dict:
@@ -175,7 +179,14 @@ def _adam_rate(numel: int = 1 << 21) -> float:
 
 
 def _rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
     gemm = _gemm_rate()
+    dist.barrier()
+    solo = _gemm_rate() if rank == 0 else None  # the other rank waits in the barrier
+    dist.barrier()
+    if solo is not None:
+        gemm["solo_gflops"] = solo["gflops"]
     over = _overheads(gemm["gflops"])
     coll = _collectives(rank, world)
     return {"gemm": gemm, "overheads": over, "collectives": coll, "adam_params_per_s": _adam_rate()}
@@ -188,8 +199,11 @@ def _constants(res: list[dict]) -> dict:
     fits = r0["collectives"]["fits"]
     adam = statistics.mean(r["adam_params_per_s"] for r in res)
     ar = fits["all_reduce"]
-    return {"peak_tflops_32": round(gflops / 1e3, 5),
-            "achievable_fraction": round(min(1.0, over["achievable_fraction"]), 3),
+    solo = r0["gemm"]["solo_gflops"] / r0["gemm"]["gflops"]
+    return {"solo_speedup": round(max(1.0, solo), 3),
+            "nongemm_share": round(max(0.0, 1 / over["achievable_fraction"] - 1), 3),
+            "peak_tflops_32": round(gflops / 1e3, 5),
+            "achievable_fraction": 1.0,  # the rest is nongemm_share
             "per_layer_overhead_us": round(over["per_layer_pass_s"] * 1e6, 1),
             "per_microbatch_overhead_us": round(max(0.0, over["per_microbatch_s"]) * 1e6, 1),
             "per_collective_latency_us": round(ar["alpha_us"], 1),
@@ -221,11 +235,6 @@ def main() -> None:
     constants["collectives"] = {
         kind: [statistics.median(r["constants"]["collectives"][kind][i] for r in runs)
                for i in range(2)] for kind in runs[0]["constants"]["collectives"]}
-    # the product (the layer rate) is what the model uses: keep its median, not two medians'
-    # product
-    rate = statistics.median(r["constants"]["peak_tflops_32"]
-                             * r["constants"]["achievable_fraction"] for r in runs)
-    constants["achievable_fraction"] = round(min(1.0, rate / constants["peak_tflops_32"]), 3)
     print("median of", args.repeats, "runs:", json.dumps(constants))
     path = Path(__file__).parent / "results" / "cpu_calibration.json"
     path.write_text(json.dumps({"load_before": load, "load_after": os.getloadavg()[0],

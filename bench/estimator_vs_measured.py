@@ -1,12 +1,18 @@
 """Predicted vs measured step time of one small GPT in several layouts on this CPU.
 
-Each layout runs through pretrain_gpt.py with torchrun (gloo, mock data, a few iterations; the
-median iteration time after the first is the measurement, see megazero/planner/measure.py).
-The prediction is megazero.planner.estimate with the ``cpu`` cluster description
-(megazero/planner/clusters/cpu.json). Prints a table and the Spearman rank correlation, and
-writes bench/results/estimator_vs_measured.json.
+Each layout runs through pretrain_gpt.py with torchrun (gloo, mock data, ``--iters``
+iterations; the first ``--warmup`` are not kept). The 2 cores are shared with other work, so
+every layout runs once per round, ``--rounds`` rounds, in an order rotated (and reversed every
+other round) from round to round; a layout's measurement is the median of its per-round
+medians, its spread the range of those and the inter-quartile range of its iterations; the
+1-minute load average is recorded before each trial, and the ranking is also compared inside
+each round alone. The prediction is megazero.planner.estimate with the ``cpu`` cluster
+description (megazero/planner/clusters/cpu.json, calibrated by bench/cpu_calibration.py on
+micro-benchmarks, none of them these layouts). Prints a table and the Spearman rank
+correlation, and writes bench/results/estimator_vs_measured.json; ``--reuse`` predicts again
+against the measurements stored there.
 
-    PYTHONPATH=$PWD python bench/estimator_vs_measured.py [--iters 4]
+    PYTHONPATH=$PWD python bench/estimator_vs_measured.py [--rounds 3 --iters 6 --warmup 2]
 
 ``--memory``: instead of time, the peak memory per rank of each layout (two iterations through
 the pipeline executor, gradient sync and optimizer step, in one spawned world) against the
@@ -34,23 +40,20 @@ from megazero.planner.search import _config  # noqa: E402
 BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
         "--vocab-size 1024 --tokenizer-type NullTokenizer --global-batch-size 16").split()
 WORLD = 2
-LAYOUTS = [  # (name, flags)
-    ("dp2 z0 mbs4", ["--zero-stage=0", "--micro-batch-size=4"]),
-    ("dp2 z1 mbs4", ["--zero-stage=1", "--micro-batch-size=4"]),
-    ("dp2 z3 mbs4", ["--zero-stage=3", "--micro-batch-size=4"]),
-    ("dp2 z2 offload mbs4", ["--zero-stage=2", "--micro-batch-size=4", "--offload-optimizer"]),
-    ("dp2 z1 full recompute mbs4", ["--zero-stage=1", "--micro-batch-size=4",
-                                    "--recompute-granularity=full", "--recompute-method=uniform",
-                                    "--recompute-num-layers=1"]),
+RECOMPUTE = ["--recompute-granularity=full", "--recompute-method=uniform",
+             "--recompute-num-layers=1"]
+LAYOUTS = [  # (name, flags): pipeline bubbles, TP collectives, ZeRO stages, recompute
+    ("dp2 z0 mbs8", ["--zero-stage=0", "--micro-batch-size=8"]),
+    ("tp2 mbs8", ["--tensor-model-parallel-size=2", "--micro-batch-size=8"]),
     ("dp2 z1 mbs1", ["--zero-stage=1", "--micro-batch-size=1"]),
-    ("tp2 mbs4", ["--tensor-model-parallel-size=2", "--micro-batch-size=4"]),
-    ("tp2 sp mbs4", ["--tensor-model-parallel-size=2", "--sequence-parallel",
-                     "--micro-batch-size=4"]),
-    ("pp2 mbs4", ["--pipeline-model-parallel-size=2", "--micro-batch-size=4"]),
-    ("pp2 mbs2", ["--pipeline-model-parallel-size=2", "--micro-batch-size=2"]),
-    ("pp2 mbs1", ["--pipeline-model-parallel-size=2", "--micro-batch-size=1"]),
-    ("pp2 vpp2 mbs2", ["--pipeline-model-parallel-size=2", "--micro-batch-size=2",
-                       "--num-layers-per-virtual-pipeline-stage=1"]),
+    ("dp2 z1 mbs8 full recompute", ["--zero-stage=1", "--micro-batch-size=8", *RECOMPUTE]),
+    ("tp2 sp mbs1", ["--tensor-model-parallel-size=2", "--sequence-parallel",
+                     "--micro-batch-size=1"]),
+    ("dp2 z3 mbs1", ["--zero-stage=3", "--micro-batch-size=1"]),
+    ("pp2 mbs8", ["--pipeline-model-parallel-size=2", "--micro-batch-size=8"]),
+    ("pp2 mbs1 full recompute", ["--pipeline-model-parallel-size=2", "--micro-batch-size=1",
+                                 *RECOMPUTE]),
+    ("pp2 mbs16", ["--pipeline-model-parallel-size=2", "--micro-batch-size=16"]),
 ]
 
 
