@@ -1,12 +1,18 @@
 """Predicted vs measured step time of one small GPT in several layouts on this CPU.
 
-Each layout runs through pretrain_gpt.py with torchrun (gloo, mock data, a few iterations; the
-median iteration time after the first is the measurement, see megazero/planner/measure.py).
-The prediction is megazero.planner.estimate with the ``cpu`` cluster description
-(megazero/planner/clusters/cpu.json). Prints a table and the Spearman rank correlation, and
-writes bench/results/estimator_vs_measured.json.
+Each layout runs through pretrain_gpt.py with torchrun (gloo, mock data, ``--iters``
+iterations; the first ``--warmup`` are not kept). The 2 cores are shared with other work, so
+every layout runs once per round, ``--rounds`` rounds, in an order rotated (and reversed every
+other round) from round to round; a layout's measurement is the median of its per-round
+medians, its spread the range of those and the inter-quartile range of its iterations; the
+1-minute load average is recorded before each trial, and the ranking is also compared inside
+each round alone. The prediction is megazero.planner.estimate with the ``cpu`` cluster
+description (megazero/planner/clusters/cpu.json, calibrated by bench/cpu_calibration.py on
+micro-benchmarks, none of them these layouts). Prints a table and the Spearman rank
+correlation, and writes bench/results/estimator_vs_measured.json; ``--reuse`` predicts again
+against the measurements stored there.
 
-    PYTHONPATH=$PWD python bench/estimator_vs_measured.py [--iters 4]
+    PYTHONPATH=$PWD python bench/estimator_vs_measured.py [--rounds 3 --iters 6 --warmup 2]
 
 ``--memory``: instead of time, the peak memory per rank of each layout (two iterations through
 the pipeline executor, gradient sync and optimizer step, in one spawned world) against the
@@ -20,31 +26,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megazero.planner.cluster import load_cluster  # noqa: E402
-from megazero.planner.measure import measure_flags  # noqa: E402
+from megazero.planner.measure import measure_times  # noqa: E402
 from megazero.planner.search import _config  # noqa: E402
 
 BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
         "--vocab-size 1024 --tokenizer-type NullTokenizer --global-batch-size 16").split()
 WORLD = 2
-LAYOUTS = [  # (name, flags)
-    ("dp2 z0 mbs4", ["--zero-stage=0", "--micro-batch-size=4"]),
-    ("dp2 z1 mbs4", ["--zero-stage=1", "--micro-batch-size=4"]),
-    ("dp2 z3 mbs4", ["--zero-stage=3", "--micro-batch-size=4"]),
-    ("dp2 z2 offload mbs4", ["--zero-stage=2", "--micro-batch-size=4", "--offload-optimizer"]),
-    ("dp2 z1 full recompute mbs4", ["--zero-stage=1", "--micro-batch-size=4",
-                                    "--recompute-granularity=full", "--recompute-method=uniform",
-                                    "--recompute-num-layers=1"]),
-    ("tp2 mbs4", ["--tensor-model-parallel-size=2", "--micro-batch-size=4"]),
-    ("tp2 sp mbs4", ["--tensor-model-parallel-size=2", "--sequence-parallel",
-                     "--micro-batch-size=4"]),
-    ("pp2 mbs2", ["--pipeline-model-parallel-size=2", "--micro-batch-size=2"]),
-    ("pp2 mbs1", ["--pipeline-model-parallel-size=2", "--micro-batch-size=1"]),
+RECOMPUTE = ["--recompute-granularity=full", "--recompute-method=uniform",
+             "--recompute-num-layers=1"]
+LAYOUTS = [  # (name, flags): pipeline bubbles, TP collectives, ZeRO stages, recompute
+    ("dp2 z0 mbs8", ["--zero-stage=0", "--micro-batch-size=8"]),
+    ("tp2 mbs8", ["--tensor-model-parallel-size=2", "--micro-batch-size=8"]),
+    ("dp2 z1 mbs1", ["--zero-stage=1", "--micro-batch-size=1"]),
+    ("dp2 z1 mbs8 full recompute", ["--zero-stage=1", "--micro-batch-size=8", *RECOMPUTE]),
+    ("tp2 sp mbs1", ["--tensor-model-parallel-size=2", "--sequence-parallel",
+                     "--micro-batch-size=1"]),
+    ("dp2 z3 mbs1", ["--zero-stage=3", "--micro-batch-size=1"]),
+    ("pp2 mbs8", ["--pipeline-model-parallel-size=2", "--micro-batch-size=8"]),
+    ("pp2 mbs1 full recompute", ["--pipeline-model-parallel-size=2", "--micro-batch-size=1",
+                                 *RECOMPUTE]),
+    ("pp2 mbs16", ["--pipeline-model-parallel-size=2", "--micro-batch-size=16"]),
 ]
 
 
@@ -91,33 +100,127 @@ def memory(iters: int) -> None:
                                 "rows": rows}, indent=1) + "\n")
 
 
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def measure_rounds(rounds: int, iters: int, warmup: int, raw: Path,
+                   out: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Every layout once per round, in a rotated order (each layout runs at a different position
+    of each round, so slow phases of the shared machine fall on different layouts); per layout,
+    the per-iteration times after ``warmup`` iterations of every round, each round's median and
+    the 1-minute load average before each trial."""
+    out = out or {n: {"times": [], "round_medians": [], "round_ids": [], "load": [],
+                      "error": None} for n, _ in LAYOUTS}
+    first = 1 + max((i for v in out.values() for i in v["round_ids"]), default=-1)
+    for r in range(first, first + rounds):
+        order = LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]
+        if r % 2:
+            order = order[::-1]
+        for name, flags in order:
+            load = _loadavg()
+            times, err = measure_times(BASE + flags, WORLD, iters)
+            row = out[name]
+            row["load"].append(load)
+            if times is None or len(times) <= warmup:
+                row["error"] = err or "too few iterations"
+                print(f"round {r} {name:<30} failed: {row['error']}", flush=True)
+                continue
+            kept = times[warmup:]
+            row["times"].append(kept)
+            row["round_medians"].append(statistics.median(kept))
+            row["round_ids"].append(r)
+            print(f"round {r} {name:<30} median {statistics.median(kept):.4f} s "
+                  f"(min {min(kept):.4f} max {max(kept):.4f}) load {load:.2f}", flush=True)
+            raw.write_text(json.dumps(out))  # every trial so far, to resume or re-predict
+    return out
+
+
+def summarise(measured: dict[str, dict]) -> dict[str, dict]:
+    """The median of the per-round medians; spread as their range and the inter-quartile range
+    of the kept iterations."""
+    for row in measured.values():
+        flat = sorted(t for ts in row["times"] for t in ts)
+        if not row["round_medians"]:
+            row["median_s"] = None
+            continue
+        q = statistics.quantiles(flat, n=4) if len(flat) > 1 else (flat * 3 or [None] * 3)
+        row["median_s"] = statistics.median(row["round_medians"])
+        row["iqr_s"] = [q[0], q[2]]
+        row["round_median_range_s"] = [min(row["round_medians"]), max(row["round_medians"])]
+    return measured
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=6, help="iterations per trial")
+    ap.add_argument("--warmup", type=int, default=2, help="first iterations of a trial not kept")
+    ap.add_argument("--rounds", type=int, default=3, help="trials of every layout, interleaved")
+    ap.add_argument("--cluster", default="cpu", help="cluster description for the prediction")
+    ap.add_argument("--raw", default="/tmp/estimator_vs_measured_raw.json",
+                    help="every trial's times, written after each trial")
+    ap.add_argument("--resume", action="store_true",
+                    help="add --rounds rounds to the trials already in --raw")
+    ap.add_argument("--reuse", action="store_true",
+                    help="predict again against the measurements already in the results JSON")
     ap.add_argument("--memory", action="store_true",
                     help="peak memory per rank instead of step time")
     args = ap.parse_args()
     if args.memory:
         memory(max(2, min(args.iters, 3)))
         return
-    cluster = load_cluster("cpu")
+    from megazero.planner.estimate import estimate
+
+    path = Path(__file__).parent / "results" / "estimator_vs_measured.json"
+    cluster = load_cluster(args.cluster)
+    if args.reuse:
+        old = json.loads(path.read_text())
+        measured = {r["layout"]: r["measured"] for r in old["rows"]}
+        meta = old["measurement"]
+    else:
+        meta = {"rounds": args.rounds, "iters": args.iters, "warmup": args.warmup,
+                "load_before": _loadavg()}
+        raw = Path(args.raw)
+        prior = json.loads(raw.read_text()) if args.resume else None
+        measured = summarise(measure_rounds(args.rounds, args.iters, args.warmup, raw, prior))
+        meta["rounds"] = min(len(v["round_medians"]) for v in measured.values())
+        meta["complete_rounds"] = sorted(set.intersection(
+            *(set(v["round_ids"]) for v in measured.values())))
+        meta["load_after"] = _loadavg()
     rows = []
     for name, flags in LAYOUTS:
-        from megazero.planner.estimate import estimate
-
         est = estimate(_config(BASE, flags, WORLD), cluster)
-        measured, err = measure_flags(BASE + flags, WORLD, args.iters)
+        m = measured[name]
         rows.append(dict(layout=name, flags=flags, predicted_s=est.time.seconds,
-                         terms=est.time.terms, measured_s=measured, error=err))
-        print(f"{name:<30} predicted {est.time.seconds:8.4f} s   measured "
-              f"{'-' if measured is None else f'{measured:.4f}'} s  {err or ''}", flush=True)
+                         terms=est.time.terms, measured_s=m["median_s"], measured=m))
+    print(f"{'layout':<30}{'predicted':>10}{'measured':>10}{'round medians':>22}{'ratio':>7}")
+    for r in rows:
+        m = r["measured"]
+        if r["measured_s"] is None:
+            print(f"{r['layout']:<30}{r['predicted_s']:>10.4f}{'-':>10}  {m['error']}")
+            continue
+        lo, hi = m["round_median_range_s"]
+        print(f"{r['layout']:<30}{r['predicted_s']:>10.4f}{r['measured_s']:>10.4f}"
+              f"{lo:>11.4f}-{hi:<10.4f}{r['measured_s'] / r['predicted_s']:>7.3f}")
     ok = [r for r in rows if r["measured_s"] is not None]
     rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
-    print(f"Spearman rank correlation over {len(ok)} layouts: {rho:.3f}")
-    out = Path(__file__).parent / "results" / "estimator_vs_measured.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"base": BASE, "world": WORLD, "cluster": cluster.__dict__,
-                               "rows": rows, "spearman": rho}, indent=1) + "\n")
+    # the same comparison inside each round: every layout's trial of that round
+    ids = sorted(set.intersection(*(set(r["measured"]["round_ids"]) for r in ok)))
+    per_round = [spearman([r["predicted_s"] for r in ok],
+                          [r["measured"]["round_medians"][r["measured"]["round_ids"].index(k)]
+                           for r in ok]) for k in ids]
+    n_rounds = min(len(r["measured"]["round_ids"]) for r in ok)
+    loads = [x for r in ok for x in r["measured"]["load"]]
+    print(f"Spearman rank correlation over {len(ok)} layouts: {rho:.3f} (medians of "
+          f"{n_rounds} interleaved rounds; per round: {', '.join(f'{x:.3f}' for x in per_round)}"
+          f"); 1-min load average during trials {min(loads):.2f}-{max(loads):.2f}")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"base": BASE, "world": WORLD, "cluster": cluster.__dict__,
+                                "measurement": meta, "rows": rows, "spearman": rho,
+                                "spearman_per_round": per_round}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

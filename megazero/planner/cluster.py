@@ -5,10 +5,11 @@ passes the path of their own file with the same keys. Bandwidths are per device 
 unidirectional, in GB/s (10^9 bytes): ``intra_node_gbps`` (NVLink: TP and in-node traffic),
 ``inter_node_gbps`` (network: DP/PP traffic that leaves the node), ``pcie_gbps`` (offload).
 ``achievable_fraction`` is the fraction of the dense peak that large GEMMs reach (stated, not
-measured here). ``cpu.json`` describes a gloo run on a 2-core CI machine: its effective
-FLOP/s (23 GFLOP/s per rank), per-collective latency (7 ms) and per-micro-batch overhead
-(17 ms) were fitted to the dp2, tp2 and pp2 rows of bench/estimator_vs_measured.py, so its
-correlation there is in-sample.
+measured here). ``cpu.json`` describes gloo ranks on a 2-core CI machine; its constants come
+from micro-benchmarks on that machine (bench/cpu_calibration.py: a GEMM rate, one layer's
+forward + backward, per-layer and per-micro-batch overheads of a tiny model, gloo collectives
+at 4 KiB-16 MiB, an AdamW step), none of them a layout that bench/estimator_vs_measured.py
+ranks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,24 @@ class Cluster:
     per_collective_latency_us: float = 10.0
     per_layer_overhead_us: float = 0.0
     per_microbatch_overhead_us: float = 0.0  # launch / Python cost of one chunk's fwd + bwd
+    # False where the collectives' copies and reductions run on the cores that compute (gloo
+    # ranks filling a CPU): no communication hides behind the backward
+    comm_overlaps_compute: bool = True
+    # the optimizer step on the device, parameters per second (0: not charged, as on GPUs
+    # where it is a few milliseconds)
+    device_adam_gparams_per_s: float = 0.0
+    # measured cost per collective kind (all_reduce, all_gather, reduce_scatter, send_recv):
+    # [alpha microseconds per call, GB/s of ring wire bytes]; replaces the link bandwidths and
+    # ``per_collective_latency_us`` for the kinds it names
+    collectives: dict[str, list[float]] | None = None
+    # how much faster a rank computes while the other ranks of its node idle (1 where every
+    # rank has its own device; more on a CPU whose ranks share cores and memory bandwidth):
+    # the pipeline's warm-up and cool-down run at that speed
+    solo_speedup: float = 1.0
+    # a layer's non-GEMM time (norms, dropout, residuals, softmax) as a share of its GEMM time
+    # at tp = 1, charged apart from ``achievable_fraction``: tensor parallelism without SP
+    # repeats it on every TP rank, SP splits it (0: folded into ``achievable_fraction``)
+    nongemm_share: float = 0.0
 
     @property
     def memory_bytes(self) -> float:

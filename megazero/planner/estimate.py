@@ -208,6 +208,8 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
         from megazero.planner.model_states import _units
 
         chunks = meta_chunks(cfg, shape_topology(cfg.layout()))
-        units = sum(len(_units(c, 1, 0, cfg.zero.stage3_param_persistence_threshold))
-                    for c in chunks)
+        units = sum(not persistent  # persistent units stay whole: never gathered
+                    for c in chunks
+                    for _, _, persistent, _ in _units(
+                        c, 1, 0, cfg.zero.stage3_param_persistence_threshold))
     return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, m, ranks[0].numel, units))

@@ -36,9 +36,9 @@ def trial_argv(flags: list[str], world: int, iters: int, log_json: str) -> list[
             "--eval-iters=0", "--eval-interval=0", "--log-json", log_json]
 
 
-def measure_flags(flags: list[str], world: int, iters: int = 4, timeout: float = 300.0
-                  ) -> tuple[float | None, str | None]:
-    """(median seconds per iteration after the first, or None; error text or None)."""
+def measure_times(flags: list[str], world: int, iters: int = 4, timeout: float = 300.0
+                  ) -> tuple[list[float] | None, str | None]:
+    """(every logged ``iteration-time`` of one trial in seconds, or None; error text or None)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -54,10 +54,21 @@ def measure_flags(flags: list[str], world: int, iters: int = 4, timeout: float =
             return None, f"exit {proc.returncode}: {err.strip()[:200]}"
         rows = [json.loads(x) for x in Path(log).read_text().splitlines() if x.strip()] \
             if os.path.exists(log) else []
-        times = [r["iteration-time"] for r in rows if "iteration-time" in r][1:]
+        times = [r["iteration-time"] for r in rows if "iteration-time" in r]
         if not times:
             return None, "no iteration-time lines in --log-json output"
-        return statistics.median(times), None
+        return times, None
+
+
+def measure_flags(flags: list[str], world: int, iters: int = 4, timeout: float = 300.0
+                  ) -> tuple[float | None, str | None]:
+    """(median seconds per iteration after the first, or None; error text or None)."""
+    times, err = measure_times(flags, world, iters, timeout)
+    if times is None:
+        return None, err
+    if len(times) < 2:
+        return None, "no iteration-time after the first (warm-up) one"
+    return statistics.median(times[1:]), None
 
 
 def measure_candidates(cands: list[Any], base: list[str], world: int, iters: int) -> list[Any]:

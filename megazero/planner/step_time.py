@@ -1,20 +1,30 @@
 """Predicted time of one training iteration, by term, for one layout on one cluster.
 
-* compute: the run's GEMM FLOPs per rank (counted per GEMM: QKV with grouped-query K/V, the
-  projection, the MLP with two or three matrices, attention scores and values, the logits;
-  x3 for forward + backward, plus one more forward with full recompute, plus the core attention
-  forward with selective recompute) at ``achievable_fraction`` of the dense peak;
-* pipeline bubble ``(p-1)/(v m)`` of that compute, and the p2p of one activation per micro-batch
-  per chunk boundary each way;
-* tensor parallel: 4 ring all-reduces (or all-gather + reduce-scatter with SP: the same bytes)
-  of ``s b h`` per layer per micro-batch, over NVLink when the TP group fits in a node;
-* data parallel: ``2Ψ(N-1)/N`` (stages 0-2) gradient elements per rank
-  (:func:`megazero.zero.accounting.formula_comm_bytes`); stage 3 ``(2m+1)Ψ(N-1)/N`` for m
-  micro-batches (the paper's ``3Ψ`` is m = 1: parameters are gathered for the forward and the
-  backward of every micro-batch); hidden behind the backward (2/3 of compute) with
-  ``overlap_comm``;
-* offload: gradients down and weights up over PCIe, and CPU Adam on the shard.
+* compute: the slowest pipeline stage's GEMM FLOPs per micro-batch (counted per GEMM: QKV with
+  grouped-query K/V, the projection, the MLP with two or three matrices, attention scores and
+  values; the logits on the last stage; x3 for forward + backward, plus one more forward of
+  the layers with full recompute, plus the core attention forward with selective recompute)
+  at ``achievable_fraction`` of the dense peak, plus the non-GEMM work (``nongemm_share`` of
+  the tp = 1 GEMM time: every TP rank repeats it unless SP splits it), the per-layer overhead for
+  each pass over a layer (3, or 4 with full recompute) and per-micro-batch overhead per chunk;
+* pipeline bubble ``(p-1)/(v m)`` of that compute (over the cluster's ``solo_speedup``: the
+  working ranks of the warm-up and cool-down may run faster while the others idle), and the
+  p2p of one activation per micro-batch per chunk boundary each way;
+* tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
+  4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), over NVLink when the
+  TP group fits in a node;
+* data parallel: stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather, ``2Ψ(N-1)/N``
+  bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
+  ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
+  gathered for the forward and the backward of every micro-batch) and three calls per gathered
+  unit per micro-batch; hidden behind the backward (2/3 of compute) with ``overlap_comm`` on a
+  cluster whose communication overlaps compute;
+* every collective costs ``alpha + wire bytes / beta`` (:func:`collective_seconds`): alpha and
+  beta per kind from the cluster's measured ``collectives`` table, else its latency and links;
+* optimizer step on the rank's shard at ``device_adam_gparams_per_s`` (where the cluster gives
+  it); with offload, gradients down and weights up over PCIe, and CPU Adam on the shard.
 """
+
 
 from __future__ import annotations
 
@@ -24,7 +34,6 @@ from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.flops import model_flops_per_iteration
 from megazero.planner.cluster import Cluster
-from megazero.zero.accounting import formula_comm_bytes
 
 
 def gemm_flops_per_token(cfg: MegazeroConfig) -> tuple[float, float, float]:
@@ -63,16 +72,53 @@ class StepTime:
                 "model_flops_per_iteration": self.model_flops}
 
 
-def _ring_seconds(nbytes: float, n: int, gbps: float, latency_s: float, factor: float) -> float:
-    if n <= 1:
+RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+
+
+def alpha_beta(cluster: Cluster, kind: str, gbps: float) -> tuple[float, float]:
+    """(seconds per call, wire bytes per second) of one collective kind: the cluster's measured
+    ``collectives`` table where it names ``kind``, else ``per_collective_latency_us`` and the
+    link's ``gbps``."""
+    measured = (cluster.collectives or {}).get(kind)
+    if measured is not None:
+        return measured[0] * 1e-6, measured[1] * 1e9
+    return cluster.per_collective_latency_us * 1e-6, gbps * 1e9
+
+
+def wire_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends for a ``nbytes`` buffer over ``n`` ranks in a ring: ``2(n-1)/n`` of
+    it for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter, all of it for send/recv."""
+    return nbytes if kind == "send_recv" else RING[kind] * nbytes * (n - 1) / n
+
+
+def collective_seconds(cluster: Cluster, kind: str, nbytes: float, n: int, gbps: float) -> float:
+    """One collective of a ``nbytes`` buffer over ``n`` ranks: ``alpha + wire / beta``."""
+    if n <= 1 and kind != "send_recv":
         return 0.0
-    return factor * nbytes * (n - 1) / n / (gbps * 1e9) + latency_s
+    alpha, beta = alpha_beta(cluster, kind, gbps)
+    return alpha + wire_bytes(kind, nbytes, n) / beta
+
+
+def stage_flops_per_microbatch(cfg: MegazeroConfig) -> float:
+    """GEMM FLOPs of the slowest pipeline stage for one micro-batch, forward + backward
+    (+ the recomputed forward): its share of the layers, plus the logits on the last stage."""
+    m, p = cfg.model, cfg.parallel
+    dense, attn, logits = gemm_flops_per_token(cfg)
+    rc = p.recompute
+    layer_passes = 3.0 + (1.0 if rc.granularity == "full" else 0.0)
+    per_layer = (layer_passes * dense + 3.0 * attn) / m.num_layers
+    if rc.granularity == "selective":
+        per_layer += attn / m.num_layers  # the core attention forward again
+    layers = m.num_layers / p.pp
+    tokens = cfg.train.micro_batch_size * m.seq_length
+    return tokens * (layers * per_layer + 3.0 * logits) / p.tp
 
 
 def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
               params_per_rank: int, zero3_units: int = 0) -> StepTime:
-    """``zero3_units``: stage-3 gather units on the rank (each is gathered in forward and in
-    backward and reduce-scattered once per micro-batch: latency-bound when units are small)."""
+    """``zero3_units``: stage-3 units gathered on the rank (not the persistent ones; each is
+    gathered in forward and in backward and reduce-scattered once per micro-batch:
+    latency-bound when units are small)."""
     p, z, m = cfg.parallel, cfg.zero, cfg.model
     layout = cfg.layout()
     tp, pp, dp, vpp = p.tp, p.pp, layout.dp, cfg.vpp or 1
@@ -82,49 +128,60 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     e = cfg.precision.params_dtype.itemsize
     sixteen = e == 2
     peak = cluster.peak_flops(sixteen)
-    lat = cluster.per_collective_latency_us * 1e-6
     node = cluster.gpus_per_node
     out = StepTime(tokens=gbs * s, world=layout.world_size, peak=peak)
-    dense, attn, logits = gemm_flops_per_token(cfg)
-    fwd_tokens = 3.0
-    extra = 0.0
-    rc = p.recompute
-    if rc.granularity == "full":
-        extra = dense + attn
-    elif rc.granularity == "selective":
-        extra = attn  # the core attention forward again
-    per_token = fwd_tokens * (dense + attn + logits) + extra
-    flops_rank = per_token * gbs * s / (tp * pp * dp)
-    compute = flops_rank / (peak * cluster.achievable_fraction)
-    compute += cluster.per_layer_overhead_us * 1e-6 * 3 * m.num_layers / pp * mb
-    compute += cluster.per_microbatch_overhead_us * 1e-6 * mb * vpp
+    passes = 4 if p.recompute.granularity == "full" else 3
+    gemm = stage_flops_per_microbatch(cfg) / (peak * cluster.achievable_fraction)
+    sp = sequence_parallel_active(p.sequence_parallel, tp)
+    per_mb = gemm + gemm * tp * cluster.nongemm_share / (tp if sp else 1)
+    per_mb += cluster.per_layer_overhead_us * 1e-6 * passes * m.num_layers / pp
+    per_mb += cluster.per_microbatch_overhead_us * 1e-6 * vpp
+    compute = per_mb * mb
     out.terms["compute"] = compute
-    if pp > 1:
-        out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb)
+    if pp > 1:  # the slowest stage sets the pace; (p-1)/(v m) of its time is idle, and the
+        # ranks that work meanwhile run ``solo_speedup`` times faster
+        out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb) / cluster.solo_speedup
         cross = tp * dp >= node and layout.world_size > node
         act = e * s * b * h / (tp if sequence_parallel_active(p.sequence_parallel, tp) else 1)
         bw = cluster.inter_node_gbps if cross else cluster.intra_node_gbps
-        out.terms["pipeline p2p"] = 2 * mb * vpp * (act / (bw * 1e9) + lat)
+        out.terms["pipeline p2p"] = 2 * mb * vpp * collective_seconds(
+            cluster, "send_recv", act, 2, bw)
     if tp > 1:
         bw = cluster.intra_node_gbps if tp <= node else cluster.inter_node_gbps
-        per = _ring_seconds(e * s * b * h, tp, bw, lat, 2.0)
-        out.terms["tensor parallel"] = 4 * per * (m.num_layers / pp) * mb
+        act = e * s * b * h
+        if sequence_parallel_active(p.sequence_parallel, tp):
+            # 2 all-gathers + 2 reduce-scatters forward, the same backward
+            per = 4 * (collective_seconds(cluster, "all_gather", act, tp, bw)
+                       + collective_seconds(cluster, "reduce_scatter", act, tp, bw))
+        else:  # 2 all-reduces forward (row-parallel outputs), 2 backward (column inputs)
+            per = 4 * collective_seconds(cluster, "all_reduce", act, tp, bw)
+        out.terms["tensor parallel"] = per * (m.num_layers / pp) * mb
     if dp > 1:
         bw = cluster.intra_node_gbps if tp * dp <= node else cluster.inter_node_gbps
-        gs = e
-        moved = formula_comm_bytes(z.stage, params_per_rank, dp, gs)
-        if z.stage == 3:  # parameters are gathered again in every micro-batch's fwd and bwd
-            moved *= (2 * mb + 1) / 3
-        comm = moved / (bw * 1e9) + lat * max(1, params_per_rank // max(1, z.reduce_bucket_size))
-        if z.overlap_comm:
+        buf = e * params_per_rank
+        if z.stage == 3:
+            # parameters gathered for every micro-batch's forward and backward, gradients
+            # reduce-scattered once per micro-batch: ``(2m+1)Ψ(N-1)/N`` bytes, and three calls
+            # per gathered unit per micro-batch (units small enough to be latency-bound)
+            ag, rs = (alpha_beta(cluster, k, bw) for k in ("all_gather", "reduce_scatter"))
+            comm = mb * (2 * wire_bytes("all_gather", buf, dp) / ag[1]
+                         + wire_bytes("reduce_scatter", buf, dp) / rs[1])
+            out.terms["ZeRO-3 gather latency"] = zero3_units * mb * (2 * ag[0] + rs[0])
+        else:
+            calls = max(1, -(-params_per_rank // max(1, z.reduce_bucket_size)))
+            kinds = ["all_reduce"] if z.stage == 0 else ["reduce_scatter", "all_gather"]
+            comm = calls * sum(collective_seconds(cluster, k, buf / calls, dp, bw) for k in kinds)
+        if z.overlap_comm and cluster.comm_overlaps_compute:
             comm = max(0.0, comm - compute * 2 / 3)
         out.terms["data parallel"] = comm
-        if z.stage == 3:
-            out.terms["ZeRO-3 gather latency"] = 3 * zero3_units * mb * lat
-    if z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled):
-        shard = params_per_rank / (dp if z.stage else 1)
+    offload = z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled)
+    shard = params_per_rank / (dp if z.stage else 1)
+    if offload:
         out.terms["offload PCIe"] = shard * (e + e) / (cluster.pcie_gbps * 1e9)
         out.terms["CPU Adam"] = shard / (cluster.cpu_adam_gparams_per_s * 1e9)
+    elif cluster.device_adam_gparams_per_s:
+        out.terms["optimizer step"] = shard / (cluster.device_adam_gparams_per_s * 1e9)
     # Megatron's formula (72 B s l h^2 ...) for MFU, so the number compares with papers
     out.model_flops = model_flops_per_iteration(gbs, s, m.num_layers, h, m.vocab_size)
     return out
+

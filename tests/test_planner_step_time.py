@@ -1,0 +1,144 @@
+"""The step-time model's structure on fixed calibration constants: each term against its
+formula written out by hand (no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megazero.planner.cluster import Cluster
+from megazero.planner.search import _config
+from megazero.planner.step_time import step_time
+
+L, H, S, V, B = 4, 64, 32, 128, 2
+BASE = (f"--num-layers {L} --hidden-size {H} --num-attention-heads 4 --seq-length {S} "
+        f"--vocab-size {V} --tokenizer-type NullTokenizer --global-batch-size 16 "
+        f"--micro-batch-size {B}").split()
+RATE = 1e10  # FLOP/s reached (peak 2e10 x 0.5)
+LAYER_US, MB_US = 100.0, 1000.0
+AG, RS, AR, P2P = (50.0, 1.0), (60.0, 0.5), (80.0, 2.0), (20.0, 4.0)  # alpha us, GB/s
+PARAMS, UNITS = 1_000_000, 7
+
+
+def cluster(**kw) -> Cluster:
+    base = dict(name="test", device="cpu", memory_gb=16, peak_tflops_16=0.02,
+                peak_tflops_32=0.02, gpus_per_node=8, intra_node_gbps=3.0, inter_node_gbps=1.0,
+                pcie_gbps=10.0, host_memory_gb=16, cpu_adam_gparams_per_s=0.1,
+                achievable_fraction=0.5, per_collective_latency_us=30.0,
+                per_layer_overhead_us=LAYER_US, per_microbatch_overhead_us=MB_US,
+                comm_overlaps_compute=False, device_adam_gparams_per_s=0.2,
+                collectives={"all_gather": list(AG), "reduce_scatter": list(RS),
+                             "all_reduce": list(AR), "send_recv": list(P2P)})
+    return Cluster(**{**base, **kw})
+
+
+def terms(flags: list[str], world: int = 2, cl: Cluster | None = None) -> dict[str, float]:
+    cfg = _config(BASE, flags, world)
+    dp = cfg.layout().dp
+    mb = 16 // (B * dp)
+    return step_time(cfg, cl or cluster(), mb, PARAMS, UNITS).terms
+
+
+def gemm_per_mb(layers: float, tp: int = 1, extra_dense_passes: int = 0) -> float:
+    """Forward+backward GEMM seconds of one micro-batch on a stage of ``layers`` layers (+ the
+    logits when it is the last): dense 24h^2, attention 4sh, logits 2hV FLOPs per token."""
+    dense, attn = 24 * H * H, 4 * S * H
+    per_token = layers * ((3 + extra_dense_passes) * dense + 3 * attn)
+    return B * S * (per_token + 3 * 2 * H * V) / tp / RATE
+
+
+def coll(ab: tuple[float, float], wire: float) -> float:
+    return ab[0] * 1e-6 + wire / (ab[1] * 1e9)
+
+
+def test_dp_compute_overheads_and_stage0_all_reduce():
+    t = terms(["--zero-stage=0"])
+    mb = 4
+    assert t["compute"] == pytest.approx(mb * (gemm_per_mb(L) + 3 * L * LAYER_US * 1e-6
+                                               + MB_US * 1e-6), rel=1e-12)
+    # one bucket: all-reduce of 4-byte gradients, ring wire 2(n-1)/n
+    assert t["data parallel"] == pytest.approx(coll(AR, 2 * 4 * PARAMS / 2), rel=1e-12)
+    assert t["optimizer step"] == pytest.approx(PARAMS / 0.2e9, rel=1e-12)  # unsharded
+
+
+def test_stage1_reduce_scatter_all_gather_and_sharded_step():
+    t = terms(["--zero-stage=1"])
+    assert t["data parallel"] == pytest.approx(coll(RS, 4 * PARAMS / 2) + coll(AG, 4 * PARAMS / 2),
+                                               rel=1e-12)
+    assert t["optimizer step"] == pytest.approx(PARAMS / 2 / 0.2e9, rel=1e-12)
+
+
+def test_overlap_hides_dp_comm_only_where_the_cluster_overlaps():
+    hidden = terms(["--zero-stage=1"], cl=cluster(comm_overlaps_compute=True))
+    assert hidden["data parallel"] == 0.0  # 2/3 of compute (~60 ms) covers ~8 ms of traffic
+    assert terms(["--zero-stage=1"])["data parallel"] > 0.0
+
+
+def test_zero3_adds_gathers_per_microbatch_and_per_unit_calls():
+    t = terms(["--zero-stage=3"])
+    mb = 4
+    assert t["data parallel"] == pytest.approx(
+        mb * (2 * 4 * PARAMS / 2 / (AG[1] * 1e9) + 4 * PARAMS / 2 / (RS[1] * 1e9)), rel=1e-12)
+    assert t["ZeRO-3 gather latency"] == pytest.approx(UNITS * mb * (2 * AG[0] + RS[0]) * 1e-6,
+                                                       rel=1e-12)
+    assert t["compute"] == terms(["--zero-stage=1"])["compute"]
+
+
+def test_full_recompute_adds_one_dense_forward_and_one_overhead_pass():
+    none = terms(["--zero-stage=1"])["compute"]
+    full = terms(["--zero-stage=1", "--recompute-granularity=full", "--recompute-method=uniform",
+                  "--recompute-num-layers=1"])["compute"]
+    mb = 4
+    assert full - none == pytest.approx(mb * (B * S * L * 24 * H * H / RATE
+                                              + L * LAYER_US * 1e-6), rel=1e-9)
+
+
+@pytest.mark.parametrize("mbs", [4, 2, 1])
+def test_pipeline_bubble_is_p_minus_1_over_m_of_the_slowest_stage(mbs):
+    flags = ["--pipeline-model-parallel-size=2", f"--micro-batch-size={mbs}"]
+    cfg = _config(BASE, flags, 2)
+    mb = 16 // mbs
+    t = step_time(cfg, cluster(), mb, PARAMS, 0).terms
+    per_mb = mbs / B * gemm_per_mb(L / 2) + 3 * (L / 2) * LAYER_US * 1e-6 + MB_US * 1e-6
+    assert t["compute"] == pytest.approx(mb * per_mb, rel=1e-12)  # the last stage: + logits
+    assert t["pipeline bubble"] / t["compute"] == pytest.approx(1 / mb, rel=1e-12)
+    act = 4 * S * mbs * H
+    assert t["pipeline p2p"] == pytest.approx(2 * mb * coll(P2P, act), rel=1e-12)
+
+
+def test_interleaving_divides_the_bubble_by_v():
+    flags = ["--pipeline-model-parallel-size=2", "--num-layers-per-virtual-pipeline-stage=1"]
+    t = terms(flags)
+    assert t["pipeline bubble"] / t["compute"] == pytest.approx(1 / (2 * 8), rel=1e-12)
+
+
+def test_tensor_parallel_all_reduces_vs_sequence_parallel_gathers():
+    act = 4 * S * B * H
+    mb = 8
+    plain = terms(["--tensor-model-parallel-size=2"])
+    assert plain["tensor parallel"] == pytest.approx(L * mb * 4 * coll(AR, 2 * act / 2),
+                                                     rel=1e-12)
+    assert plain["compute"] == pytest.approx(mb * (gemm_per_mb(L, tp=2) + 3 * L * LAYER_US * 1e-6
+                                                   + MB_US * 1e-6), rel=1e-12)
+    sp = terms(["--tensor-model-parallel-size=2", "--sequence-parallel"])
+    assert sp["tensor parallel"] == pytest.approx(
+        L * mb * 4 * (coll(AG, act / 2) + coll(RS, act / 2)), rel=1e-12)
+
+
+def test_without_a_measured_table_the_link_bandwidth_and_latency_are_used():
+    t = terms(["--zero-stage=0"], cl=cluster(collectives=None))
+    assert t["data parallel"] == pytest.approx(30e-6 + 2 * 4 * PARAMS / 2 / 3e9, rel=1e-12)
+
+
+def test_nongemm_work_repeats_on_tp_ranks_unless_sequence_parallel():
+    cl = cluster(nongemm_share=0.5)
+    mb, over = 8, 3 * L * LAYER_US * 1e-6 + MB_US * 1e-6
+    gemm = gemm_per_mb(L, tp=2)
+    plain = terms(["--tensor-model-parallel-size=2"], cl=cl)["compute"]
+    assert plain == pytest.approx(mb * (gemm + 2 * gemm * 0.5 + over), rel=1e-12)
+    sp = terms(["--tensor-model-parallel-size=2", "--sequence-parallel"], cl=cl)["compute"]
+    assert sp == pytest.approx(mb * (gemm + gemm * 0.5 + over), rel=1e-12)
+
+
+def test_bubble_runs_at_the_solo_speed():
+    t = terms(["--pipeline-model-parallel-size=2"], cl=cluster(solo_speedup=2.0))
+    assert t["pipeline bubble"] / t["compute"] == pytest.approx(1 / 8 / 2.0, rel=1e-12)
