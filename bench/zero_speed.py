@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.compat import all_gather_into_tensor
 from megazero.config import (
     LoggingConfig,
     ModelConfig,
@@ -171,7 +172,7 @@ def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, li
             torch.sum(r.view(DP, -1), dim=0, out=o)
 
     def all_gather() -> None:
-        for w in [dist.all_gather_into_tensor(b, o, async_op=True) for o, b in zip(outs, bufs)]:
+        for w in [all_gather_into_tensor(b, o, async_op=True) for o, b in zip(outs, bufs)]:
             w.wait()
 
     fns = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter,
