@@ -13,6 +13,11 @@ correlation, and writes bench/results/estimator_vs_measured.json; ``--reuse`` pr
 against the measurements stored there.
 
     PYTHONPATH=$PWD python bench/estimator_vs_measured.py [--rounds 3 --iters 6 --warmup 2]
+        [--set calibration|holdout] [--list]
+
+``--set holdout`` measures layouts of another model chosen by a rule on predictions alone (see
+``holdout_layouts``), fixed before they were measured: the out-of-sample check of the ranking,
+written to bench/results/estimator_vs_measured_holdout.json.
 
 ``--memory``: instead of time, the peak memory per rank of each layout (two iterations through
 the pipeline executor, gradient sync and optimizer step, in one spawned world) against the
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -55,6 +61,35 @@ LAYOUTS = [  # (name, flags): pipeline bubbles, TP collectives, ZeRO stages, rec
                                  *RECOMPUTE]),
     ("pp2 mbs16", ["--pipeline-model-parallel-size=2", "--micro-batch-size=16"]),
 ]
+
+# The hold-out set (``--set holdout``): another model, and layouts chosen by a rule that reads
+# only predictions, fixed before any of them was measured. Every layout the planner enumerates
+# for this model at world 2 (offload left out: on the CPU it moves nothing) is predicted; the
+# rule takes HOLDOUT_COUNT of them at log-evenly spaced predicted times between the fastest and
+# the slowest (the nearest not yet taken to each target), so that the ranking is asked of
+# layouts whose predictions differ by more than the machine's noise.
+HOLDOUT_BASE = ("--num-layers 6 --hidden-size 192 --num-attention-heads 6 --seq-length 256 "
+                "--vocab-size 2048 --tokenizer-type NullTokenizer --global-batch-size 8").split()
+HOLDOUT_COUNT = 8
+
+
+def holdout_layouts(cluster) -> list[tuple[str, list[str]]]:
+    """The hold-out rule above: ``(label, flags)`` fastest first."""
+    from megazero.planner.search import search
+
+    gbs = int(HOLDOUT_BASE[HOLDOUT_BASE.index("--global-batch-size") + 1])
+    fits, _ = search(HOLDOUT_BASE, WORLD, cluster, gbs)
+    cands = [c for c in fits if "--offload-optimizer" not in c.flags]
+    t = [c.est.time.seconds for c in cands]
+    lo, hi = t[0], t[-1]
+    taken: list[int] = []
+    for i in range(HOLDOUT_COUNT):
+        target = lo * (hi / lo) ** (i / (HOLDOUT_COUNT - 1))
+        k = min((j for j in range(len(cands)) if j not in taken),
+                key=lambda j: abs(math.log(t[j] / target)))
+        taken.append(k)
+    return [(cands[k].label, [f for f in cands[k].flags if not f.startswith(
+        "--global-batch-size")]) for k in sorted(taken)]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -107,22 +142,23 @@ def _loadavg() -> float:
         return float("nan")
 
 
-def measure_rounds(rounds: int, iters: int, warmup: int, raw: Path,
-                   out: dict[str, dict] | None = None) -> dict[str, dict]:
+def measure_rounds(layouts: list[tuple[str, list[str]]], base: list[str], rounds: int,
+                   iters: int, warmup: int, raw: Path, out: dict[str, dict] | None = None
+                   ) -> dict[str, dict]:
     """Every layout once per round, in a rotated order (each layout runs at a different position
     of each round, so slow phases of the shared machine fall on different layouts); per layout,
     the per-iteration times after ``warmup`` iterations of every round, each round's median and
     the 1-minute load average before each trial."""
     out = out or {n: {"times": [], "round_medians": [], "round_ids": [], "load": [],
-                      "error": None} for n, _ in LAYOUTS}
+                      "error": None} for n, _ in layouts}
     first = 1 + max((i for v in out.values() for i in v["round_ids"]), default=-1)
     for r in range(first, first + rounds):
-        order = LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]
+        order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
         if r % 2:
             order = order[::-1]
         for name, flags in order:
             load = _loadavg()
-            times, err = measure_times(BASE + flags, WORLD, iters)
+            times, err = measure_times(base + flags, WORLD, iters)
             row = out[name]
             row["load"].append(load)
             if times is None or len(times) <= warmup:
@@ -160,7 +196,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="first iterations of a trial not kept")
     ap.add_argument("--rounds", type=int, default=3, help="trials of every layout, interleaved")
     ap.add_argument("--cluster", default="cpu", help="cluster description for the prediction")
-    ap.add_argument("--raw", default="/tmp/estimator_vs_measured_raw.json",
+    ap.add_argument("--raw", default=None,
                     help="every trial's times, written after each trial")
     ap.add_argument("--resume", action="store_true",
                     help="add --rounds rounds to the trials already in --raw")
@@ -168,14 +204,27 @@ def main() -> None:
                     help="predict again against the measurements already in the results JSON")
     ap.add_argument("--memory", action="store_true",
                     help="peak memory per rank instead of step time")
+    ap.add_argument("--set", choices=("calibration", "holdout"), default="calibration",
+                    help="the 9 layouts the step-time model was developed on, or the hold-out "
+                         "set (another model; layouts chosen by a rule on predictions only)")
+    ap.add_argument("--list", action="store_true",
+                    help="print the set's layouts and predictions, measure nothing")
     args = ap.parse_args()
     if args.memory:
         memory(max(2, min(args.iters, 3)))
         return
     from megazero.planner.estimate import estimate
 
-    path = Path(__file__).parent / "results" / "estimator_vs_measured.json"
     cluster = load_cluster(args.cluster)
+    suffix = "" if args.set == "calibration" else "_holdout"
+    path = Path(__file__).parent / "results" / f"estimator_vs_measured{suffix}.json"
+    base, layouts = ((BASE, LAYOUTS) if args.set == "calibration"
+                     else (HOLDOUT_BASE, holdout_layouts(cluster)))
+    if args.list:
+        for name, flags in layouts:
+            est = estimate(_config(base, flags, WORLD), cluster)
+            print(f"{name:<50}{est.time.seconds:>9.4f} s  {' '.join(flags)}")
+        return
     if args.reuse:
         old = json.loads(path.read_text())
         measured = {r["layout"]: r["measured"] for r in old["rows"]}
@@ -183,27 +232,29 @@ def main() -> None:
     else:
         meta = {"rounds": args.rounds, "iters": args.iters, "warmup": args.warmup,
                 "load_before": _loadavg()}
-        raw = Path(args.raw)
+        raw = Path(args.raw or f"/tmp/estimator_vs_measured{suffix}_raw.json")
         prior = json.loads(raw.read_text()) if args.resume else None
-        measured = summarise(measure_rounds(args.rounds, args.iters, args.warmup, raw, prior))
+        measured = summarise(measure_rounds(layouts, base, args.rounds, args.iters,
+                                            args.warmup, raw, prior))
         meta["rounds"] = min(len(v["round_medians"]) for v in measured.values())
         meta["complete_rounds"] = sorted(set.intersection(
             *(set(v["round_ids"]) for v in measured.values())))
         meta["load_after"] = _loadavg()
     rows = []
-    for name, flags in LAYOUTS:
-        est = estimate(_config(BASE, flags, WORLD), cluster)
+    for name, flags in layouts:
+        est = estimate(_config(base, flags, WORLD), cluster)
         m = measured[name]
         rows.append(dict(layout=name, flags=flags, predicted_s=est.time.seconds,
                          terms=est.time.terms, measured_s=m["median_s"], measured=m))
-    print(f"{'layout':<30}{'predicted':>10}{'measured':>10}{'round medians':>22}{'ratio':>7}")
+    w = max(30, 2 + max(len(n) for n, _ in layouts))
+    print(f"{'layout':<{w}}{'predicted':>10}{'measured':>10}{'round medians':>22}{'ratio':>7}")
     for r in rows:
         m = r["measured"]
         if r["measured_s"] is None:
-            print(f"{r['layout']:<30}{r['predicted_s']:>10.4f}{'-':>10}  {m['error']}")
+            print(f"{r['layout']:<{w}}{r['predicted_s']:>10.4f}{'-':>10}  {m['error']}")
             continue
         lo, hi = m["round_median_range_s"]
-        print(f"{r['layout']:<30}{r['predicted_s']:>10.4f}{r['measured_s']:>10.4f}"
+        print(f"{r['layout']:<{w}}{r['predicted_s']:>10.4f}{r['measured_s']:>10.4f}"
               f"{lo:>11.4f}-{hi:<10.4f}{r['measured_s'] / r['predicted_s']:>7.3f}")
     ok = [r for r in rows if r["measured_s"] is not None]
     rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
@@ -218,7 +269,8 @@ def main() -> None:
           f"{n_rounds} interleaved rounds; per round: {', '.join(f'{x:.3f}' for x in per_round)}"
           f"); 1-min load average during trials {min(loads):.2f}-{max(loads):.2f}")
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps({"base": BASE, "world": WORLD, "cluster": cluster.__dict__,
+    path.write_text(json.dumps({"set": args.set, "base": base, "world": WORLD,
+                                "cluster": cluster.__dict__,
                                 "measurement": meta, "rows": rows, "spearman": rho,
                                 "spearman_per_round": per_round}, indent=1) + "\n")
 
