@@ -59,6 +59,7 @@ from megazero.config import (
     PrecisionConfig,
     ZeroConfig,
 )
+from megazero.host_allocator import keep_freed_host_memory
 from megazero.model import GPTModel
 from megazero.monitor import Monitor
 from megazero.testing import run_distributed
@@ -116,7 +117,10 @@ def make_step(case: dict[str, Any] | None, topo: ParallelTopology) -> Callable[[
 
 
 def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: int = 0,
-                 names: tuple[str, ...] | None = None) -> dict[str, list[float]]:
+                 names: tuple[str, ...] | None = None, tuned_allocator: bool = True,
+                 collectives: bool = True) -> dict[str, list[float]]:
+    if tuned_allocator:  # as pretrain_gpt.py does on the CPU
+        keep_freed_host_memory()
     topo = ParallelTopology.build()
     cfg = model_config()
     g = torch.Generator().manual_seed(rank)
@@ -136,13 +140,15 @@ def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: in
                 t0 = time.perf_counter()
                 fns[name](batch)
                 times[name].append(1000 * (time.perf_counter() - t0))
-    times.update(collective_times(topo, sum(p.numel() for p in GPTModel(cfg, topo).parameters()),
-                                  rounds * steps))
+    if collectives:
+        numel = sum(p.numel() for p in GPTModel(cfg, topo).parameters())
+        times.update(collective_times(topo, numel, rounds * steps))
     dist.barrier()
     return times
 
 
 BUCKET = int(ZERO_COMMON["reduce_bucket_size"])
+UNTUNED = "plain, glibc malloc defaults"
 
 
 def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, list[float]]:
@@ -249,7 +255,8 @@ def ds_zero_block(stage: int, offload: bool) -> dict[str, Any]:
     return block
 
 
-def run_deepspeed(python: str, steps: int) -> dict[str, list[float] | str]:
+def run_deepspeed(python: str, steps: int, cases: list[tuple[str, dict[str, Any] | None]]
+                  ) -> dict[str, list[float] | str]:
     """Each DeepSpeed case in its own 2-process torchrun launch (DeepSpeed keeps global state)."""
     out: dict[str, list[float] | str] = {}
     root = str(Path(__file__).resolve().parents[1])
@@ -259,7 +266,7 @@ def run_deepspeed(python: str, steps: int) -> dict[str, list[float] | str]:
             f.write(DS_SCRIPT)
         env = {**os.environ, "MEGAZERO_ROOT": root, "DS_ACCELERATOR": "cpu",
                "OMP_NUM_THREADS": "1"}
-        for name, case in CASES:
+        for name, case in cases:
             if case is None:
                 continue
             offload = "offload" in name
@@ -377,11 +384,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per case and round")
     ap.add_argument("--warmup", type=int, default=2,
                     help="entry driver: iterations skipped per launch")
+    ap.add_argument("--cases", default=",".join(n for n, c in CASES if c is not None),
+                    help="comma-separated ZeRO cases to run (the plain loop always runs)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_speed.json"))
     args = ap.parse_args(argv)
     ds_python = os.environ.get("MEGAZERO_DEEPSPEED_PYTHON")
-    zero_cases = [(n, c) for n, c in CASES if c is not None]
-    times: dict[str, list[float]] = {name: [] for name, _ in CASES}
+    wanted = args.cases.split(",")
+    unknown = sorted(set(wanted) - {n for n, _ in CASES})
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; choose from {[n for n, _ in CASES[1:]]}")
+    cases = [(n, c) for n, c in CASES if c is None or n in wanted]
+    zero_cases = [(n, c) for n, c in cases if c is not None]
+    times: dict[str, list[float]] = {name: [] for name, _ in cases}
     phases: dict[str, dict[str, list[float]]] = {}
     launch_s: dict[str, list[float]] = {}
     commands: dict[str, Any] = {}
@@ -392,6 +406,9 @@ def main(argv: list[str] | None = None) -> None:
         got = run_distributed(_speed_world, DP, 1, args.steps, r, names, timeout=1800)[0]
         for k, v in got.items():
             times.setdefault(k, []).extend(v)
+        got = run_distributed(_speed_world, DP, 1, args.steps, r, ("plain",), False, False,
+                              timeout=1800)[0]
+        times.setdefault(UNTUNED, []).extend(got["plain"])
         if args.driver == "entry":
             k = r % len(zero_cases)
             for i, (name, case) in enumerate(zero_cases[k:] + zero_cases[:k]):
@@ -401,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
                 for ph, v in res["phases"].items():
                     phases.setdefault(name, {}).setdefault(ph, []).extend(v)
         if ds_python:
-            for k, v in run_deepspeed(ds_python, args.steps).items():
+            for k, v in run_deepspeed(ds_python, args.steps, zero_cases).items():
                 _add(raw, k, v)
         print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f}s)",
               flush=True)
@@ -431,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'case':>10} {'megazero':>22} {'floor':>7} {'vs floor':>8} "
           f"{'DeepSpeed':>22} {'vs DS':>6}")
     rows = []
-    for name, case in CASES:
+    for name, case in cases:
         d = ds.get(name, "n/a" if name == "plain" else
                    "not run: set MEGAZERO_DEEPSPEED_PYTHON" if not ds_python else "missing")
         vs_ds = med[name] / d if isinstance(d, float) else None
@@ -455,6 +472,12 @@ def main(argv: list[str] | None = None) -> None:
             row["phase_median_ms"] = {k: statistics.median(v) for k, v in phases[name].items()}
             row["launch_s"] = launch_s[name]
         rows.append(row)
+    lo, hi = spread[UNTUNED]
+    print(f"{UNTUNED}: {med[UNTUNED]:.1f} [{lo:.1f}-{hi:.1f}] ms ({med[UNTUNED] / plain:.3f} x "
+          "the plain loop with the host allocator as pretrain_gpt.py sets it on the CPU)")
+    rows.append(dict(case=UNTUNED, ms_per_step=med[UNTUNED],
+                     ratio_to_plain=med[UNTUNED] / plain, min_ms=lo, max_ms=hi,
+                     samples=times[UNTUNED]))
     if phases:
         print("wall_clock_breakdown, median ms per iteration (loop = interval wall time per "
               "iteration, logging included):")

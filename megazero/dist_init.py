@@ -1,4 +1,5 @@
-"""Process start-up: torch.distributed from torchrun's environment, device, threads and seeds.
+"""Process start-up: torch.distributed from torchrun's environment, device, threads, the host
+allocator (:mod:`megazero.host_allocator`, CPU runs) and seeds.
 
 ``torchrun`` exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``; ``srun`` on SLURM exports ``SLURM_PROCID`` and friends,
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ConfigError
+from megazero.host_allocator import keep_freed_host_memory
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         if "OMP_NUM_THREADS" not in env:
             # Processes on one host share its cores; oversubscription makes CPU runs crawl.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        # The model's tensors are host memory: keep what an iteration frees for the next.
+        keep_freed_host_memory()
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes))

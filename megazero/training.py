@@ -164,8 +164,10 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
 def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lambda: []
                ) -> tuple[float, Any, list[float], dict[str, float]]:
     """One iteration; returns (global mean loss, StepResult, this rank's ``exit_votes()``
-    (taken after the update) summed over every rank, seconds per ``wall_clock_breakdown``
-    region since the last call)."""
+    (taken before the update) summed over every rank, seconds per ``wall_clock_breakdown``
+    region since the last call). The loss and the votes ride in the optimizer step's one
+    scalar all-reduce: besides gradient and parameter traffic an iteration makes a single
+    blocking collective."""
     t, it = run.timers, run.state.iteration + 1
     mem = None
     if run.cfg.logging.log_memory_phases:
@@ -181,33 +183,29 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
     if mem is not None:
         mem.after_backward()
     finite = all(math.isfinite(x) for x in losses)
+    own = _loss_sums(losses, run.topo)
+    votes = exit_votes()
     with t.region("optimizer"), run.phase(f"iteration {it}: optimizer step (non-finite "
-                                          "check, grad norm)", "world"):
+                                          "check, grad norm, loss and exit votes)", "world"):
         result = run.engine.step(loss_is_finite=finite,
-                                 skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
+                                 skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad,
+                                 also_sum=[*own, *votes])
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
     with t.region("scheduler"):
         if result.updated:
             run.scheduler.step()
-    with t.region("comm world/loss and exit all_reduce"), run.phase(
-            f"iteration {it}: loss and exit-flag all-reduce", "world"):
-        loss, votes = _loss_and_votes(losses, exit_votes(), run.topo, run.env.device)
-    return loss, result, votes, t.pop_all()
+    loss_sum, count, *summed_votes = result.sums
+    return loss_sum / count, result, summed_votes, t.pop_all()
 
 
-def _loss_and_votes(losses: list[float], votes: list[float], topo: ParallelTopology,
-                    device: torch.device) -> tuple[float, list[float]]:
-    """The global mean loss and the exit votes summed over every rank, in one all-reduce.
-    Every tp x pp rank of a data-parallel replica holds the replica's losses (the executor
-    hands them to every pipeline stage), so only its tp 0, pp 0 rank counts them."""
+def _loss_sums(losses: list[float], topo: ParallelTopology) -> tuple[float, float]:
+    """This rank's part of the global mean loss: (sum, count) of its micro-batch losses. Every
+    tp x pp rank of a data-parallel replica holds the replica's losses (the executor hands them
+    to every pipeline stage), so only its tp 0, pp 0 rank counts them. They are summed over
+    every rank inside the optimizer step's scalar all-reduce, with the exit votes."""
     owner = topo.tp_rank == 0 and topo.pp_rank == 0
-    t = torch.tensor([sum(losses) if owner else 0.0, float(len(losses)) if owner else 0.0,
-                      *votes], dtype=torch.float64, device=device)
-    if topo.world_size > 1:
-        dist.all_reduce(t)
-    out = t.tolist()
-    return out[0] / out[1], out[2:]
+    return (sum(losses), float(len(losses))) if owner else (0.0, 0.0)
 
 
 def _time_forwards(chunks: list[torch.nn.Module], timers: Timers) -> None:

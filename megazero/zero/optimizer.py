@@ -17,7 +17,7 @@ stage-3 parameter manager (:mod:`megazero.zero.stage3`); this class only sequenc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +45,7 @@ class StepResult:
     loss_scale: float
     skipped: bool
     nonfinite: bool = False  # NaN/inf loss or (fp32/bf16) gradients; see ZeroOptimizer.step
+    sums: tuple[float, ...] = ()  # the caller's ``also_sum`` values, summed over every rank
 
 
 @dataclass
@@ -190,7 +191,8 @@ class ZeroOptimizer:
             store.reduce_deferred()
         self._synced = True
 
-    def step(self, loss_is_finite: bool = True, skip_nonfinite: bool = False) -> StepResult:
+    def step(self, loss_is_finite: bool = True, skip_nonfinite: bool = False,
+             also_sum: Sequence[float] = ()) -> StepResult:
         """Clip and apply this step's gradients, unless a rank sees a non-finite value.
 
         fp16 always checks (a gradient overflow under the loss scale skips the step and lowers
@@ -199,14 +201,20 @@ class ZeroOptimizer:
         on any rank, skips the update on every rank, so a single bad batch cannot write NaN
         into the masters. The result's ``nonfinite`` says the loss or gradients were NaN/inf
         in a way the loss scale does not explain (any non-finite loss; fp32/bf16 gradients).
+
+        ``also_sum``: the caller's own per-rank values (the training loop's loss sum and exit
+        votes) to be summed over every rank in the step's one scalar all-reduce, so that an
+        iteration makes a single blocking collective besides the gradient and parameter
+        traffic; the result's ``sums`` holds them (float64).
         """
         self.finish_grad_sync()
         pieces = self.masters.pieces
         scale = self.scaler.scale if self.precision.fp16 else 1.0
-        # One blocking collective per step: the squared gradient norm and the non-finite loss
-        # flag, summed over every rank. A rank's norm part is its shard's; at stage 0 every
-        # data-parallel replica holds the same full gradients, so only replica 0 contributes
-        # its value (the others contribute their finiteness).
+        # One blocking collective per step: the squared gradient norm, the non-finite loss
+        # flag and the caller's ``also_sum``, summed over every rank (float64: the loss sums
+        # keep their precision whatever the number of ranks). A rank's norm part is its
+        # shard's; at stage 0 every data-parallel replica holds the same full gradients, so
+        # only replica 0 contributes its value (the others contribute their finiteness).
         # A NaN/inf gradient anywhere makes the sum non-finite: that is the overflow check
         # (as Megatron's --check-for-nan-in-loss-and-grad and DeepSpeed's fp16 check on the
         # norm), with no separate pass over the gradients.
@@ -215,17 +223,19 @@ class ZeroOptimizer:
             p.grad for p in pieces if not is_duplicate_copy(p.param, tp_rank))
         if self.zero.stage == 0 and self.topo.dp_rank != 0:
             sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
-        scalars = torch.stack([sq.to(self.device, torch.float32).reshape(()),
-                               torch.tensor(float(not loss_is_finite), device=self.device)])
+        scalars = torch.cat([
+            sq.reshape(1).to(self.device, torch.float64),
+            torch.tensor([float(not loss_is_finite), *also_sum], dtype=torch.float64,
+                         device=self.device)])
         self.comms.world.all_reduce(scalars, what="scalar")
-        total_sq, bad_loss_count = scalars.tolist()
+        total_sq, bad_loss_count, *sums = scalars.tolist()
         bad_grad, bad_loss = not math.isfinite(total_sq), bad_loss_count > 0
         if (self.precision.fp16 or skip_nonfinite) and (bad_grad or bad_loss):
             self._end_step()
             if self.precision.fp16:
                 self.scaler.update(overflow=True)
             nonfinite = bad_loss or not self.precision.fp16
-            return StepResult(False, float("nan"), scale, True, nonfinite)
+            return StepResult(False, float("nan"), scale, True, nonfinite, tuple(sums))
         norm = math.sqrt(max(total_sq, 0.0)) / scale
         coef = clip_grads.clip_coefficient(norm, self.clip_grad)
         self.masters.step(coef / scale)
@@ -234,7 +244,7 @@ class ZeroOptimizer:
             store.after_step(chunk, not self.zero.allgather_partitions)
         self._end_step()
         self.scaler.update(overflow=False)
-        return StepResult(True, norm, scale, False)
+        return StepResult(True, norm, scale, False, sums=tuple(sums))
 
     def _end_step(self) -> None:
         self._last_comm = self.comms.log.report()
