@@ -207,6 +207,9 @@ def main() -> None:
     ap.add_argument("--set", choices=("calibration", "holdout"), default="calibration",
                     help="the 9 layouts the step-time model was developed on, or the hold-out "
                          "set (another model; layouts chosen by a rule on predictions only)")
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default bench/results/estimator_vs_measured[_holdout]"
+                         ".json; with --reuse nothing is written unless given)")
     ap.add_argument("--list", action="store_true",
                     help="print the set's layouts and predictions, measure nothing")
     args = ap.parse_args()
@@ -218,15 +221,18 @@ def main() -> None:
     cluster = load_cluster(args.cluster)
     suffix = "" if args.set == "calibration" else "_holdout"
     path = Path(__file__).parent / "results" / f"estimator_vs_measured{suffix}.json"
-    base, layouts = ((BASE, LAYOUTS) if args.set == "calibration"
-                     else (HOLDOUT_BASE, holdout_layouts(cluster)))
+    old = json.loads(path.read_text()) if args.reuse else None
+    if old is not None:  # the layouts measured then (a hold-out set is not chosen again)
+        base, layouts = old["base"], [(r["layout"], r["flags"]) for r in old["rows"]]
+    else:
+        base, layouts = ((BASE, LAYOUTS) if args.set == "calibration"
+                         else (HOLDOUT_BASE, holdout_layouts(cluster)))
     if args.list:
         for name, flags in layouts:
             est = estimate(_config(base, flags, WORLD), cluster)
             print(f"{name:<50}{est.time.seconds:>9.4f} s  {' '.join(flags)}")
         return
-    if args.reuse:
-        old = json.loads(path.read_text())
+    if old is not None:
         measured = {r["layout"]: r["measured"] for r in old["rows"]}
         meta = old["measurement"]
     else:
@@ -269,7 +275,11 @@ def main() -> None:
           f"{n_rounds} interleaved rounds; per round: {', '.join(f'{x:.3f}' for x in per_round)}"
           f"); 1-min load average during trials {min(loads):.2f}-{max(loads):.2f}")
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps({"set": args.set, "base": base, "world": WORLD,
+    if args.reuse and args.out is None:
+        print(f"(--reuse: {path.name} left as measured and predicted then; --out to write)")
+        return
+    out_path = Path(args.out) if args.out else path
+    out_path.write_text(json.dumps({"set": args.set, "base": base, "world": WORLD,
                                 "cluster": cluster.__dict__,
                                 "measurement": meta, "rows": rows, "spearman": rho,
                                 "spearman_per_round": per_round}, indent=1) + "\n")

@@ -124,6 +124,22 @@ def test_tensor_parallel_all_reduces_vs_sequence_parallel_gathers():
         L * mb * 4 * (coll(AG, act / 2) + coll(RS, act / 2)), rel=1e-12)
 
 
+def test_full_recompute_repeats_the_forward_collectives():
+    """Recomputing a layer runs its forward again, its TP / SP collectives included: 6 calls
+    of each kind per layer and micro-batch instead of 4 (selective recompute: none)."""
+    act, mb, full = 4 * S * B * H, 8, ["--recompute-granularity=full",
+                                      "--recompute-method=uniform", "--recompute-num-layers=1"]
+    plain = terms(["--tensor-model-parallel-size=2", *full])
+    assert plain["tensor parallel"] == pytest.approx(L * mb * 6 * coll(AR, 2 * act / 2),
+                                                     rel=1e-12)
+    sp = terms(["--tensor-model-parallel-size=2", "--sequence-parallel", *full])
+    assert sp["tensor parallel"] == pytest.approx(
+        L * mb * 6 * (coll(AG, act / 2) + coll(RS, act / 2)), rel=1e-12)
+    selective = terms(["--tensor-model-parallel-size=2", "--recompute-granularity=selective"])
+    assert selective["tensor parallel"] == pytest.approx(L * mb * 4 * coll(AR, 2 * act / 2),
+                                                         rel=1e-12)
+
+
 def test_without_a_measured_table_the_link_bandwidth_and_latency_are_used():
     t = terms(["--zero-stage=0"], cl=cluster(collectives=None))
     assert t["data parallel"] == pytest.approx(30e-6 + 2 * 4 * PARAMS / 2 / 3e9, rel=1e-12)

@@ -11,8 +11,9 @@
   working ranks of the warm-up and cool-down may run faster while the others idle), and the
   p2p of one activation per micro-batch per chunk boundary each way;
 * tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
-  4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), over NVLink when the
-  TP group fits in a node;
+  4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), 6 of each with full
+  recompute (the recomputed forward repeats its 2), over NVLink when the TP group fits in a
+  node;
 * data parallel: stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather, ``2Ψ(N-1)/N``
   bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
   ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
@@ -149,12 +150,14 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     if tp > 1:
         bw = cluster.intra_node_gbps if tp <= node else cluster.inter_node_gbps
         act = e * s * b * h
+        # a fully recomputed layer runs its forward, collectives included, a second time
+        calls = 2 * (2 if p.recompute.granularity == "full" else 1) + 2
         if sequence_parallel_active(p.sequence_parallel, tp):
-            # 2 all-gathers + 2 reduce-scatters forward, the same backward
-            per = 4 * (collective_seconds(cluster, "all_gather", act, tp, bw)
-                       + collective_seconds(cluster, "reduce_scatter", act, tp, bw))
-        else:  # 2 all-reduces forward (row-parallel outputs), 2 backward (column inputs)
-            per = 4 * collective_seconds(cluster, "all_reduce", act, tp, bw)
+            # 2 all-gathers + 2 reduce-scatters per forward, the same backward
+            per = calls * (collective_seconds(cluster, "all_gather", act, tp, bw)
+                           + collective_seconds(cluster, "reduce_scatter", act, tp, bw))
+        else:  # 2 all-reduces per forward (row-parallel outputs), 2 backward (column inputs)
+            per = calls * collective_seconds(cluster, "all_reduce", act, tp, bw)
         out.terms["tensor parallel"] = per * (m.num_layers / pp) * mb
     if dp > 1:
         bw = cluster.intra_node_gbps if tp * dp <= node else cluster.inter_node_gbps
