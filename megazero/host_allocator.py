@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Mapping
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -37,7 +38,7 @@ USER_TUNING = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_P
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
-def reason_to_leave_alone(env: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+def reason_to_leave_alone(env: Mapping[str, str] = os.environ) -> str | None:
     """Why the allocator is not to be tuned in this process, or None."""
     if env.get("MEGAZERO_HOST_ALLOCATOR", "") == "system":
         return "MEGAZERO_HOST_ALLOCATOR=system"
@@ -51,7 +52,7 @@ def reason_to_leave_alone(env: dict[str, str] | os._Environ[str] = os.environ) -
     return None
 
 
-def keep_freed_host_memory(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+def keep_freed_host_memory(env: Mapping[str, str] = os.environ) -> bool:
     """Tune glibc's malloc as the module docstring says; True when it was done."""
     if reason_to_leave_alone(env) is not None:
         return False
