@@ -16,7 +16,7 @@ BASE = (f"--num-layers {L} --hidden-size {H} --num-attention-heads 4 --seq-lengt
 RATE = 1e10  # FLOP/s reached (peak 2e10 x 0.5)
 LAYER_US, MB_US = 100.0, 1000.0
 AG, RS, AR, P2P = (50.0, 1.0), (60.0, 0.5), (80.0, 2.0), (20.0, 4.0)  # alpha us, GB/s
-PARAMS, UNITS = 1_000_000, 7
+PARAMS, UNITS, BUCKETS = 1_000_000, 7, 3
 
 
 def cluster(**kw) -> Cluster:
@@ -35,7 +35,7 @@ def terms(flags: list[str], world: int = 2, cl: Cluster | None = None) -> dict[s
     cfg = _config(BASE, flags, world)
     dp = cfg.layout().dp
     mb = 16 // (B * dp)
-    return step_time(cfg, cl or cluster(), mb, PARAMS, UNITS).terms
+    return step_time(cfg, cl or cluster(), mb, PARAMS, UNITS, BUCKETS).terms
 
 
 def gemm_per_mb(layers: float, tp: int = 1, extra_dense_passes: int = 0) -> float:
@@ -73,13 +73,13 @@ def test_overlap_hides_dp_comm_only_where_the_cluster_overlaps():
     assert terms(["--zero-stage=1"])["data parallel"] > 0.0
 
 
-def test_zero3_adds_gathers_per_microbatch_and_per_unit_calls():
+def test_zero3_gathers_per_microbatch_and_reduces_once_per_bucket():
     t = terms(["--zero-stage=3"])
     mb = 4
     assert t["data parallel"] == pytest.approx(
-        mb * (2 * 4 * PARAMS / 2 / (AG[1] * 1e9) + 4 * PARAMS / 2 / (RS[1] * 1e9)), rel=1e-12)
-    assert t["ZeRO-3 gather latency"] == pytest.approx(UNITS * mb * (2 * AG[0] + RS[0]) * 1e-6,
-                                                       rel=1e-12)
+        mb * 2 * 4 * PARAMS / 2 / (AG[1] * 1e9) + 4 * PARAMS / 2 / (RS[1] * 1e9), rel=1e-12)
+    assert t["ZeRO-3 gather latency"] == pytest.approx(
+        (UNITS * mb * 2 * AG[0] + BUCKETS * RS[0]) * 1e-6, rel=1e-12)
     assert t["compute"] == terms(["--zero-stage=1"])["compute"]
 
 

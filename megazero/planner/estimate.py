@@ -82,6 +82,33 @@ def _peak_activation_bytes(cfg: MegazeroConfig, pp_rank: int, m: int, flash: boo
         segment_peak_bytes(cfg, b, tp, layers, flash, sdpa_math)
 
 
+@dataclass
+class Zero3Layout:
+    """One model chunk under stage 3: units gathered (not persistent), the largest unit and
+    the gradient buckets' padded sizes (the engine's own rule: plan_grad_buckets)."""
+
+    gathered: int
+    largest_unit: int
+    buckets: list[int]
+
+
+def zero3_layout(cfg: MegazeroConfig, chunk: Any, topo: Any, dp: int) -> Zero3Layout:
+    from megazero.zero.build import deferred_kinds
+    from megazero.zero.stage3_grads import plan_grad_buckets
+    from megazero.zero.units import unit_param_groups
+
+    groups = [ps for ps, _ in unit_param_groups(chunk)]
+    kinds = deferred_kinds([p for ps in groups for p in ps], topo,
+                           cfg.parallel.sequence_parallel)
+    sizes = [-(-sum(p.numel() for p in ps) // dp) * dp for ps in groups]
+    plan = plan_grad_buckets(sizes, [any(id(p) in kinds for p in ps) for ps in groups],
+                             max(1, int(cfg.zero.reduce_bucket_size)))
+    return Zero3Layout(
+        gathered=sum(n >= cfg.zero.stage3_param_persistence_threshold for n in sizes),
+        largest_unit=max(sizes, default=0),
+        buckets=[sum(sizes[i] for i in idx) for idx in plan])
+
+
 def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
                 flash: bool = True, device_is_cpu: bool = False) -> RankMemory:
     p, z = cfg.parallel, cfg.zero
@@ -120,17 +147,20 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
         out.items["autograd gradients (accumulating)"] = out.numel * gs
         out.sync["autograd gradients (accumulating)"] = out.numel * gs
     elif z.stage == 3:
-        # gathered units (live + prefetch); in backward, the largest unit's gradients twice:
-        # as autograd made them and in the unit's full flat buffer being reduce-scattered
-        from megazero.planner.model_states import _units
-
+        # gathered units (live + prefetch); during the last micro-batch's backward (the sync
+        # phase, while its activations are freed), the largest unit's gradients as autograd
+        # made them and gradient buckets (stage3_grads): the one filling, on gloo the
+        # all_to_all's receive buffer of the one being reduced, and with overlap_comm the
+        # previous bucket still in flight
+        topo = shape_topology(layout, pp_rank, 0, 0)
+        parts = [zero3_layout(cfg, c, topo, dp) for c in chunks]
+        largest = max((x.largest_unit for x in parts), default=0)
+        bucket = max((n for x in parts for n in x.buckets), default=0)
+        many = sum(len(x.buckets) for x in parts) > 1
         gathered = min(out.numel, z.stage3_max_live_parameters + z.stage3_prefetch_bucket_size)
-        largest = max((u[0] for c in chunks
-                       for u in _units(c, dp, 0, z.stage3_param_persistence_threshold)),
-                      default=0)
         out.items["ZeRO gathered params + prefetch"] = gathered * ps
-        out.items["ZeRO-3 unit gradients being reduced"] = 2 * min(
-            largest, z.reduce_bucket_size) * gs
+        out.sync["ZeRO-3 gradient buckets being reduced"] = (
+            largest + bucket * (1 + int(device_is_cpu) + int(z.overlap_comm and many))) * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
     # gradients to fp32; AdamW's foreach update keeps one fp32 temporary of the sub-group's
     # size (sqrt of the second moment, divided and shifted in place). Adam on host masters
@@ -203,13 +233,11 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
         flash = not core_attention_saves_scores(cfg, cpu)
     ranks = [rank_memory(cfg, r, m, flash=flash, device_is_cpu=cpu)
              for r in (stages if stages is not None else range(cfg.parallel.pp))]
-    units = 0
+    units = buckets = 0
     if cfg.zero.stage == 3:
-        from megazero.planner.model_states import _units
-
-        chunks = meta_chunks(cfg, shape_topology(cfg.layout()))
-        units = sum(not persistent  # persistent units stay whole: never gathered
-                    for c in chunks
-                    for _, _, persistent, _ in _units(
-                        c, 1, 0, cfg.zero.stage3_param_persistence_threshold))
-    return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, m, ranks[0].numel, units))
+        for c in meta_chunks(cfg, shape_topology(cfg.layout())):
+            layout = zero3_layout(cfg, c, shape_topology(cfg.layout()), dp=1)
+            units += layout.gathered
+            buckets += len(layout.buckets)
+    return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, m, ranks[0].numel, units,
+                                                         buckets))

@@ -17,9 +17,11 @@
 * data parallel: stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather, ``2Ψ(N-1)/N``
   bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
   ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
-  gathered for the forward and the backward of every micro-batch) and three calls per gathered
-  unit per micro-batch; hidden behind the backward (2/3 of compute) with ``overlap_comm`` on a
-  cluster whose communication overlaps compute;
+  gathered for the forward and the backward of every micro-batch, gradients reduce-scattered
+  after the last) in two all-gathers per gathered unit per micro-batch and one reduce-scatter
+  per gradient bucket (:func:`megazero.zero.stage3_grads.plan_grad_buckets`); hidden
+  behind the backward (2/3 of compute) with ``overlap_comm`` on a cluster whose
+  communication overlaps compute;
 * every collective costs ``alpha + wire bytes / beta`` (:func:`collective_seconds`): alpha and
   beta per kind from the cluster's measured ``collectives`` table, else its latency and links;
 * optimizer step on the rank's shard at ``device_adam_gparams_per_s`` (where the cluster gives
@@ -116,10 +118,10 @@ def stage_flops_per_microbatch(cfg: MegazeroConfig) -> float:
 
 
 def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
-              params_per_rank: int, zero3_units: int = 0) -> StepTime:
+              params_per_rank: int, zero3_units: int = 0, zero3_buckets: int = 0) -> StepTime:
     """``zero3_units``: stage-3 units gathered on the rank (not the persistent ones; each is
-    gathered in forward and in backward and reduce-scattered once per micro-batch:
-    latency-bound when units are small)."""
+    gathered in forward and in backward of every micro-batch: latency-bound when units are
+    small); ``zero3_buckets``: its gradient buckets, each reduce-scattered once per step."""
     p, z, m = cfg.parallel, cfg.zero, cfg.model
     layout = cfg.layout()
     tp, pp, dp, vpp = p.tp, p.pp, layout.dp, cfg.vpp or 1
@@ -164,12 +166,14 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         buf = e * params_per_rank
         if z.stage == 3:
             # parameters gathered for every micro-batch's forward and backward, gradients
-            # reduce-scattered once per micro-batch: ``(2m+1)Ψ(N-1)/N`` bytes, and three calls
-            # per gathered unit per micro-batch (units small enough to be latency-bound)
+            # reduce-scattered after the last one (the others accumulate under no_sync):
+            # ``(2m+1)Ψ(N-1)/N`` bytes; two gathers per unit per micro-batch and one
+            # reduce-scatter per bucket (units small enough to be latency-bound)
             ag, rs = (alpha_beta(cluster, k, bw) for k in ("all_gather", "reduce_scatter"))
-            comm = mb * (2 * wire_bytes("all_gather", buf, dp) / ag[1]
-                         + wire_bytes("reduce_scatter", buf, dp) / rs[1])
-            out.terms["ZeRO-3 gather latency"] = zero3_units * mb * (2 * ag[0] + rs[0])
+            comm = (mb * 2 * wire_bytes("all_gather", buf, dp) / ag[1]
+                    + wire_bytes("reduce_scatter", buf, dp) / rs[1])
+            out.terms["ZeRO-3 gather latency"] = (zero3_units * mb * 2 * ag[0]
+                                                  + zero3_buckets * rs[0])
         else:
             calls = max(1, -(-params_per_rank // max(1, z.reduce_bucket_size)))
             kinds = ["all_reduce"] if z.stage == 0 else ["reduce_scatter", "all_gather"]

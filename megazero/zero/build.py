@@ -27,7 +27,7 @@ NO_EFFECT_KEYS: tuple[tuple[str, Any], ...] = unimplemented_zero_keys()
 # Keys with a real effect, by stage (the rest of the block is accepted; see NO_EFFECT_KEYS).
 IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
     "stage": (0, 1, 2, 3),
-    "reduce_bucket_size": (0, 1, 2),
+    "reduce_bucket_size": (0, 1, 2, 3),
     "overlap_comm": (0, 1, 2, 3),
     "contiguous_gradients": (0, 1),
     "reduce_scatter": (1, 2),
@@ -59,8 +59,11 @@ def check_zero_config(zero: ZeroConfig, topo: ParallelTopology) -> None:
                       ">= 2: reduced gradient shards are always contiguous", stacklevel=3)
 
 
-def _deferred_kind(params: list[nn.Parameter], topo: ParallelTopology, sequence_parallel: bool
+def deferred_kinds(params: list[nn.Parameter], topo: ParallelTopology, sequence_parallel: bool
                    ) -> dict[int, str]:
+    """Parameters whose gradients are summed over another group before the data-parallel
+    reduction: ``"sp"`` (sequence-parallel, over TP) and ``"emb"`` (tied embedding copies on
+    the first and last pipeline stage, over the embedding group)."""
     kinds = {}
     for p in params:
         if sequence_parallel_active(sequence_parallel, topo.tp_size) \
@@ -109,7 +112,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
         params = [p for p in chunk.parameters() if p.requires_grad]
         if not params:
             continue
-        kinds = _deferred_kind(params, topo, sequence_parallel)
+        kinds = deferred_kinds(params, topo, sequence_parallel)
         if zero_config.stage == 3:
             from megazero.zero.stage3 import Stage3Params
 

@@ -74,6 +74,13 @@ class Handle:
         self._timers = timers
         self.done = False
 
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would not block (the collective already completed)."""
+        if self.done or self._work is None:
+            return True
+        probe = getattr(self._work, "ready", None) or getattr(self._work, "is_completed", None)
+        return bool(probe()) if probe is not None else False
+
     def wait(self) -> None:
         if self.done:
             return

@@ -113,6 +113,7 @@ class Stage3Params(Stage3Grads):
         chunk.register_forward_pre_hook(self._root_pre_forward)
         chunk.register_forward_hook(self._root_post_forward)
         self.padding = sum(u.padding for u in self.units)
+        self._build_grad_buckets(max(1, int(zero.reduce_bucket_size)))
 
     def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], nvme: bool) -> Unit:
         for p in params:  # built inside zero.Init: gathered one unit at a time, never all
@@ -150,7 +151,6 @@ class Stage3Params(Stage3Grads):
             leave_meta(params, self.dtype, self.device)
             for p in params:
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
-        u.grad_shard = torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device)
         u.pending = {id(p) for p in params}
         self.units.append(u)
         for p in params:

@@ -1,14 +1,23 @@
-"""ZeRO stage 3, gradient side: each unit's gradients copied into a flat buffer once all of them
-arrived, reduce-scattered over the data-parallel group into the unit's persistent gradient
-shard, and the unit's gathered parameters released.
+"""ZeRO stage 3, gradient side: once all of a unit's gradients arrived they are copied into its
+slot of a gradient bucket and the unit's gathered parameters are released; once every unit of a
+bucket is in, the bucket is reduce-scattered over the data-parallel group in one collective into
+the units' persistent gradient shards.
 
-Units holding sequence-parallel or tied-embedding parameters (``Unit.kind`` set) wait: the
-engine first sums their ``deferred_grads`` over the tensor-parallel or embedding group, then
-``reduce_deferred`` scatters them. :class:`Stage3Grads` is the base of
+A bucket is a run of consecutive units (module order, which the backward walks in reverse) of
+at most ``reduce_bucket_size`` padded elements; a larger unit is a bucket of its own. Its input
+is rank-major: row ``r`` holds every unit's chunk ``r`` side by side, so row ``r`` is what rank
+``r`` receives summed, and the units' gradient shards are consecutive views of one flat buffer.
+Small units (LayerNorms, biases) thus share a collective instead of paying one each.
+
+Units holding sequence-parallel or tied-embedding parameters (``Unit.kind`` set) wait, each in
+a bucket of its own: the engine first sums their ``deferred_grads`` over the tensor-parallel or
+embedding group, then ``reduce_deferred`` scatters them. :class:`Stage3Grads` is the base of
 :class:`megazero.zero.stage3.Stage3Params`, which owns the units and their gather/release.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -17,10 +26,82 @@ from megazero.zero.comm import GroupComm, Handle
 from megazero.zero.units import Unit
 
 
+class GradBucket:
+    """Consecutive units whose gradients are reduce-scattered together. ``shard`` is the flat
+    persistent gradient shard of all of them (each unit's ``grad_shard`` is a view into it);
+    ``full`` (``dp x width``, row-major) exists from the first absorbed unit until the
+    collective finished."""
+
+    def __init__(self, units: list[Unit], dp: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.units = units
+        self.dp = dp
+        self.width = sum(u.shard_size for u in units)
+        self.shard = torch.zeros(self.width, dtype=dtype, device=device)
+        self.full: torch.Tensor | None = None
+        self.handle: Handle | None = None
+        self.absorbed = 0
+        self.launched = False
+        col = 0
+        for u in units:
+            u.bucket, u.column = self, col
+            u.grad_shard = self.shard[col:col + u.shard_size]
+            col += u.shard_size
+
+    def numel(self) -> int:
+        return self.dp * self.width
+
+    def rows(self, dtype: torch.dtype, device: torch.device, zero: bool) -> torch.Tensor:
+        """The ``dp x width`` input, allocated on first use."""
+        if self.full is None:
+            alloc = torch.zeros if zero else torch.empty
+            self.full = alloc(self.numel(), dtype=dtype, device=device)
+        return self.full.view(self.dp, self.width)
+
+    def free(self) -> None:
+        self.full = None
+        for u in self.units:
+            u.grad_full = None
+
+
+def plan_grad_buckets(sizes: list[int], alone: list[bool], bucket_numel: int) -> list[list[int]]:
+    """Indices of consecutive units, at most ``bucket_numel`` padded elements (``sizes``) per
+    bucket; a larger unit, or one marked ``alone`` (a deferred kind), is a bucket of its own.
+    The planner replays the same rule."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, (n, solo) in enumerate(zip(sizes, alone)):
+        if cur and (solo or size + n > bucket_numel):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+        if solo:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def segments(u: Unit, start: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
+    """Elements ``[start, start+numel)`` of the unit's flat (padded) order as pieces of the
+    bucket's rows: ``(row, column_lo, column_hi, offset into the range)``."""
+    k = u.shard_size
+    lo, hi = start, start + numel
+    while lo < hi:
+        row, c = divmod(lo, k)
+        n = min(hi - lo, k - c)
+        yield row, u.column + c, u.column + c + n, lo - start
+        lo += n
+
+
 class Stage3Grads:
     """The gradient half of :class:`megazero.zero.stage3.Stage3Params`."""
 
     units: list[Unit]
+    buckets: list[GradBucket]
     unit_of_param: dict[int, Unit]
     dp: GroupComm
     grad_dtype: torch.dtype
@@ -30,37 +111,55 @@ class Stage3Grads:
     def _release(self, u: Unit) -> None:
         raise NotImplementedError  # the parameter side (Stage3Params) frees the gathered unit
 
+    def _build_grad_buckets(self, bucket_numel: int) -> None:
+        """Group the units into buckets and point their gradient shards into them (before the
+        optimizer takes views of the shards)."""
+        plan = plan_grad_buckets([u.padded for u in self.units],
+                                 [u.kind is not None for u in self.units], bucket_numel)
+        self.buckets = [GradBucket([self.units[i] for i in idx], self.dp.size,
+                                   self.grad_dtype, self.device) for idx in plan]
 
     def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.shard.zero_()
+            b.free()
+            b.handle = None
+            b.absorbed = 0
+            b.launched = False
         for u in self.units:
-            u.grad_shard.zero_()
-            u.grad_full = None
-            u.reduce_handle = None
             u.reduced = False
             u.filled = set()
             u.pending = {id(p) for p in u.params}
             for p in u.params:
                 p.grad = None
 
-    def _absorb(self, u: Unit) -> None:
-        """Copy the unit's gradients into its flat buffer, applying the 1/dp of the average in
-        the same pass; slots never filled are zeroed before the reduction."""
+    def _slot(self, u: Unit) -> torch.Tensor:
+        """The unit's ``dp x shard`` columns of its bucket's input (allocated on first use)."""
         if u.grad_full is None:
-            u.grad_full = torch.empty(u.padded, dtype=self.grad_dtype, device=self.device)
+            u.grad_full = u.bucket.rows(self.grad_dtype, self.device, zero=False)
+        return u.grad_full
+
+    def _absorb(self, u: Unit) -> None:
+        """Copy the unit's gradients into its bucket slot, applying the 1/dp of the average in
+        the same pass; slots never filled are zeroed before the reduction."""
+        rows = self._slot(u)
         for i, (p, s, shape) in enumerate(zip(u.params, u.starts, u.shapes)):
             if p.grad is not None:
-                torch.mul(p.grad.reshape(-1), 1.0 / self.dp.size,
-                          out=u.grad_full[s:s + shape.numel()])
+                g = p.grad.reshape(-1)
+                for r, c0, c1, a in segments(u, s, shape.numel()):
+                    torch.mul(g[a:a + c1 - c0], 1.0 / self.dp.size, out=rows[r, c0:c1])
                 u.filled.add(i)
                 p.grad = None
 
-    @staticmethod
-    def _zero_unfilled(u: Unit) -> None:
+    def _zero_unfilled(self, u: Unit) -> None:
+        rows = self._slot(u)
         for i, (s, shape) in enumerate(zip(u.starts, u.shapes)):
             if i not in u.filled:
-                u.full_grad()[s:s + shape.numel()].zero_()
+                for r, c0, c1, _ in segments(u, s, shape.numel()):
+                    rows[r, c0:c1].zero_()
                 u.filled.add(i)
-        u.full_grad()[u.numel:].zero_()
+        for r, c0, c1, _ in segments(u, u.numel, u.padding):
+            rows[r, c0:c1].zero_()
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
         """Inside ``no_sync``: keep the gradient, release the parameters once all arrived."""
@@ -81,31 +180,41 @@ class Stage3Grads:
         self._absorb(u)
         self._release(u)
         if u.kind is None:
-            self._reduce(u, async_op=self.overlap)
+            self._commit(u)
 
-    def _reduce(self, u: Unit, async_op: bool) -> None:
+    def _commit(self, u: Unit) -> None:
+        """The unit's gradients are final: count it in, and reduce its bucket once complete."""
         u.reduced = True
-        if u.grad_full is None:
-            u.grad_full = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
-        else:
-            self._zero_unfilled(u)
-        h = self.dp.reduce_scatter(u.grad_shard, u.grad_full, async_op=async_op)
-        u.reduce_handle = Handle(h, lambda: setattr(u, "grad_full", None))
+        self._zero_unfilled(u)
+        b = u.bucket
+        b.absorbed += 1
+        if b.absorbed == len(b.units):
+            self._launch(b, async_op=self.overlap)
+
+    def _launch(self, b: GradBucket, async_op: bool) -> None:
+        b.launched = True
+        for h in (o.handle for o in self.buckets if o.handle is not None):
+            if h.ready():  # a finished earlier bucket frees its input now, not at the end
+                h.wait()
+        full = b.rows(self.grad_dtype, self.device, zero=True).view(-1)
+        work = self.dp.reduce_scatter(b.shard, full, async_op=async_op)
+        b.handle = Handle(work, b.free)
         if not async_op:
-            u.reduce_handle.wait()
+            b.handle.wait()
 
     def flush(self) -> None:
+        """After the backward: units whose gradients never all arrived (parameters unused this
+        step) go in with zeros, and every bucket not yet reduced is."""
         for u in self.units:
-            if u.reduced or u.kind is not None:
-                continue
-            self._absorb(u)
-            self._release(u)
-            self._reduce(u, async_op=self.overlap)
+            if not u.reduced and u.kind is None:
+                self._absorb(u)
+                self._release(u)
+                self._commit(u)
 
     def wait(self) -> None:
-        for u in self.units:
-            if u.reduce_handle is not None:
-                u.reduce_handle.wait()
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
 
     def absorb_deferred(self) -> None:
         for u in self.units:
@@ -116,21 +225,23 @@ class Stage3Grads:
 
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:
         """The gradient slices of this kind's parameters (not the whole unit: its other
-        parameters' gradients must not be summed)."""
-        return [u.full_grad()[s:s + n] for u in self.units if not u.reduced
+        parameters' gradients must not be summed). A deferred unit is alone in its bucket, so
+        the bucket's input is the unit's flat order."""
+        return [self._slot(u).view(-1)[s:s + n] for u in self.units if not u.reduced
                 for s, n, k in u.deferred if k == kind]
 
     def reduce_deferred(self) -> None:
         for u in self.units:
             if u.kind is not None and not u.reduced:
-                self._reduce(u, async_op=False)
+                u.reduced = True
+                self._launch(u.bucket, async_op=False)
 
     def unused_params(self) -> list[nn.Parameter]:
         return [p for u in self.units if not u.reduced for p in u.params
                 if id(p) in u.pending and p.grad is None]
 
     def held_grads(self) -> list[torch.Tensor]:
-        out = [u.grad_shard for u in self.units]
-        out += [u.grad_full for u in self.units if u.grad_full is not None]
+        out = [b.shard for b in self.buckets]
+        out += [b.full for b in self.buckets if b.full is not None]
         out += [p.grad for u in self.units for p in u.params if p.grad is not None]
         return out

@@ -40,11 +40,12 @@ class Unit:
         self.full: torch.Tensor | None = None
         self.shard = torch.empty(0)  # this rank's shard (Stage3Params sets it)
         self.gather_handle: Handle | None = None
-        self.grad_full: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None  # its dp x shard columns of the bucket
         self.grad_shard = torch.empty(0)  # the reduced gradient shard (Stage3Params sets it)
-        self.reduce_handle: Handle | None = None
+        self.bucket: Any = None  # the GradBucket its gradients are reduced in (stage3_grads)
+        self.column = 0  # where its chunk starts in each row of that bucket
         self.pending: set[int] = set()
-        self.filled: set[int] = set()  # indices of params copied into grad_full this step
+        self.filled: set[int] = set()  # indices of params copied into its bucket this step
         self.reduced = False
         self.swap: Any = None  # NVMe offload: the UnitSwap holding the shard (param_swap.py)
 
@@ -53,12 +54,6 @@ class Unit:
         if self.full is None:
             raise RuntimeError(f"stage-3 unit {self.index} is not gathered")
         return self.full
-
-    def full_grad(self) -> torch.Tensor:
-        """The full gradients, from their first absorption until the reduce-scatter."""
-        if self.grad_full is None:
-            raise RuntimeError(f"stage-3 unit {self.index} holds no full gradients now")
-        return self.grad_full
 
     def attach(self) -> None:
         """Point every parameter at its slice of the gathered buffer."""
