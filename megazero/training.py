@@ -167,9 +167,7 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
     (taken before the update) summed over every rank, seconds per ``wall_clock_breakdown``
     region since the last call). The loss and the votes ride in the optimizer step's one
     scalar all-reduce: besides gradient and parameter traffic an iteration makes a single
-    small collective, and at stage 0 with data parallelism only (the gradient norm is every
-    rank's own) it is sent before the gradient wait and blocks nothing
-    (``ZeroOptimizer.send_step_sums``)."""
+    blocking collective."""
     t, it = run.timers, run.state.iteration + 1
     mem = None
     if run.cfg.logging.log_memory_phases:
@@ -180,19 +178,18 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
                                          "schedule)", "mp"):
         losses = _schedule(run, data_iter, forward_only=False,
                            activation_meter=mem.meter if mem is not None else None)
-    finite = all(math.isfinite(x) for x in losses)
-    votes = exit_votes()
-    # sent now: where the norm needs no collective, they travel with the last buckets
-    run.engine.send_step_sums(loss_is_finite=finite,
-                              also_sum=[*_loss_sums(losses, run.topo), *votes])
     with t.region("grad sync (local)"), run.phase(f"iteration {it}: gradient sync", "dp"):
         run.engine.finish_grad_sync()
     if mem is not None:
         mem.after_backward()
+    finite = all(math.isfinite(x) for x in losses)
+    own = _loss_sums(losses, run.topo)
+    votes = exit_votes()
     with t.region("optimizer"), run.phase(f"iteration {it}: optimizer step (non-finite "
                                           "check, grad norm, loss and exit votes)", "world"):
-        result = run.engine.step(
-            skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad)
+        result = run.engine.step(loss_is_finite=finite,
+                                 skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad,
+                                 also_sum=[*own, *votes])
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
     with t.region("scheduler"):

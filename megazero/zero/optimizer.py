@@ -33,7 +33,7 @@ from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import ParallelTopology
 from megazero.zero import clip_grads
 from megazero.zero.accounting import MemoryReport, StorageCounter
-from megazero.zero.comm import CommLog, GroupComm, Handle
+from megazero.zero.comm import CommLog, GroupComm
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.master import MasterParams, Piece
 
@@ -105,7 +105,6 @@ class ZeroOptimizer:
         self._sync = True
         self._synced = False
         self._saw_sync_backward = False
-        self._early_sums: tuple[torch.Tensor, Handle | None] | None = None
         self._last_comm: dict[str, Any] = comms.log.report()
         self._hooks: list[Any] = []
         self._param_store: dict[int, ParamStore] = {}
@@ -192,24 +191,6 @@ class ZeroOptimizer:
             store.reduce_deferred()
         self._synced = True
 
-    def send_step_sums(self, loss_is_finite: bool = True, also_sum: Sequence[float] = ()
-                       ) -> None:
-        """Hand :meth:`step`'s ``loss_is_finite`` and ``also_sum`` over before
-        :meth:`finish_grad_sync`. Where every rank's gradient norm is its own (stage 0, data
-        parallel only: each replica holds the whole reduced gradient), the scalar all-reduce
-        goes out now, asynchronously, and travels while the last gradient buckets do; the step
-        then makes no blocking collective before its update. Elsewhere it waits for
-        :meth:`step`, which sums them with the norm as always."""
-        values = torch.tensor([float(not loss_is_finite), *also_sum], dtype=torch.float64,
-                              device=self.device)
-        handle = None
-        if self._norm_is_local():
-            handle = self.comms.world.all_reduce(values, async_op=True, what="scalar")
-        self._early_sums = (values, handle)
-
-    def _norm_is_local(self) -> bool:
-        return self.zero.stage == 0 and self.topo.tp_size == 1 and self.topo.pp_size == 1
-
     def step(self, loss_is_finite: bool = True, skip_nonfinite: bool = False,
              also_sum: Sequence[float] = ()) -> StepResult:
         """Clip and apply this step's gradients, unless a rank sees a non-finite value.
@@ -224,12 +205,8 @@ class ZeroOptimizer:
         ``also_sum``: the caller's own per-rank values (the training loop's loss sum and exit
         votes) to be summed over every rank in the step's one scalar all-reduce, so that an
         iteration makes a single blocking collective besides the gradient and parameter
-        traffic; the result's ``sums`` holds them (float64). Given to :meth:`send_step_sums`
-        instead, they may travel earlier (then this step takes neither argument).
+        traffic; the result's ``sums`` holds them (float64).
         """
-        if self._early_sums is not None and (also_sum or not loss_is_finite):
-            raise ValueError("step(): loss_is_finite / also_sum were already given to "
-                             "send_step_sums() this step; pass them to one of the two")
         self.finish_grad_sync()
         pieces = self.masters.pieces
         scale = self.scaler.scale if self.precision.fp16 else 1.0
@@ -244,18 +221,14 @@ class ZeroOptimizer:
         tp_rank = self.topo.tp_rank
         sq = clip_grads.sum_of_squares(
             p.grad for p in pieces if not is_duplicate_copy(p.param, tp_rank))
-        early, self._early_sums = self._early_sums, None
-        values = early[0] if early is not None else torch.tensor(
-            [float(not loss_is_finite), *also_sum], dtype=torch.float64, device=self.device)
-        if early is not None and early[1] is not None:
-            early[1].wait()  # sent before the gradient wait; the norm is this rank's own
-            total_sq, (bad_loss_count, *sums) = sq.item(), values.tolist()
-        else:
-            if self.zero.stage == 0 and self.topo.dp_rank != 0:
-                sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
-            scalars = torch.cat([sq.reshape(1).to(self.device, torch.float64), values])
-            self.comms.world.all_reduce(scalars, what="scalar")
-            total_sq, bad_loss_count, *sums = scalars.tolist()
+        if self.zero.stage == 0 and self.topo.dp_rank != 0:
+            sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
+        scalars = torch.cat([
+            sq.reshape(1).to(self.device, torch.float64),
+            torch.tensor([float(not loss_is_finite), *also_sum], dtype=torch.float64,
+                         device=self.device)])
+        self.comms.world.all_reduce(scalars, what="scalar")
+        total_sq, bad_loss_count, *sums = scalars.tolist()
         bad_grad, bad_loss = not math.isfinite(total_sq), bad_loss_count > 0
         if (self.precision.fp16 or skip_nonfinite) and (bad_grad or bad_loss):
             self._end_step()
