@@ -20,7 +20,9 @@ rank, i.e. the limit a rank can reach on this machine. DeepSpeed 0.19.8 runs the
 Python with DeepSpeed installed (each case a 2-process torchrun launch); otherwise its column
 says so. Rounds alternate plain loop, megazero (cases rotated) and DeepSpeed, so machine-load
 drift hits every side alike. Reported: median and minimum ms/step of rank 0 (the minimum is the
-least-disturbed step when other jobs share the machine).
+least-disturbed step when other jobs share the machine), and the median of each launch (each
+case and round is one launch whose steps share its machine state: the launches, not the steps,
+are the independent samples, and a few slow launches can decide a row's median).
 
 ZeRO settings: ``overlap_comm`` on, ``reduce_bucket_size`` 1e6 (four buckets for this 4.2M model),
 other keys at DeepSpeed defaults.
@@ -368,6 +370,11 @@ def ds_version(python: str) -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def launch_medians(samples: list[float], steps: int) -> list[float]:
+    """The median of each launch's ``steps`` consecutive samples."""
+    return [statistics.median(samples[i:i + steps]) for i in range(0, len(samples), steps)]
+
+
 def _add(acc: dict[str, Any], name: str, value: Any) -> None:
     """Append a case's samples; a failure message is kept only if nothing was measured."""
     if isinstance(value, list):
@@ -468,10 +475,22 @@ def main(argv: list[str] | None = None) -> None:
                    deepspeed_max_ms=max(raw[name]) if isinstance(raw.get(name), list) else None,
                    ratio_to_deepspeed=vs_ds, samples=times[name],
                    deepspeed_samples=raw.get(name))
+        # Per case and round (with the entry driver one launch, for the plain loop one
+        # spawned world): its steps share that process's placement and machine state, so
+        # these are the independent samples; their medians show whether a row was decided
+        # by a few slow launches rather than by the code.
+        row["launch_medians_ms"] = launch_medians(times[name], args.steps)
+        if isinstance(raw.get(name), list):
+            row["deepspeed_launch_medians_ms"] = launch_medians(raw[name], args.steps)
         if name in phases:
             row["phase_median_ms"] = {k: statistics.median(v) for k, v in phases[name].items()}
             row["launch_s"] = launch_s[name]
         rows.append(row)
+    print("per-launch medians (ms), in round order:")
+    for row in rows:
+        ds_l = row.get("deepspeed_launch_medians_ms")
+        print(f"{row['case']:>10}: " + " ".join(f"{x:.0f}" for x in row["launch_medians_ms"])
+              + (" | DeepSpeed " + " ".join(f"{x:.0f}" for x in ds_l) if ds_l else ""))
     lo, hi = spread[UNTUNED]
     print(f"{UNTUNED}: {med[UNTUNED]:.1f} [{lo:.1f}-{hi:.1f}] ms ({med[UNTUNED] / plain:.3f} x "
           "the plain loop with the host allocator as pretrain_gpt.py sets it on the CPU)")
