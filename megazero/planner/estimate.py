@@ -93,20 +93,21 @@ class Zero3Layout:
 
 
 def zero3_layout(cfg: MegazeroConfig, chunk: Any, topo: Any, dp: int) -> Zero3Layout:
+    from megazero.planner.model_states import _units
     from megazero.zero.build import deferred_kinds
     from megazero.zero.stage3_grads import plan_grad_buckets
     from megazero.zero.units import unit_param_groups
 
-    groups = [ps for ps, _ in unit_param_groups(chunk)]
+    units = _units(chunk, dp, 0, cfg.zero.stage3_param_persistence_threshold)
+    groups = [ps for ps, _ in unit_param_groups(chunk)]  # the same units, in the same order
     kinds = deferred_kinds([p for ps in groups for p in ps], topo,
                            cfg.parallel.sequence_parallel)
-    sizes = [-(-sum(p.numel() for p in ps) // dp) * dp for ps in groups]
+    sizes = [padded for padded, *_ in units]
     plan = plan_grad_buckets(sizes, [any(id(p) in kinds for p in ps) for ps in groups],
                              max(1, int(cfg.zero.reduce_bucket_size)))
-    return Zero3Layout(
-        gathered=sum(n >= cfg.zero.stage3_param_persistence_threshold for n in sizes),
-        largest_unit=max(sizes, default=0),
-        buckets=[sum(sizes[i] for i in idx) for idx in plan])
+    return Zero3Layout(gathered=sum(not persistent for _, _, persistent, _ in units),
+                       largest_unit=max(sizes, default=0),
+                       buckets=[sum(sizes[i] for i in idx) for idx in plan])
 
 
 def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,

@@ -51,17 +51,15 @@ class GradBucket:
     def numel(self) -> int:
         return self.dp * self.width
 
-    def rows(self, dtype: torch.dtype, device: torch.device, zero: bool) -> torch.Tensor:
-        """The ``dp x width`` input, allocated on first use."""
+    def rows(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The ``dp x width`` input, allocated on first use (every column is written or
+        zeroed before the launch)."""
         if self.full is None:
-            alloc = torch.zeros if zero else torch.empty
-            self.full = alloc(self.numel(), dtype=dtype, device=device)
+            self.full = torch.empty(self.numel(), dtype=dtype, device=device)
         return self.full.view(self.dp, self.width)
 
     def free(self) -> None:
         self.full = None
-        for u in self.units:
-            u.grad_full = None
 
 
 def plan_grad_buckets(sizes: list[int], alone: list[bool], bucket_numel: int) -> list[list[int]]:
@@ -134,10 +132,9 @@ class Stage3Grads:
                 p.grad = None
 
     def _slot(self, u: Unit) -> torch.Tensor:
-        """The unit's ``dp x shard`` columns of its bucket's input (allocated on first use)."""
-        if u.grad_full is None:
-            u.grad_full = u.bucket.rows(self.grad_dtype, self.device, zero=False)
-        return u.grad_full
+        """The bucket's ``dp x width`` input, where the unit owns columns ``[column, column +
+        shard_size)``; :func:`segments` addresses them."""
+        return u.bucket.rows(self.grad_dtype, self.device)
 
     def _absorb(self, u: Unit) -> None:
         """Copy the unit's gradients into its bucket slot, applying the 1/dp of the average in
@@ -196,8 +193,8 @@ class Stage3Grads:
         for h in (o.handle for o in self.buckets if o.handle is not None):
             if h.ready():  # a finished earlier bucket frees its input now, not at the end
                 h.wait()
-        full = b.rows(self.grad_dtype, self.device, zero=True).view(-1)
-        work = self.dp.reduce_scatter(b.shard, full, async_op=async_op)
+        assert b.full is not None  # every unit was absorbed (or zeroed) into it
+        work = self.dp.reduce_scatter(b.shard, b.full, async_op=async_op)
         b.handle = Handle(work, b.free)
         if not async_op:
             b.handle.wait()

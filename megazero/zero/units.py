@@ -6,13 +6,16 @@ backward runs."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from megazero.model.init import ParamInitializer
 from megazero.zero.comm import Handle
+
+if TYPE_CHECKING:
+    from megazero.zero.stage3_grads import GradBucket
 
 
 class Unit:
@@ -40,9 +43,8 @@ class Unit:
         self.full: torch.Tensor | None = None
         self.shard = torch.empty(0)  # this rank's shard (Stage3Params sets it)
         self.gather_handle: Handle | None = None
-        self.grad_full: torch.Tensor | None = None  # its dp x shard columns of the bucket
         self.grad_shard = torch.empty(0)  # the reduced gradient shard (Stage3Params sets it)
-        self.bucket: Any = None  # the GradBucket its gradients are reduced in (stage3_grads)
+        self.bucket: GradBucket  # where its gradients are reduced (set by GradBucket)
         self.column = 0  # where its chunk starts in each row of that bucket
         self.pending: set[int] = set()
         self.filled: set[int] = set()  # indices of params copied into its bucket this step
