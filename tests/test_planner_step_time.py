@@ -158,3 +158,22 @@ def test_nongemm_work_repeats_on_tp_ranks_unless_sequence_parallel():
 def test_bubble_runs_at_the_solo_speed():
     t = terms(["--pipeline-model-parallel-size=2"], cl=cluster(solo_speedup=2.0))
     assert t["pipeline bubble"] / t["compute"] == pytest.approx(1 / 8 / 2.0, rel=1e-12)
+
+
+def test_estimate_charges_one_reduce_scatter_per_gradient_bucket():
+    from dataclasses import replace
+
+    from megazero.planner.estimate import estimate
+    from megazero.planner.shapes import meta_chunks, shape_topology
+    from megazero.zero.units import unit_param_groups
+
+    cfg = _config(BASE, ["--zero-stage=3"], 2)
+    units = sum(len(unit_param_groups(c)) for c in meta_chunks(cfg, shape_topology(cfg.layout())))
+
+    def latency(bucket: int) -> float:
+        c = replace(cfg, zero=replace(cfg.zero, reduce_bucket_size=bucket))
+        return estimate(c, cluster()).time.terms["ZeRO-3 gather latency"]
+
+    # every unit alone against the whole model in one bucket: units - 1 more calls
+    assert latency(1) - latency(10**12) == pytest.approx((units - 1) * RS[0] * 1e-6, rel=1e-9)
+    assert units > 5

@@ -19,7 +19,9 @@ from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, make_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.stage3_grads import plan_grad_buckets
+from megazero.zero.comm import Handle
+from megazero.zero.stage3_grads import Stage3Grads, plan_grad_buckets
+from megazero.zero.units import Unit
 
 VOCAB, HIDDEN, BATCH, SEQ = 96, 24, 4, 12
 
@@ -79,6 +81,8 @@ def _buckets_world(rank, world_size, settings):
         rows.append(dict(
             bucket=bucket, overlap=overlap, calls=calls, buckets=len(store.buckets),
             units=len(store.units), sizes=[b.numel() for b in store.buckets],
+            unit_sizes=[u.padded for u in store.units],
+            firsts=[b.units[0].index for b in store.buckets],
             errs={n: (grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads},
             max_err=max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
             unused_zero=all(grads[n].eq(0).all().item() for n in grads if ".unused." in n),
@@ -101,8 +105,11 @@ def test_one_reduce_scatter_per_bucket(rows):
     assert by[(1, False)]["buckets"] == by[(1, False)]["units"]  # every unit alone
     assert by[(10**9, True)]["buckets"] == 1  # the whole model in one collective
     few = by[(3000, True)]
-    assert 1 < few["buckets"] < few["units"]
-    assert max(few["sizes"]) <= 3000 or len(few["sizes"]) == few["units"]
+    assert few["buckets"] == 3 and few["units"] == 9  # the layout the test is built for
+    # greedy and in order: each bucket within the cap, and the next unit would not have fit
+    assert sum(few["sizes"]) == sum(few["unit_sizes"]) and max(few["sizes"]) <= 3000
+    for size, nxt in zip(few["sizes"], few["firsts"][1:]):
+        assert size + few["unit_sizes"][nxt] > 3000, few
 
 
 def test_bucketed_gradients_equal_the_single_process_gradient(rows):
@@ -114,3 +121,46 @@ def test_bucketed_gradients_equal_the_single_process_gradient(rows):
         for r in rank_rows[1:]:  # the sums do not depend on how units are grouped
             for n, g in first.items():
                 assert (g == r["grads"][n]).all(), (r["bucket"], r["overlap"], n)
+
+
+class _Finished:
+    """A collective that has already completed."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        pass
+
+
+class _Dp:
+    size, rank = 2, 0
+
+    def reduce_scatter(self, out, inp, async_op=False):
+        out.copy_(inp.view(2, -1)[0])
+        return Handle(_Finished())
+
+
+class _Grads(Stage3Grads):
+    def _release(self, u):
+        pass
+
+
+def test_a_finished_bucket_frees_its_input_at_the_next_launch():
+    params = [nn.Parameter(torch.ones(4)) for _ in range(3)]
+    g = _Grads()
+    g.units = [Unit(i, [p], 2, 0, False, None) for i, p in enumerate(params)]
+    g.unit_of_param = {id(p): u for p, u in zip(params, g.units)}
+    g.dp, g.grad_dtype, g.device, g.overlap = _Dp(), torch.float32, torch.device("cpu"), True
+    g._build_grad_buckets(4)  # one unit per bucket
+    g.zero_grad()
+    held = []
+    for p in reversed(params):  # the backward's order
+        p.grad = torch.full_like(p, 2.0)
+        g.grad_ready(p)
+        held.append([b.full is not None for b in g.buckets])
+    # each launch frees the earlier, finished bucket; the newest stays until it is polled
+    assert held == [[False, False, True], [False, True, False], [True, False, False]]
+    g.wait()
+    assert all(b.full is None for b in g.buckets)
+    assert all(torch.equal(u.grad_shard, torch.ones(2)) for u in g.units)  # 2.0 / dp
