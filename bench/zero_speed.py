@@ -18,16 +18,22 @@ communication: the same per-process work and the same competition for cores as a
 rank, i.e. the limit a rank can reach on this machine. DeepSpeed 0.19.8 runs the same model
 (megazero's GPTModel, tp = 1) and the same settings when ``MEGAZERO_DEEPSPEED_PYTHON`` names a
 Python with DeepSpeed installed (each case a 2-process torchrun launch); otherwise its column
-says so. Rounds alternate plain loop, megazero (cases rotated) and DeepSpeed, so machine-load
-drift hits every side alike. Reported: median and minimum ms/step of rank 0 (the minimum is the
-least-disturbed step when other jobs share the machine), and the median of each launch (each
-case and round is one launch whose steps share its machine state: the launches, not the steps,
-are the independent samples, and a few slow launches can decide a row's median).
+says so.
+
+The load of a shared machine drifts over seconds (runs of slow steps, forward passes 30-40%
+slower for a while), so with the entry driver every case is measured as a triplet of adjacent
+launches: the plain loop (followed by the collectives), the megazero launch in the middle, and
+DeepSpeed; the triplet runs forwards in one round and backwards in the next, and the cases
+rotate. A case's floor is the plain loop and the collectives measured next to it, i.e. in the
+same minutes; the ``plain`` row pools every plain launch. Reported: median [min-max] ms/step of
+rank 0 and the median of each launch (its steps share that launch's machine state: the
+launches, not the steps, are the independent samples, and a few slow launches can decide a
+row's median).
 
 ZeRO settings: ``overlap_comm`` on, ``reduce_bucket_size`` 1e6 (four buckets for this 4.2M model),
 other keys at DeepSpeed defaults.
 
-    python bench/zero_speed.py [--driver entry|engine] [--rounds 3] [--steps 5] [--warmup 2]
+    python bench/zero_speed.py [--driver entry|engine] [--rounds 6] [--steps 6] [--warmup 2]
 
 Prints the table and writes bench/results/zero_speed.json.
 """
@@ -145,6 +151,8 @@ def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: in
     if collectives:
         numel = sum(p.numel() for p in GPTModel(cfg, topo).parameters())
         times.update(collective_times(topo, numel, rounds * steps))
+        if "plain" in fns:
+            times.update(floor_loop_times(topo, fns["plain"], batch, numel, rounds * steps))
     dist.barrier()
     return times
 
@@ -194,6 +202,60 @@ def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, li
             t0 = time.perf_counter()
             f()
             out[f"coll:{k}"].append(1000 * (time.perf_counter() - t0))
+    return out
+
+
+#: The minimal collectives of each stage, in the order a step issues them.
+FLOOR_PATTERNS = {"0": ("all_reduce",), "1-2": ("reduce_scatter", "all_gather"),
+                  "3": ("all_gather", "all_gather", "reduce_scatter")}
+
+
+def floor_pattern(stage: int) -> str:
+    return "0" if stage == 0 else "3" if stage == 3 else "1-2"
+
+
+def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch: Any,
+                     numel: int, n: int) -> dict[str, list[float]]:
+    """ms per iteration of the plain loop followed, in the same iteration, by each stage's
+    minimal collectives (:data:`FLOOR_PATTERNS`, buckets as in :func:`collective_times`, the
+    reduce-scatter as megazero issues it on this backend), with no barrier in between: the
+    simplest synchronous data-parallel loop. Unlike the sum of separately measured medians it
+    includes what every synchronous step pays and a barrier hides: the ranks arrive at the
+    collective at different times (the median of the sum is not the sum of the medians)."""
+    from megazero.collectives import backend_of, reduce_scatter, reduce_scatter_impl
+
+    impl = reduce_scatter_impl("auto", backend_of(topo.dp_group))
+    sizes = [min(BUCKET, numel - lo) for lo in range(0, numel, BUCKET)]
+    sizes = [-(-k // DP) * DP for k in sizes]
+    bufs = [torch.randn(k) for k in sizes]
+    outs = [torch.empty(k // DP) for k in sizes]
+
+    def run(op: str) -> None:
+        if op == "all_reduce":
+            works = [dist.all_reduce(b, group=topo.dp_group, async_op=True) for b in bufs]
+            for w in works:
+                w.wait()
+        elif op == "reduce_scatter":
+            issued = [reduce_scatter(o, b, topo.dp_group, impl, async_op=True)
+                      for o, b in zip(outs, bufs)]
+            for x in issued:
+                x.wait()
+        else:
+            works = [all_gather_into_tensor(b, o, group=topo.dp_group, async_op=True)
+                     for o, b in zip(outs, bufs)]
+            for w in works:
+                w.wait()
+
+    out: dict[str, list[float]] = {f"floor:{k}": [] for k in FLOOR_PATTERNS}
+    dist.barrier()
+    for i in range(n + 1):  # the first round warms the pattern up
+        for k, ops in FLOOR_PATTERNS.items():
+            t0 = time.perf_counter()
+            step(batch)
+            for op in ops:
+                run(op)
+            if i:
+                out[f"floor:{k}"].append(1000 * (time.perf_counter() - t0))
     return out
 
 
@@ -387,8 +449,8 @@ def _add(acc: dict[str, Any], name: str, value: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--driver", choices=("entry", "engine"), default="entry")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=5, help="measured steps per case and round")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="measured steps per case and round")
     ap.add_argument("--warmup", type=int, default=2,
                     help="entry driver: iterations skipped per launch")
     ap.add_argument("--cases", default=",".join(n for n, c in CASES if c is not None),
@@ -403,30 +465,46 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(n, c) for n, c in CASES if c is None or n in wanted]
     zero_cases = [(n, c) for n, c in cases if c is not None]
     times: dict[str, list[float]] = {name: [] for name, _ in cases}
+    # per case: the plain loop and collectives measured next to it (entry driver)
+    local: dict[str, dict[str, list[float]]] = {name: {} for name, _ in zero_cases}
     phases: dict[str, dict[str, list[float]]] = {}
     launch_s: dict[str, list[float]] = {}
     commands: dict[str, Any] = {}
     raw: dict[str, list[float] | str] = {}
     t_start = time.perf_counter()
+
+    def plain_launch(tuned: bool = True, collectives: bool = True) -> dict[str, list[float]]:
+        return run_distributed(_speed_world, DP, 1, args.steps, 0, ("plain",), tuned,
+                               collectives, timeout=1800)[0]
+
     for r in range(args.rounds):
-        names = ("plain",) if args.driver == "entry" else None
-        got = run_distributed(_speed_world, DP, 1, args.steps, r, names, timeout=1800)[0]
-        for k, v in got.items():
-            times.setdefault(k, []).extend(v)
-        got = run_distributed(_speed_world, DP, 1, args.steps, r, ("plain",), False, False,
-                              timeout=1800)[0]
-        times.setdefault(UNTUNED, []).extend(got["plain"])
-        if args.driver == "entry":
+        times.setdefault(UNTUNED, []).extend(plain_launch(False, False)["plain"])
+        if args.driver == "engine":
+            got = run_distributed(_speed_world, DP, 1, args.steps, r, None, timeout=1800)[0]
+            for k, v in got.items():
+                times.setdefault(k, []).extend(v)
+            if ds_python:
+                for k, v in run_deepspeed(ds_python, args.steps, zero_cases).items():
+                    _add(raw, k, v)
+        else:
             k = r % len(zero_cases)
             for i, (name, case) in enumerate(zero_cases[k:] + zero_cases[:k]):
-                res = run_entry(name, case, args.steps, args.warmup, 29600 + i)
-                times[name] += res["ms"]
-                launch_s.setdefault(name, []).append(res["launch_s"])
-                for ph, v in res["phases"].items():
-                    phases.setdefault(name, {}).setdefault(ph, []).extend(v)
-        if ds_python:
-            for k, v in run_deepspeed(ds_python, args.steps, zero_cases).items():
-                _add(raw, k, v)
+                sides = ["plain", "megazero", "deepspeed"]
+                for side in sides if (r + i) % 2 == 0 else sides[::-1]:
+                    if side == "plain":
+                        for key, v in plain_launch().items():
+                            times.setdefault(key, []).extend(v)
+                            local[name].setdefault(key, []).extend(v)
+                    elif side == "megazero":
+                        res = run_entry(name, case, args.steps, args.warmup, 29600 + i)
+                        times[name] += res["ms"]
+                        launch_s.setdefault(name, []).append(res["launch_s"])
+                        for ph, v in res["phases"].items():
+                            phases.setdefault(name, {}).setdefault(ph, []).extend(v)
+                    elif ds_python:
+                        for key, v in run_deepspeed(ds_python, args.steps,
+                                                    [(name, case)]).items():
+                            _add(raw, key, v)
         print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f}s)",
               flush=True)
     if args.driver == "entry":
@@ -451,9 +529,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT 4.2M (V4096 h256 L4 a4 s128 mb{MBS}) fp32 AdamW clip 1.0, dp {DP} on gloo, "
           f"megazero via {args.driver}, median of {args.rounds}x{args.steps} steps "
           "[min-max]; floor = plain loop (both ranks at once) + the stage's minimal "
-          "collectives")
-    print(f"{'case':>10} {'megazero':>22} {'floor':>7} {'vs floor':>8} "
-          f"{'DeepSpeed':>22} {'vs DS':>6}")
+          "collectives" + (", both measured next to the case" if args.driver == "entry"
+                           else "") + "; loop = the plain loop issuing those collectives "
+          "itself, timed as one loop (includes the ranks' skew at the collective)")
+    print(f"{'case':>10} {'megazero':>22} {'floor':>7} {'vs floor':>8} {'loop':>7} "
+          f"{'vs loop':>6} {'DeepSpeed':>22} {'vs DS':>6}")
     rows = []
     for name, case in cases:
         d = ds.get(name, "n/a" if name == "plain" else
@@ -462,15 +542,28 @@ def main(argv: list[str] | None = None) -> None:
         lo, hi = spread[name]
         d_txt = (f"{d:7.1f} [{ds_low[name]:5.1f}-{max(raw[name]):5.1f}] {vs_ds:6.3f}"
                  if isinstance(d, float) else f" {str(d)[:40]}")
+        near = local.get(name) or {}
+        near_plain = statistics.median(near["plain"]) if near.get("plain") else plain
+        near_coll = ({k[5:]: statistics.median(v) for k, v in near.items()
+                      if k.startswith("coll:")} or coll)
+        loop_key = None if case is None else f"floor:{floor_pattern(case['stage'])}"
+        loop_src = near if near.get(str(loop_key)) else times
+        loop_fl = (statistics.median(loop_src[loop_key])
+                   if loop_key is not None and loop_src.get(loop_key) else None)
         if case is None:
             fl, fl_ops = plain, "none"
         else:
-            fl, fl_ops = floor_ms(plain, coll, case["stage"])
+            fl, fl_ops = floor_ms(near_plain, near_coll, case["stage"])
+        loop_txt = (f"{loop_fl:7.1f} {med[name] / loop_fl:6.3f}" if loop_fl is not None
+                    else f"{'':7} {'':6}")
         print(f"{name:>10} {med[name]:7.1f} [{lo:5.1f}-{hi:5.1f}] {fl:7.1f} "
-              f"{med[name] / fl:8.3f} {d_txt}")
+              f"{med[name] / fl:8.3f} {loop_txt} {d_txt}")
         row = dict(case=name, ms_per_step=med[name], ratio_to_plain=med[name] / plain,
                    min_ms=lo, max_ms=hi, floor_ms=fl, floor_collectives=fl_ops,
-                   ratio_to_floor=med[name] / fl,
+                   ratio_to_floor=med[name] / fl, floor_plain_ms=near_plain,
+                   loop_floor_ms=loop_fl,
+                   ratio_to_loop_floor=med[name] / loop_fl if loop_fl else None,
+                   floor_collectives_ms=near_coll,
                    deepspeed_ms_per_step=d, deepspeed_min_ms=ds_low.get(name),
                    deepspeed_max_ms=max(raw[name]) if isinstance(raw.get(name), list) else None,
                    ratio_to_deepspeed=vs_ds, samples=times[name],
@@ -480,6 +573,8 @@ def main(argv: list[str] | None = None) -> None:
         # these are the independent samples; their medians show whether a row was decided
         # by a few slow launches rather than by the code.
         row["launch_medians_ms"] = launch_medians(times[name], args.steps)
+        if near.get("plain"):
+            row["floor_plain_launch_medians_ms"] = launch_medians(near["plain"], args.steps)
         if isinstance(raw.get(name), list):
             row["deepspeed_launch_medians_ms"] = launch_medians(raw[name], args.steps)
         if name in phases:
