@@ -161,17 +161,22 @@ BUCKET = int(ZERO_COMMON["reduce_bucket_size"])
 UNTUNED = "plain, glibc malloc defaults"
 
 
+def bucket_buffers(numel: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``numel`` elements cut into buckets of ``reduce_bucket_size`` padded to a multiple of dp,
+    as the engine cuts its flat buffer: each bucket and its 1/dp shard."""
+    sizes = [min(BUCKET, numel - lo) for lo in range(0, numel, BUCKET)]
+    sizes = [-(-k // DP) * DP for k in sizes]
+    return [torch.randn(k) for k in sizes], [torch.empty(k // DP) for k in sizes]
+
+
 def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, list[float]]:
     """ms per step of each collective the stages need, over the model's fp32 parameter count in
     buckets of ``reduce_bucket_size`` all in flight at once (as the engine issues them):
     ``all_reduce`` (stage 0; also a reduce-scatter that keeps its own half), ``reduce_scatter``
     (the backend's own), ``reduce_scatter_a2a`` (all-to-all + local sum, what megazero uses on
     gloo), ``all_gather``. Rounds alternate the collectives."""
-    sizes = [min(BUCKET, numel - lo) for lo in range(0, numel, BUCKET)]
-    sizes = [-(-k // DP) * DP for k in sizes]
-    bufs = [torch.randn(k) for k in sizes]
-    outs = [torch.empty(k // DP) for k in sizes]
-    recv = [torch.empty(k) for k in sizes]
+    bufs, outs = bucket_buffers(numel)
+    recv = [torch.empty_like(b) for b in bufs]
 
     def all_reduce() -> None:
         for w in [dist.all_reduce(b, async_op=True) for b in bufs]:
@@ -225,10 +230,7 @@ def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch
     from megazero.collectives import backend_of, reduce_scatter, reduce_scatter_impl
 
     impl = reduce_scatter_impl("auto", backend_of(topo.dp_group))
-    sizes = [min(BUCKET, numel - lo) for lo in range(0, numel, BUCKET)]
-    sizes = [-(-k // DP) * DP for k in sizes]
-    bufs = [torch.randn(k) for k in sizes]
-    outs = [torch.empty(k // DP) for k in sizes]
+    bufs, outs = bucket_buffers(numel)
 
     def run(op: str) -> None:
         if op == "all_reduce":
