@@ -58,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.collectives import backend_of, reduce_scatter, reduce_scatter_impl
 from megazero.compat import all_gather_into_tensor
 from megazero.config import (
     LoggingConfig,
@@ -169,6 +170,23 @@ def bucket_buffers(numel: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [torch.randn(k) for k in sizes], [torch.empty(k // DP) for k in sizes]
 
 
+def issue_all(op: str, bufs: list[torch.Tensor], outs: list[torch.Tensor], group: Any,
+              rs_impl: str = "native") -> None:
+    """One collective over every bucket, all in flight at once (as the engine issues them),
+    then wait: ``all_reduce`` of the buckets, ``reduce_scatter`` of the buckets into their
+    shards (``rs_impl`` as in :func:`megazero.collectives.reduce_scatter`), or ``all_gather``
+    of the shards into the buckets."""
+    if op == "all_reduce":
+        works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs]
+    elif op == "reduce_scatter":
+        works = [reduce_scatter(o, b, group, rs_impl, async_op=True) for o, b in zip(outs, bufs)]
+    else:
+        works = [all_gather_into_tensor(b, o, group=group, async_op=True)
+                 for o, b in zip(outs, bufs)]
+    for w in works:
+        w.wait()
+
+
 def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, list[float]]:
     """ms per step of each collective the stages need, over the model's fp32 parameter count in
     buckets of ``reduce_bucket_size`` all in flight at once (as the engine issues them):
@@ -176,28 +194,12 @@ def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, li
     (the backend's own), ``reduce_scatter_a2a`` (all-to-all + local sum, what megazero uses on
     gloo), ``all_gather``. Rounds alternate the collectives."""
     bufs, outs = bucket_buffers(numel)
-    recv = [torch.empty_like(b) for b in bufs]
-
-    def all_reduce() -> None:
-        for w in [dist.all_reduce(b, async_op=True) for b in bufs]:
-            w.wait()
-
-    def reduce_scatter() -> None:
-        for w in [dist.reduce_scatter_single(o, b, async_op=True) for o, b in zip(outs, bufs)]:
-            w.wait()
-
-    def reduce_scatter_a2a() -> None:
-        works = [dist.all_to_all_single(r, b, async_op=True) for r, b in zip(recv, bufs)]
-        for w, r, o in zip(works, recv, outs):
-            w.wait()
-            torch.sum(r.view(DP, -1), dim=0, out=o)
-
-    def all_gather() -> None:
-        for w in [all_gather_into_tensor(b, o, async_op=True) for o, b in zip(outs, bufs)]:
-            w.wait()
-
-    fns = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter,
-           "reduce_scatter_a2a": reduce_scatter_a2a, "all_gather": all_gather}
+    g = topo.dp_group
+    fns = {"all_reduce": lambda: issue_all("all_reduce", bufs, outs, g),
+           "reduce_scatter": lambda: issue_all("reduce_scatter", bufs, outs, g, "native"),
+           "reduce_scatter_a2a": lambda: issue_all("reduce_scatter", bufs, outs, g,
+                                                   "all_to_all"),
+           "all_gather": lambda: issue_all("all_gather", bufs, outs, g)}
     out: dict[str, list[float]] = {f"coll:{k}": [] for k in fns}
     for f in fns.values():  # warm-up
         f()
@@ -227,27 +229,8 @@ def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch
     simplest synchronous data-parallel loop. Unlike the sum of separately measured medians it
     includes what every synchronous step pays and a barrier hides: the ranks arrive at the
     collective at different times (the median of the sum is not the sum of the medians)."""
-    from megazero.collectives import backend_of, reduce_scatter, reduce_scatter_impl
-
     impl = reduce_scatter_impl("auto", backend_of(topo.dp_group))
     bufs, outs = bucket_buffers(numel)
-
-    def run(op: str) -> None:
-        if op == "all_reduce":
-            works = [dist.all_reduce(b, group=topo.dp_group, async_op=True) for b in bufs]
-            for w in works:
-                w.wait()
-        elif op == "reduce_scatter":
-            issued = [reduce_scatter(o, b, topo.dp_group, impl, async_op=True)
-                      for o, b in zip(outs, bufs)]
-            for x in issued:
-                x.wait()
-        else:
-            works = [all_gather_into_tensor(b, o, group=topo.dp_group, async_op=True)
-                     for o, b in zip(outs, bufs)]
-            for w in works:
-                w.wait()
-
     out: dict[str, list[float]] = {f"floor:{k}": [] for k in FLOOR_PATTERNS}
     dist.barrier()
     for i in range(n + 1):  # the first round warms the pattern up
@@ -255,7 +238,7 @@ def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch
             t0 = time.perf_counter()
             step(batch)
             for op in ops:
-                run(op)
+                issue_all(op, bufs, outs, topo.dp_group, impl)
             if i:
                 out[f"floor:{k}"].append(1000 * (time.perf_counter() - t0))
     return out
