@@ -177,3 +177,28 @@ def test_estimate_charges_one_reduce_scatter_per_gradient_bucket():
     # every unit alone against the whole model in one bucket: units - 1 more calls
     assert latency(1) - latency(10**12) == pytest.approx((units - 1) * RS[0] * 1e-6, rel=1e-9)
     assert units > 5
+
+
+def test_estimate_gathers_only_the_units_at_or_above_the_persistence_threshold():
+    from dataclasses import replace
+
+    from megazero.planner.estimate import estimate
+    from megazero.planner.shapes import meta_chunks, shape_topology
+    from megazero.zero.units import unit_param_groups
+
+    cfg = _config(BASE, ["--zero-stage=3"], 2)
+    mb = 16 // (B * cfg.layout().dp)
+    sizes = [sum(p.numel() for p in ps) for c in meta_chunks(cfg, shape_topology(cfg.layout()))
+             for ps, _ in unit_param_groups(c)]
+    threshold = H * H  # the LayerNorms and biases stay (persistent), the GEMM weights gather
+
+    def latency(t: int) -> float:
+        c = replace(cfg, zero=replace(cfg.zero, stage3_param_persistence_threshold=t,
+                                      reduce_bucket_size=10**12))
+        return estimate(c, cluster()).time.terms["ZeRO-3 gather latency"]
+
+    gathered = sum(n >= threshold for n in sizes)
+    assert 0 < gathered < len(sizes)
+    per_unit = mb * 2 * AG[0] * 1e-6  # a gather in forward and in backward per micro-batch
+    assert latency(threshold) - latency(10**12) == pytest.approx(gathered * per_unit, rel=1e-9)
+    assert latency(0) - latency(10**12) == pytest.approx(len(sizes) * per_unit, rel=1e-9)
