@@ -75,6 +75,7 @@ from megazero.testing import run_distributed
 from megazero.testing.reference import torch_adamw
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
+from megazero.zero.comm import CommLog, GroupComm
 
 MBS, DP = 4, 2
 OPT = OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=1.0)
@@ -187,19 +188,47 @@ def issue_all(op: str, bufs: list[torch.Tensor], outs: list[torch.Tensor], group
         w.wait()
 
 
+SharedBuckets = tuple[GroupComm, list[torch.Tensor]]
+
+
+def shared_buckets(topo: ParallelTopology, numel: int) -> SharedBuckets | None:
+    """The engine's stage-0 all-reduce through shared memory (``None`` where the group cannot
+    use it): a data-parallel :class:`GroupComm`'s reduce buffer cut into the buckets of
+    :func:`bucket_buffers`."""
+    comm = GroupComm(topo.dp_group, "dp", CommLog())
+    sizes = [b.numel() for b in bucket_buffers(numel)[0]]
+    flat = comm.reduce_buffer(sum(sizes), torch.float32, torch.device("cpu"))
+    if not comm.is_shared(flat):
+        return None
+    flat.copy_(torch.randn(flat.numel()))
+    return comm, list(flat.split(sizes))
+
+
+def shared_all_reduce(shm: SharedBuckets) -> None:
+    """Every bucket issued as the engine issues them (averaged), then waited for."""
+    comm, views = shm
+    works = [comm.all_reduce(v, async_op=True, average=True) for v in views]
+    for w in works:
+        w.wait()
+
+
 def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, list[float]]:
     """ms per step of each collective the stages need, over the model's fp32 parameter count in
     buckets of ``reduce_bucket_size`` all in flight at once (as the engine issues them):
     ``all_reduce`` (stage 0; also a reduce-scatter that keeps its own half), ``reduce_scatter``
     (the backend's own), ``reduce_scatter_a2a`` (all-to-all + local sum, what megazero uses on
-    gloo), ``all_gather``. Rounds alternate the collectives."""
+    gloo), ``all_gather``, and ``all_reduce_shm`` (megazero's all-reduce through shared
+    memory, stage 0's on one host). Rounds alternate the collectives."""
     bufs, outs = bucket_buffers(numel)
     g = topo.dp_group
+    shm = shared_buckets(topo, numel)
     fns = {"all_reduce": lambda: issue_all("all_reduce", bufs, outs, g),
            "reduce_scatter": lambda: issue_all("reduce_scatter", bufs, outs, g, "native"),
            "reduce_scatter_a2a": lambda: issue_all("reduce_scatter", bufs, outs, g,
                                                    "all_to_all"),
            "all_gather": lambda: issue_all("all_gather", bufs, outs, g)}
+    if shm is not None:
+        fns["all_reduce_shm"] = lambda: shared_all_reduce(shm)
     out: dict[str, list[float]] = {f"coll:{k}": [] for k in fns}
     for f in fns.values():  # warm-up
         f()
@@ -228,9 +257,11 @@ def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch
     reduce-scatter as megazero issues it on this backend), with no barrier in between: the
     simplest synchronous data-parallel loop. Unlike the sum of separately measured medians it
     includes what every synchronous step pays and a barrier hides: the ranks arrive at the
-    collective at different times (the median of the sum is not the sum of the medians)."""
+    collective at different times (the median of the sum is not the sum of the medians).
+    Stage 0's all-reduce goes through shared memory where the engine's does."""
     impl = reduce_scatter_impl("auto", backend_of(topo.dp_group))
     bufs, outs = bucket_buffers(numel)
+    shm = shared_buckets(topo, numel)
     out: dict[str, list[float]] = {f"floor:{k}": [] for k in FLOOR_PATTERNS}
     dist.barrier()
     for i in range(n + 1):  # the first round warms the pattern up
@@ -238,20 +269,25 @@ def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch
             t0 = time.perf_counter()
             step(batch)
             for op in ops:
-                issue_all(op, bufs, outs, topo.dp_group, impl)
+                if op == "all_reduce" and shm is not None:
+                    shared_all_reduce(shm)
+                else:
+                    issue_all(op, bufs, outs, topo.dp_group, impl)
             if i:
                 out[f"floor:{k}"].append(1000 * (time.perf_counter() - t0))
     return out
 
 
 def floor_ms(plain: float, coll: dict[str, float], stage: int) -> tuple[float, str]:
-    """Compute + the stage's minimal collectives (the fastest way this backend offers for each):
-    stage 0 one all-reduce; 1 and 2 a reduce-scatter (or an all-reduce keeping one's half) and
-    an all-gather of the parameters; 3 that plus a second all-gather (forward and backward)."""
+    """Compute + the stage's minimal collectives (the fastest way this machine offers for each):
+    stage 0 one all-reduce (gloo's, or megazero's through shared memory); 1 and 2 a
+    reduce-scatter (or an all-reduce keeping one's half) and an all-gather of the parameters; 3
+    that plus a second all-gather (forward and backward)."""
     rs = min(coll["reduce_scatter"], coll["reduce_scatter_a2a"], coll["all_reduce"])
     ag = coll["all_gather"]
     if stage == 0:
-        return plain + coll["all_reduce"], "all_reduce"
+        ar = min(("all_reduce", "all_reduce_shm"), key=lambda k: coll.get(k, float("inf")))
+        return plain + coll[ar], ar
     if stage in (1, 2):
         return plain + rs + ag, "reduce_scatter + all_gather"
     return plain + rs + 2 * ag, "reduce_scatter + 2 all_gather"

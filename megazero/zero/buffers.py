@@ -98,7 +98,9 @@ class GradBuffer:
                 view.copy_(s.param.data)
                 s.param.data = view
                 self.slot_of[id(s.param)] = (b, s)
-        self.grad_flat = (torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        all_reduced = stage == 0 or (stage == 1 and not reduce_scatter)
+        self.grad_flat = (dp.reduce_buffer(self.numel, grad_dtype, device) if all_reduced
+                          else torch.zeros(self.numel, dtype=grad_dtype, device=device)
                           if stage < 2 else None)
         shard_total = sum(b.numel // dp.size for b in self.buckets)
         self.shard_grad_flat = (torch.zeros(shard_total, dtype=grad_dtype, device=device)
@@ -163,7 +165,9 @@ class GradBuffer:
         self._absorb(b, s)
         b.pending.discard(id(param))
         if not b.pending and b.kind is None:
-            self._launch(b, async_op=self.overlap)
+            # A shared-memory all-reduce is deferred to the wait either way: issuing it
+            # blocking here would stall backward at every bucket for the slowest rank.
+            self._launch(b, async_op=self.overlap or self._shared(b))
 
     def _absorb(self, b: Bucket, s: Slot) -> None:
         """Move ``param.grad`` into the bucket unless it already lives there."""
@@ -186,18 +190,21 @@ class GradBuffer:
         s.param.grad = None
 
     def _launch(self, b: Bucket, async_op: bool) -> None:
-        """Average the bucket over data-parallel ranks (pre-divided, then summed)."""
+        """Average the bucket over data-parallel ranks: summed, then divided (the all-reduce
+        does the division, before its sum or after it); slots copied in were divided then."""
         b.launched = True
+        average = False  # whether the sum still has to be divided by dp
         if b.grad is None:
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
         elif self.view_mode:
-            if self.dp.size > 1:
-                b.grad.div_(self.dp.size)
+            average = True
         else:  # copy mode: absorbed slots are already divided
             self._zero_unfilled(b)
         if self.stage == 0 or (self.stage == 1 and not self.reduce_scatter):
-            b.handle = self.dp.all_reduce(b.grad, async_op=async_op)
+            b.handle = self.dp.all_reduce(b.grad, async_op=async_op, average=average)
         elif self.stage == 1:
+            if average and self.dp.size > 1:
+                b.grad.div_(self.dp.size)  # pre-divided, then summed
             out = torch.empty(b.own_hi - b.own_lo, dtype=b.grad.dtype, device=b.grad.device)
             h = self.dp.reduce_scatter(out, b.grad, async_op=async_op)
             b.handle = Handle(h, lambda: b.full_grad()[b.own_lo:b.own_hi].copy_(out))
@@ -212,6 +219,9 @@ class GradBuffer:
             b.handle = Handle(h, lambda: setattr(b, "grad", None))
         if not async_op:
             b.handle.wait()
+
+    def _shared(self, b: Bucket) -> bool:
+        return b.grad is not None and self.dp.is_shared(b.grad)
 
     def _zero_unfilled(self, b: Bucket) -> None:
         """Zero what no gradient was copied into (unused parameters, padding)."""
@@ -232,7 +242,7 @@ class GradBuffer:
                 if id(s.param) in b.pending:
                     self._absorb(b, s)
             b.pending.clear()
-            self._launch(b, async_op=self.overlap)
+            self._launch(b, async_op=self.overlap or self._shared(b))
 
     def wait(self) -> None:
         for b in self.buckets:

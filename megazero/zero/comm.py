@@ -12,12 +12,18 @@ numbers per call:
 
 Which implementation a backend gets is decided in :mod:`megazero.collectives` (by backend name
 and torch version); ``reduce_scatter_impl`` forces one for testing and benchmarks.
+
+All-reduces of buffers made by :meth:`GroupComm.reduce_buffer` go through shared memory when
+every rank of a gloo group runs on this host (:mod:`megazero.shm_all_reduce`): issuing one only
+records its range, and the first wait reduces every recorded range in one pass between two
+barriers. ``all_reduce_impl`` (``auto``, ``backend``, ``shared_memory``) forces a choice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from megazero import collectives
+from megazero.errors import ConfigError
+from megazero.shm_all_reduce import ALL_REDUCE_IMPLS, SharedSlots, merge_ranges, shared_host_group
 
 
 @dataclass
@@ -107,7 +115,7 @@ class GroupComm:
     """
 
     def __init__(self, group: Any, name: str, log: CommLog,
-                 reduce_scatter_impl: str = "auto") -> None:
+                 reduce_scatter_impl: str = "auto", all_reduce_impl: str = "auto") -> None:
         self.group = group
         self.name = name
         self.log = log
@@ -118,6 +126,39 @@ class GroupComm:
         self.rs_impl = collectives.reduce_scatter_impl(reduce_scatter_impl, backend)
         self.inplace_all_gather = collectives.all_gather_accepts_view(backend)
         self.timers: Any = None  # a megazero.monitor.Timers when wall_clock_breakdown is on
+        if all_reduce_impl not in ALL_REDUCE_IMPLS:
+            raise ConfigError(f"all_reduce_impl {all_reduce_impl!r}: expected one of "
+                              f"{', '.join(ALL_REDUCE_IMPLS)}")
+        self.all_reduce_impl = all_reduce_impl
+        self._backend = backend
+        self._shared_host: tuple[bool, str] | None = None  # decided on the first reduce_buffer
+        self._segments: list[SharedSlots] = []
+        self._pending: dict[int, list[tuple[int, int, bool]]] = {}  # segment index -> ranges
+        self.flushes = 0
+
+    def reduce_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed flat buffer to be all-reduced (in pieces, with :meth:`all_reduce`): this
+        rank's slot of a shared-memory segment when the group can use one, else an ordinary
+        tensor. Collective over the group (every rank makes the same buffers in order)."""
+        if (self.size == 1 or numel == 0 or self.all_reduce_impl == "backend"
+                or device.type != "cpu"):
+            return torch.zeros(numel, dtype=dtype, device=device)
+        if self._shared_host is None:
+            self._shared_host = shared_host_group(self.group, self._backend)
+        ok, reason = self._shared_host
+        seg = None
+        if ok:
+            seg, reason = SharedSlots.create(self.group, numel, dtype)
+        if seg is None:
+            if self.all_reduce_impl == "shared_memory":
+                raise ConfigError(f"all_reduce_impl 'shared_memory' for the {self.name} group: "
+                                  f"{reason}; use 'auto' to fall back to the backend")
+            if ok and self.rank == 0:  # the group qualifies, the segment did not fit
+                warnings.warn(f"{self.name} all-reduce uses {self._backend}, not shared "
+                              f"memory: {reason}", stacklevel=2)
+            return torch.zeros(numel, dtype=dtype, device=device)
+        self._segments.append(seg)
+        return seg.local
 
     def _label(self, op: str) -> str:
         return f"comm {self.name}/{op}"
@@ -155,15 +196,47 @@ class GroupComm:
         return (self.size - 1) / self.size
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False, op: Any = None,
-                   what: str = "all_reduce") -> Handle:
+                   what: str = "all_reduce", average: bool = False) -> Handle:
+        """Sum ``t`` over the group (``op``: another reduction), then divide by the group's
+        size when ``average``. A piece of a :meth:`reduce_buffer` in shared memory is only
+        recorded when ``async_op``: the first wait reduces every recorded piece."""
         if self.size == 1:
             return Handle()
         b = t.numel() * t.element_size()
         self.log.record(self.name, what, 2 * self._frac() * b, what, 2 * self._frac() * b)
+        shared = self._shared_range(t) if op is None else None
         with self._issue(what, async_op):
-            work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
-                                   async_op=async_op)
+            if shared is not None:
+                seg, lo, hi = shared
+                self._pending.setdefault(seg, []).append((lo, hi, average))
+                work: Any = _SharedPending(self)
+                if not async_op:
+                    work.wait()
+            else:
+                if average:
+                    t.div_(self.size)  # pre-divided: no pass over the summed tensor after
+                work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group,
+                                       async_op=async_op)
         return self._handle(work, what) if async_op else _done()
+
+    def is_shared(self, t: torch.Tensor) -> bool:
+        """Whether an all-reduce of ``t`` goes through shared memory (it is recorded when
+        issued and reduced at the first wait, so issuing it asynchronously overlaps nothing)."""
+        return self._shared_range(t) is not None
+
+    def _shared_range(self, t: torch.Tensor) -> tuple[int, int, int] | None:
+        for i, seg in enumerate(self._segments):
+            where = seg.owns(t)
+            if where is not None:
+                return i, where[0], where[1]
+        return None
+
+    def flush_shared(self) -> None:
+        """Reduce every recorded shared-memory piece (in order of segment, then offset)."""
+        pending, self._pending = self._pending, {}
+        self.flushes += 1
+        for i in sorted(pending):
+            self._segments[i].reduce(merge_ranges(pending[i]))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
                        async_op: bool = False) -> Handle:
@@ -219,6 +292,21 @@ class GroupComm:
         if not async_op:
             h.wait()
         return h
+
+
+class _SharedPending:
+    """The work of a shared-memory all-reduce: done once its group has flushed."""
+
+    def __init__(self, comm: GroupComm) -> None:
+        self.comm = comm
+        self.flushes = comm.flushes
+
+    def ready(self) -> bool:
+        return self.comm.flushes > self.flushes
+
+    def wait(self) -> None:
+        if not self.ready():
+            self.comm.flush_shared()
 
 
 class _Many:
