@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.collectives import backend_of, reduce_scatter, reduce_scatter_impl
+from megazero.collectives import reduce_scatter
 from megazero.compat import all_gather_into_tensor
 from megazero.config import (
     LoggingConfig,
@@ -154,7 +154,10 @@ def _speed_world(rank: int, world_size: int, rounds: int, steps: int, rotate: in
         numel = sum(p.numel() for p in GPTModel(cfg, topo).parameters())
         times.update(collective_times(topo, numel, rounds * steps))
         if "plain" in fns:
-            times.update(floor_loop_times(topo, fns["plain"], batch, numel, rounds * steps))
+            coll = {k[5:]: statistics.median(v) for k, v in times.items()
+                    if k.startswith("coll:")}
+            times.update(floor_loop_times(topo, fns["plain"], batch, numel, rounds * steps,
+                                          coll))
     dist.barrier()
     return times
 
@@ -192,22 +195,29 @@ SharedBuckets = tuple[GroupComm, list[torch.Tensor]]
 
 
 def shared_buckets(topo: ParallelTopology, numel: int) -> SharedBuckets | None:
-    """The engine's stage-0 all-reduce through shared memory (``None`` where the group cannot
-    use it): a data-parallel :class:`GroupComm`'s reduce buffer cut into the buckets of
-    :func:`bucket_buffers`."""
+    """A data-parallel :class:`GroupComm`'s shared-memory buffer cut into the buckets of
+    :func:`bucket_buffers` (``None`` where the group cannot use shared memory)."""
     comm = GroupComm(topo.dp_group, "dp", CommLog())
     sizes = [b.numel() for b in bucket_buffers(numel)[0]]
-    flat = comm.reduce_buffer(sum(sizes), torch.float32, torch.device("cpu"))
+    flat = comm.shared_buffer(sum(sizes), torch.float32, torch.device("cpu"))
     if not comm.is_shared(flat):
         return None
     flat.copy_(torch.randn(flat.numel()))
     return comm, list(flat.split(sizes))
 
 
-def shared_all_reduce(shm: SharedBuckets) -> None:
-    """Every bucket issued as the engine issues them (averaged), then waited for."""
+def issue_shared(op: str, shm: SharedBuckets) -> None:
+    """One shared-memory collective over every bucket, issued as the engine issues them, then
+    waited for (the first wait runs them all): ``all_reduce`` (averaged, stage 0),
+    ``reduce_scatter`` (averaged, in place: stage 1's gradients), ``all_gather`` (in place:
+    the parameters of stages 1-2)."""
     comm, views = shm
-    works = [comm.all_reduce(v, async_op=True, average=True) for v in views]
+    if op == "all_reduce":
+        works = [comm.all_reduce(v, async_op=True, average=True) for v in views]
+    elif op == "reduce_scatter":
+        works = [comm.reduce_scatter_in_place(v, async_op=True, average=True) for v in views]
+    else:
+        works = [comm.all_gather_in_place(v, async_op=True) for v in views]
     for w in works:
         w.wait()
 
@@ -215,10 +225,11 @@ def shared_all_reduce(shm: SharedBuckets) -> None:
 def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, list[float]]:
     """ms per step of each collective the stages need, over the model's fp32 parameter count in
     buckets of ``reduce_bucket_size`` all in flight at once (as the engine issues them):
-    ``all_reduce`` (stage 0; also a reduce-scatter that keeps its own half), ``reduce_scatter``
-    (the backend's own), ``reduce_scatter_a2a`` (all-to-all + local sum, what megazero uses on
-    gloo), ``all_gather``, and ``all_reduce_shm`` (megazero's all-reduce through shared
-    memory, stage 0's on one host). Rounds alternate the collectives."""
+    gloo's ``all_reduce`` (also a reduce-scatter that keeps its own half), ``reduce_scatter``
+    (gloo's own), ``reduce_scatter_a2a`` (all-to-all + local sum, what megazero uses on gloo)
+    and ``all_gather``; and megazero's shared-memory ``all_reduce_shm``,
+    ``reduce_scatter_shm`` and ``all_gather_shm`` where the group can use them. Rounds
+    alternate the collectives."""
     bufs, outs = bucket_buffers(numel)
     g = topo.dp_group
     shm = shared_buckets(topo, numel)
@@ -228,7 +239,8 @@ def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, li
                                                    "all_to_all"),
            "all_gather": lambda: issue_all("all_gather", bufs, outs, g)}
     if shm is not None:
-        fns["all_reduce_shm"] = lambda: shared_all_reduce(shm)
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            fns[f"{op}_shm"] = lambda op=op: issue_shared(op, shm)
     out: dict[str, list[float]] = {f"coll:{k}": [] for k in fns}
     for f in fns.values():  # warm-up
         f()
@@ -241,56 +253,73 @@ def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, li
     return out
 
 
-#: The minimal collectives of each stage, in the order a step issues them.
-FLOOR_PATTERNS = {"0": ("all_reduce",), "1-2": ("reduce_scatter", "all_gather"),
-                  "3": ("all_gather", "all_gather", "reduce_scatter")}
+#: Per stage, which implementations of its minimal collectives (in the order a step issues
+#: them) it can use: the shared-memory ones need the buffer they work on to persist, which
+#: holds for the gradients at stages 0-1 and the parameters at stages 1-2; stage 2's
+#: gradients and stage 3's gathered parameters are transient (megazero has no shared-memory
+#: path for them).
+FLOOR_CHOICES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "0": (("all_reduce", "all_reduce_shm"),),
+    "1": (("reduce_scatter", "reduce_scatter_a2a", "all_reduce", "reduce_scatter_shm",
+           "all_reduce_shm"), ("all_gather", "all_gather_shm")),
+    "2": (("reduce_scatter", "reduce_scatter_a2a", "all_reduce"),
+          ("all_gather", "all_gather_shm")),
+    "3": (("all_gather",), ("all_gather",),
+          ("reduce_scatter", "reduce_scatter_a2a", "all_reduce")),
+}
 
 
 def floor_pattern(stage: int) -> str:
-    return "0" if stage == 0 else "3" if stage == 3 else "1-2"
+    return str(stage)
+
+
+def floor_ops(coll: dict[str, float], stage: int) -> list[str]:
+    """The fastest available implementation of each of the stage's minimal collectives."""
+    return [min((k for k in choice if k in coll), key=lambda k: coll[k])
+            for choice in FLOOR_CHOICES[floor_pattern(stage)]]
 
 
 def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch: Any,
-                     numel: int, n: int) -> dict[str, list[float]]:
+                     numel: int, n: int, coll: dict[str, float]) -> dict[str, list[float]]:
     """ms per iteration of the plain loop followed, in the same iteration, by each stage's
-    minimal collectives (:data:`FLOOR_PATTERNS`, buckets as in :func:`collective_times`, the
-    reduce-scatter as megazero issues it on this backend), with no barrier in between: the
-    simplest synchronous data-parallel loop. Unlike the sum of separately measured medians it
-    includes what every synchronous step pays and a barrier hides: the ranks arrive at the
-    collective at different times (the median of the sum is not the sum of the medians).
-    Stage 0's all-reduce goes through shared memory where the engine's does."""
-    impl = reduce_scatter_impl("auto", backend_of(topo.dp_group))
+    minimal collectives (:func:`floor_ops` of the ``coll`` medians measured just before,
+    buckets as in :func:`collective_times`), with no barrier in between: the simplest
+    synchronous data-parallel loop. Unlike the sum of separately measured medians it includes
+    what every synchronous step pays and a barrier hides: the ranks arrive at the collective at
+    different times (the median of the sum is not the sum of the medians)."""
     bufs, outs = bucket_buffers(numel)
     shm = shared_buckets(topo, numel)
-    out: dict[str, list[float]] = {f"floor:{k}": [] for k in FLOOR_PATTERNS}
+
+    def issue(name: str) -> None:
+        if name.endswith("_shm"):
+            assert shm is not None
+            issue_shared(name[:-4], shm)
+        elif name == "reduce_scatter_a2a":
+            issue_all("reduce_scatter", bufs, outs, topo.dp_group, "all_to_all")
+        else:
+            issue_all(name, bufs, outs, topo.dp_group, "native")
+
+    patterns = {k: floor_ops(coll, int(k)) for k in FLOOR_CHOICES}
+    out: dict[str, list[float]] = {f"floor:{k}": [] for k in patterns}
     dist.barrier()
     for i in range(n + 1):  # the first round warms the pattern up
-        for k, ops in FLOOR_PATTERNS.items():
+        for k, ops in patterns.items():
             t0 = time.perf_counter()
             step(batch)
             for op in ops:
-                if op == "all_reduce" and shm is not None:
-                    shared_all_reduce(shm)
-                else:
-                    issue_all(op, bufs, outs, topo.dp_group, impl)
+                issue(op)
             if i:
                 out[f"floor:{k}"].append(1000 * (time.perf_counter() - t0))
     return out
 
 
 def floor_ms(plain: float, coll: dict[str, float], stage: int) -> tuple[float, str]:
-    """Compute + the stage's minimal collectives (the fastest way this machine offers for each):
-    stage 0 one all-reduce (gloo's, or megazero's through shared memory); 1 and 2 a
-    reduce-scatter (or an all-reduce keeping one's half) and an all-gather of the parameters; 3
-    that plus a second all-gather (forward and backward)."""
-    rs = min(coll["reduce_scatter"], coll["reduce_scatter_a2a"], coll["all_reduce"])
-    ag = coll["all_gather"]
-    if stage == 0:
-        ar = min(("all_reduce", "all_reduce_shm"), key=lambda k: coll.get(k, float("inf")))
-        return plain + coll[ar], ar
-    if stage in (1, 2):
-        return plain + rs + ag, "reduce_scatter + all_gather"
-    return plain + rs + 2 * ag, "reduce_scatter + 2 all_gather"
+    """Compute + the stage's minimal collectives, each the fastest implementation the stage can
+    use on this machine (:data:`FLOOR_CHOICES`): stage 0 one all-reduce; 1 and 2 a
+    reduce-scatter (or an all-reduce keeping one's half) and an all-gather of the parameters;
+    3 two all-gathers (forward and backward) and a reduce-scatter."""
+    ops = floor_ops(coll, stage)
+    return plain + sum(coll[k] for k in ops), " + ".join(ops)
 
 
 DS_SCRIPT = r'''

@@ -87,8 +87,8 @@ def test_model_states_equal_engine_bytes_dp8(monkeypatch):
     real = zopt.Comms.from_topology
     state = {}
 
-    def comms_with_dp8(topo, rs_impl="native"):
-        c = real(topo, rs_impl)
+    def comms_with_dp8(topo, rs_impl="native", shared_memory="auto"):
+        c = real(topo, rs_impl, "backend")  # a pretended group of 8 shares no memory
         c.dp.size, c.dp.rank = 8, state["rank"]
         return c
 

@@ -53,7 +53,7 @@ def _cases():
          dict(reduce_scatter_impl="all_reduce"), 1),
         # "auto" all-reduces through shared memory on one host; the backend's own too:
         ("stage 0 all-reduce on gloo", dict(stage=0, overlap_comm=True, reduce_bucket_size=300),
-         dict(all_reduce_impl="backend"), 2),
+         dict(shared_memory="backend"), 2),
         ("stage 2 sub-groups of 100", dict(stage=2, sub_group_size=100), {}, 1),
         ("stage 3 persistent small params, prefetch, live limit",
          dict(stage=3, stage3_param_persistence_threshold=100, stage3_prefetch_bucket_size=600,

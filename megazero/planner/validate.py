@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megazero.shm_collectives import another_ranks_buffer
+
 
 class CudaPeakBytes:
     """Peak bytes the CUDA caching allocator hands out in a marked window."""
@@ -76,7 +78,9 @@ class LiveStorageBytes(TorchDispatchMode):
     thread-local profiler does not see). The live total is re-swept (expired references
     dropped) whenever it would set a new peak, so the peak is exact at every operator
     boundary. Storage gloo allocates inside a collective without an operator (its flat
-    staging buffers) is not seen. Mark the span to read with :meth:`window`.
+    staging buffers) is not seen. Another rank's shared-memory buffer mapped here (the
+    shared-memory collectives read and write them) is its owner's, not counted. Mark the
+    span to read with :meth:`window`.
     """
 
     def __init__(self) -> None:
@@ -95,6 +99,8 @@ class LiveStorageBytes(TorchDispatchMode):
         from torch.multiprocessing.reductions import StorageWeakRef
 
         st = t.untyped_storage()
+        if another_ranks_buffer(st):  # mapped here, held by its owner
+            return
         ptr = st.data_ptr()
         old = self.refs.get(ptr)
         if old is not None:

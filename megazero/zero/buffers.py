@@ -6,6 +6,10 @@ One :class:`GradBuffer` holds the parameters of one model chunk (one dtype). The
 reduce-scatter and all-gather split it into equal shards (rank ``r`` owns elements
 ``[r*S, (r+1)*S)`` of every bucket, ``S = bucket_numel / dp``).
 
+Where the data-parallel group can use shared memory (one host, gloo), the gradient buffer of
+stages 0-1 and the parameter buffer of stages 1-2 live there, and their reductions and the
+parameters' all-gather run in it (:meth:`megazero.zero.comm.GroupComm.shared_buffer`).
+
 Gradients by stage:
 
 * stage 0 / 1: a persistent flat gradient buffer. With ``contiguous_gradients`` (and the
@@ -89,7 +93,10 @@ class GradBuffer:
         self.buckets = self._make_buckets(params, bucket_numel, deferred_kind)
         self.numel = sum(b.numel for b in self.buckets)
         self.padding = sum(b.padding for b in self.buckets)
-        self.param_flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        # stages 1-2 all-gather the parameters and 0-1 reduce the full gradient buffer: in
+        # shared memory where the group can (GroupComm.shared_buffer)
+        self.param_flat = (dp.shared_buffer(self.numel, dtype, device) if stage in (1, 2)
+                           else torch.zeros(self.numel, dtype=dtype, device=device))
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {}
         for b in self.buckets:
             b.param_data = self.param_flat[b.offset:b.offset + b.numel]
@@ -98,10 +105,7 @@ class GradBuffer:
                 view.copy_(s.param.data)
                 s.param.data = view
                 self.slot_of[id(s.param)] = (b, s)
-        all_reduced = stage == 0 or (stage == 1 and not reduce_scatter)
-        self.grad_flat = (dp.reduce_buffer(self.numel, grad_dtype, device) if all_reduced
-                          else torch.zeros(self.numel, dtype=grad_dtype, device=device)
-                          if stage < 2 else None)
+        self.grad_flat = dp.shared_buffer(self.numel, grad_dtype, device) if stage < 2 else None
         shard_total = sum(b.numel // dp.size for b in self.buckets)
         self.shard_grad_flat = (torch.zeros(shard_total, dtype=grad_dtype, device=device)
                                 if stage == 2 else None)
@@ -202,6 +206,9 @@ class GradBuffer:
             self._zero_unfilled(b)
         if self.stage == 0 or (self.stage == 1 and not self.reduce_scatter):
             b.handle = self.dp.all_reduce(b.grad, async_op=async_op, average=average)
+        elif self.stage == 1 and self._shared(b):  # the sum lands in this rank's shard
+            b.handle = self.dp.reduce_scatter_in_place(b.grad, async_op=async_op,
+                                                       average=average)
         elif self.stage == 1:
             if average and self.dp.size > 1:
                 b.grad.div_(self.dp.size)  # pre-divided, then summed
@@ -301,8 +308,12 @@ class GradBuffer:
         """Refresh every rank's full parameters from the owners' updated shards."""
         if self.stage == 0 or self.dp.size == 1:
             return
+        shared = self.dp.is_shared(self.param_flat)
         handles = []
         for b in self.buckets:  # every bucket in flight at once, then wait
+            if shared:  # straight from the owners' buffers
+                handles.append(self.dp.all_gather_in_place(b.param_data, async_op=True))
+                continue
             shard = b.param_data[b.own_lo:b.own_hi]
             if not self.dp.inplace_all_gather:
                 shard = shard.clone()

@@ -79,7 +79,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                          precision_config: PrecisionConfig, topo: ParallelTopology, *,
                          sequence_parallel: bool = False,
                          reduce_scatter_impl: str = "auto",
-                         all_reduce_impl: str = "auto",
+                         shared_memory: str = "auto",
                          optimizer_factory: OptimizerFactory | None = None,
                          param_groups: list[dict[str, Any]] | None = None,
                          param_init: Any = None) -> ZeroOptimizer:
@@ -93,8 +93,9 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
     flagged ``sequence_parallel`` have their gradients summed over tensor-parallel ranks.
     ``param_init`` (:class:`megazero.model.init.ParamInitializer`): the chunks were built on the
     meta device; stage 3 materialises only this rank's partition of each unit.
-    ``reduce_scatter_impl`` and ``all_reduce_impl`` pick how the data-parallel group
-    reduce-scatters and all-reduces (:mod:`megazero.zero.comm`; ``auto`` is right everywhere).
+    ``reduce_scatter_impl`` picks how the data-parallel group reduce-scatters, and
+    ``shared_memory`` whether its buffers live in shared memory on one host
+    (:mod:`megazero.zero.comm`; ``auto`` is right everywhere).
     """
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     check_zero_config(zero_config, topo)
@@ -107,7 +108,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
         for p in chunk.parameters():
             if p.dtype != dtype:
                 p.data = p.data.to(dtype)
-    comms = Comms.from_topology(topo, reduce_scatter_impl, all_reduce_impl)
+    comms = Comms.from_topology(topo, reduce_scatter_impl, shared_memory)
     grad_dtype = _DTYPES[precision_config.communication_data_type] if (
         precision_config.communication_data_type) else dtype
     stores: list[ParamStore] = []

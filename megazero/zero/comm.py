@@ -13,10 +13,11 @@ numbers per call:
 Which implementation a backend gets is decided in :mod:`megazero.collectives` (by backend name
 and torch version); ``reduce_scatter_impl`` forces one for testing and benchmarks.
 
-All-reduces of buffers made by :meth:`GroupComm.reduce_buffer` go through shared memory when
-every rank of a gloo group runs on this host (:mod:`megazero.shm_all_reduce`): issuing one only
-records its range, and the first wait reduces every recorded range in one pass between two
-barriers. ``all_reduce_impl`` (``auto``, ``backend``, ``shared_memory``) forces a choice.
+Buffers made by :meth:`GroupComm.shared_buffer` live in shared memory when every rank of a gloo
+group runs on this host (:mod:`megazero.shm_collectives`); an all-reduce, reduce-scatter or
+all-gather of a piece of one goes through it: issuing one only records it, and the first wait
+runs every recorded one in one pass between two barriers. ``shared_memory`` (``auto``,
+``backend``, ``shared_memory``) forces a choice.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ import torch.distributed as dist
 
 from megazero import collectives
 from megazero.errors import ConfigError
-from megazero.shm_all_reduce import ALL_REDUCE_IMPLS, SharedSlots, merge_ranges, shared_host_group
+from megazero.shm_collectives import (
+    SHARED_MEMORY_IMPLS,
+    SharedOp,
+    SharedSlots,
+    merge_ops,
+    shared_host_group,
+)
 
 
 @dataclass
@@ -115,7 +122,7 @@ class GroupComm:
     """
 
     def __init__(self, group: Any, name: str, log: CommLog,
-                 reduce_scatter_impl: str = "auto", all_reduce_impl: str = "auto") -> None:
+                 reduce_scatter_impl: str = "auto", shared_memory: str = "auto") -> None:
         self.group = group
         self.name = name
         self.log = log
@@ -126,21 +133,23 @@ class GroupComm:
         self.rs_impl = collectives.reduce_scatter_impl(reduce_scatter_impl, backend)
         self.inplace_all_gather = collectives.all_gather_accepts_view(backend)
         self.timers: Any = None  # a megazero.monitor.Timers when wall_clock_breakdown is on
-        if all_reduce_impl not in ALL_REDUCE_IMPLS:
-            raise ConfigError(f"all_reduce_impl {all_reduce_impl!r}: expected one of "
-                              f"{', '.join(ALL_REDUCE_IMPLS)}")
-        self.all_reduce_impl = all_reduce_impl
+        if shared_memory not in SHARED_MEMORY_IMPLS:
+            raise ConfigError(f"shared_memory {shared_memory!r}: expected one of "
+                              f"{', '.join(SHARED_MEMORY_IMPLS)}")
+        self.shared_memory = shared_memory
         self._backend = backend
-        self._shared_host: tuple[bool, str] | None = None  # decided on the first reduce_buffer
+        self._shared_host: tuple[bool, str] | None = None  # decided on the first shared_buffer
         self._segments: list[SharedSlots] = []
-        self._pending: dict[int, list[tuple[int, int, bool]]] = {}  # segment index -> ranges
+        self._pending: dict[int, list[SharedOp]] = {}  # segment index -> recorded collectives
+        self._flag = torch.zeros(1)  # the barriers' 1-element all-reduce
         self.flushes = 0
 
-    def reduce_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed flat buffer to be all-reduced (in pieces, with :meth:`all_reduce`): this
-        rank's slot of a shared-memory segment when the group can use one, else an ordinary
-        tensor. Collective over the group (every rank makes the same buffers in order)."""
-        if (self.size == 1 or numel == 0 or self.all_reduce_impl == "backend"
+    def shared_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed flat buffer whose pieces this group's collectives work on in place: this
+        rank's buffer in shared memory when the group can use one (see the module docstring),
+        else an ordinary tensor. Collective over the group (every rank makes the same buffers in
+        the same order)."""
+        if (self.size == 1 or numel == 0 or self.shared_memory == "backend"
                 or device.type != "cpu"):
             return torch.zeros(numel, dtype=dtype, device=device)
         if self._shared_host is None:
@@ -150,11 +159,11 @@ class GroupComm:
         if ok:
             seg, reason = SharedSlots.create(self.group, numel, dtype)
         if seg is None:
-            if self.all_reduce_impl == "shared_memory":
-                raise ConfigError(f"all_reduce_impl 'shared_memory' for the {self.name} group: "
+            if self.shared_memory == "shared_memory":
+                raise ConfigError(f"shared_memory 'shared_memory' for the {self.name} group: "
                                   f"{reason}; use 'auto' to fall back to the backend")
-            if ok and self.rank == 0:  # the group qualifies, the segment did not fit
-                warnings.warn(f"{self.name} all-reduce uses {self._backend}, not shared "
+            if ok and self.rank == 0:  # the group qualifies, the buffer did not fit
+                warnings.warn(f"{self.name} collectives use {self._backend}, not shared "
                               f"memory: {reason}", stacklevel=2)
             return torch.zeros(numel, dtype=dtype, device=device)
         self._segments.append(seg)
@@ -198,8 +207,8 @@ class GroupComm:
     def all_reduce(self, t: torch.Tensor, async_op: bool = False, op: Any = None,
                    what: str = "all_reduce", average: bool = False) -> Handle:
         """Sum ``t`` over the group (``op``: another reduction), then divide by the group's
-        size when ``average``. A piece of a :meth:`reduce_buffer` in shared memory is only
-        recorded when ``async_op``: the first wait reduces every recorded piece."""
+        size when ``average``. A piece of a :meth:`shared_buffer` in shared memory is only
+        recorded when ``async_op``: the first wait runs every recorded collective."""
         if self.size == 1:
             return Handle()
         b = t.numel() * t.element_size()
@@ -207,11 +216,8 @@ class GroupComm:
         shared = self._shared_range(t) if op is None else None
         with self._issue(what, async_op):
             if shared is not None:
-                seg, lo, hi = shared
-                self._pending.setdefault(seg, []).append((lo, hi, average))
-                work: Any = _SharedPending(self)
-                if not async_op:
-                    work.wait()
+                work: Any = self._record(SharedOp("all_reduce", *shared[1:], average),
+                                         shared[0], async_op)
             else:
                 if average:
                     t.div_(self.size)  # pre-divided: no pass over the summed tensor after
@@ -220,9 +226,47 @@ class GroupComm:
         return self._handle(work, what) if async_op else _done()
 
     def is_shared(self, t: torch.Tensor) -> bool:
-        """Whether an all-reduce of ``t`` goes through shared memory (it is recorded when
-        issued and reduced at the first wait, so issuing it asynchronously overlaps nothing)."""
+        """Whether ``t`` is a piece of a shared-memory :meth:`shared_buffer`: its collectives
+        are recorded when issued and run at the first wait (issuing them asynchronously
+        overlaps nothing)."""
         return self._shared_range(t) is not None
+
+    def reduce_scatter_in_place(self, t: torch.Tensor, async_op: bool = False,
+                                average: bool = False) -> Handle:
+        """Shard ``r`` of ``t`` (a piece of a shared-memory :meth:`shared_buffer`, numel a
+        multiple of the group's size) becomes the sum of every rank's shard ``r`` (divided by
+        the size when ``average``) on rank ``r``; the other shards keep this rank's values."""
+        shared = self._require_shared(t, "reduce_scatter_in_place")
+        logical = self._frac() * t.numel() * t.element_size()
+        self.log.record(self.name, "reduce_scatter", logical, "reduce_scatter", logical)
+        with self._issue("reduce_scatter", async_op):
+            work = self._record(SharedOp("reduce_scatter", *shared[1:], average), shared[0],
+                                async_op)
+        return self._handle(work, "reduce_scatter") if async_op else _done()
+
+    def all_gather_in_place(self, t: torch.Tensor, async_op: bool = False) -> Handle:
+        """Every rank's shard ``r`` of ``t`` (a piece of a shared-memory
+        :meth:`shared_buffer`, numel a multiple of the group's size) becomes rank ``r``'s."""
+        shared = self._require_shared(t, "all_gather_in_place")
+        logical = self._frac() * t.numel() * t.element_size()
+        self.log.record(self.name, "all_gather", logical, "all_gather", logical)
+        with self._issue("all_gather", async_op):
+            work = self._record(SharedOp("all_gather", *shared[1:]), shared[0], async_op)
+        return self._handle(work, "all_gather") if async_op else _done()
+
+    def _require_shared(self, t: torch.Tensor, what: str) -> tuple[int, int, int]:
+        shared = self._shared_range(t)
+        if shared is None or t.numel() % self.size:
+            raise ValueError(f"{what}: the tensor must be a piece of this group's shared "
+                             f"buffer with a multiple of {self.size} elements")
+        return shared
+
+    def _record(self, op: SharedOp, segment: int, async_op: bool) -> _SharedPending:
+        self._pending.setdefault(segment, []).append(op)
+        work = _SharedPending(self)
+        if not async_op:
+            work.wait()
+        return work
 
     def _shared_range(self, t: torch.Tensor) -> tuple[int, int, int] | None:
         for i, seg in enumerate(self._segments):
@@ -232,11 +276,16 @@ class GroupComm:
         return None
 
     def flush_shared(self) -> None:
-        """Reduce every recorded shared-memory piece (in order of segment, then offset)."""
+        """Run every recorded shared-memory collective, between two barriers (in order of
+        buffer, then offset: the same on every rank)."""
         pending, self._pending = self._pending, {}
         self.flushes += 1
+        if not pending:
+            return
+        dist.all_reduce(self._flag, group=self.group)
         for i in sorted(pending):
-            self._segments[i].reduce(merge_ranges(pending[i]))
+            self._segments[i].apply(merge_ops(pending[i]))
+        dist.all_reduce(self._flag, group=self.group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
                        async_op: bool = False) -> Handle:

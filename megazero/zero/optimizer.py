@@ -61,11 +61,11 @@ class Comms:
 
     @classmethod
     def from_topology(cls, topo: ParallelTopology, rs_impl: str = "auto",
-                      all_reduce_impl: str = "auto") -> Comms:
+                      shared_memory: str = "auto") -> Comms:
         log = CommLog()
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         emb = topo.embedding_group if topo.pp_size > 1 and topo.in_embedding_group else None
-        return cls(log, GroupComm(topo.dp_group, "dp", log, rs_impl, all_reduce_impl),
+        return cls(log, GroupComm(topo.dp_group, "dp", log, rs_impl, shared_memory),
                    GroupComm(topo.tp_group, "tp", log), GroupComm(topo.mp_group, "mp", log),
                    GroupComm(emb, "embedding", log), GroupComm(world, "world", log))
 

@@ -1,28 +1,29 @@
-"""All-reduce through shared memory, for CPU process groups whose ranks share one host.
+"""Collectives through shared memory, for CPU process groups whose ranks share one host.
 
-Gloo moves every byte of an all-reduce through the kernel's loopback TCP stack, twice per
-hop, and sums in its own worker threads; on a host whose cores all run ranks' compute those
-copies are stolen from the compute. Ranks on one host can instead map one segment holding every
-rank's copy of a flat buffer (``slots``) and reduce it in place:
+Gloo moves every byte through the kernel's loopback TCP stack, twice per hop, and sums in its
+own worker threads; on a host whose cores all run ranks' compute, those copies are stolen from
+the compute. Ranks on one host can instead each keep a flat buffer in shared memory that every
+rank maps (:class:`SharedSlots`) and work on those buffers directly. Cut a range of the
+buffers into ``N`` chunks, chunk ``r`` belonging to rank ``r`` (:class:`SharedOp`); between two
+barriers rank ``r``
 
-1. barrier (every rank's values are in its slot);
-2. rank ``r`` sums chunk ``r`` of the range over all slots into its own slot (fixed order:
-   its own value, then the others by rank), divides by ``N`` when averaging, and copies the
-   result into chunk ``r`` of every other slot;
-3. barrier (every chunk is written everywhere).
+* **all-reduce**: sums chunk ``r`` over all buffers into its own (its value first, then the
+  others by rank), divides by ``N`` when averaging, and copies the result into chunk ``r`` of
+  every other buffer;
+* **reduce-scatter**: the same sum, kept in its own buffer only;
+* **all-gather**: copies every other rank's chunk of that rank's buffer into its own.
 
-Between the two barriers only rank ``r`` touches chunk ``r`` of any slot, so nothing races;
-after the second, every rank's slot holds the same reduced values and is its own again. Each
-rank reads ``N`` and writes ``N`` chunk-sized pieces: ``2B`` of memory traffic for a buffer of
-``B`` bytes, against gloo's ``4B`` of socket copies plus its sums (measured in
-``bench/zero_speed.py``). The barriers are 1-element all-reduces on the group's own backend.
+Only rank ``r`` writes chunk ``r`` of a sum, and an all-gather writes only the gathering rank's
+buffer, so nothing races; after the second barrier every buffer is its owner's again. An
+all-reduce of ``B`` bytes costs each rank ``2B`` of memory traffic, against gloo's ``4B`` of
+socket copies plus its sums (``bench/zero_speed.py`` measures both). The barriers are
+1-element all-reduces on the group's own backend.
 
 Each rank's buffer is a file in ``/dev/shm`` that the rank creates and reserves
 (``posix_fallocate``, so a full tmpfs is an error now and not a SIGBUS later), every rank maps,
 and the rank unlinks once all have mapped it: the memory goes away with the last mapping, also
-after a crash.
-:func:`shared_host_group` decides whether a group can use it (gloo, every rank on this host,
-``/dev/shm`` present); anything else uses the backend's all-reduce.
+after a crash. :func:`shared_host_group` decides whether a group can use them (gloo, every rank
+on this host, ``/dev/shm`` present); anything else uses the backend's collectives.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
-ALL_REDUCE_IMPLS = ("auto", "backend", "shared_memory")
+SHARED_MEMORY_IMPLS = ("auto", "backend", "shared_memory")
 
 
 def _host_id() -> str:
@@ -53,7 +54,7 @@ def _host_id() -> str:
 
 
 def shared_host_group(group: Any, backend: str) -> tuple[bool, str]:
-    """Whether ``group`` can all-reduce through shared memory, and if not, why. Collective
+    """Whether ``group`` can use shared-memory buffers, and if not, why. Collective
     over ``group`` (every rank must call it)."""
     if backend != "gloo":
         return False, f"the group's backend is {backend or 'none'}, not gloo"
@@ -68,12 +69,10 @@ def shared_host_group(group: Any, backend: str) -> tuple[bool, str]:
 
 @dataclass
 class SharedSlots:
-    """One flat buffer per rank of ``group``, each in shared memory that every rank maps."""
+    """One flat buffer per rank of a group, each in shared memory that every rank maps."""
 
     slots: list[torch.Tensor]  # rank k's buffer, numel elements each
     rank: int
-    group: Any
-    flag: torch.Tensor  # the barriers' 1-element all-reduce
 
     @property
     def local(self) -> torch.Tensor:
@@ -115,7 +114,7 @@ class SharedSlots:
         _unlink(path)  # every rank has mapped it (or given up): the mappings keep it alive
         if ok.item() < 1.0:
             return None, reason or "another rank of the group could not map the buffers"
-        return cls(slots, rank, group, torch.zeros(1)), ""
+        return cls(slots, rank), ""
 
     def owns(self, t: torch.Tensor) -> tuple[int, int] | None:
         """``(start, end)`` of ``t`` inside this rank's buffer, if it is a contiguous piece
@@ -130,40 +129,74 @@ class SharedSlots:
             return None
         return start, start + t.numel()
 
-    def barrier(self) -> None:
-        dist.all_reduce(self.flag, group=self.group)
-
-    def reduce(self, ranges: list[tuple[int, int, bool]]) -> None:
-        """Sum ``[start, end)`` of every rank's buffer into every rank's buffer, for each range
-        (``True``: then divide by ``N``). Collective: every rank passes the same ranges."""
+    def apply(self, ops: list[SharedOp]) -> None:
+        """Run ``ops`` on this rank's chunks. Call it between two barriers of the group, every
+        rank with the same ops: in between, only rank ``r`` writes chunk ``r`` of a sum, and only
+        rank ``r``'s own buffer receives the chunks an all-gather copies."""
         n = len(self.slots)
-        self.barrier()
-        for lo, hi, average in ranges:
-            step = -(-(hi - lo) // n)
-            a, b = lo + self.rank * step, min(hi, lo + (self.rank + 1) * step)
+        mine = self.slots[self.rank]
+        for op in ops:
+            if op.kind == "all_gather":
+                for k in range(n):
+                    if k != self.rank:
+                        a, b = op.chunk(k, n)
+                        mine[a:b].copy_(self.slots[k][a:b])
+                continue
+            a, b = op.chunk(self.rank, n)
             if a >= b:
                 continue
-            mine = self.slots[self.rank][a:b]
+            acc = mine[a:b]
             for k in range(n):
                 if k != self.rank:
-                    mine.add_(self.slots[k][a:b])
-            if average:
-                mine.div_(n)
-            for k in range(n):
-                if k != self.rank:
-                    self.slots[k][a:b].copy_(mine)
-        self.barrier()
+                    acc.add_(self.slots[k][a:b])
+            if op.average:
+                acc.div_(n)
+            if op.kind == "all_reduce":
+                for k in range(n):
+                    if k != self.rank:
+                        self.slots[k][a:b].copy_(acc)
 
 
-def merge_ranges(ranges: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
-    """Adjacent ranges with the same averaging merged (fewer, larger chunks), in order."""
-    out: list[tuple[int, int, bool]] = []
-    for lo, hi, avg in sorted(ranges):
-        if out and out[-1][1] == lo and out[-1][2] == avg:
-            out[-1] = (out[-1][0], hi, avg)
+@dataclass(frozen=True)
+class SharedOp:
+    """One collective on elements ``[lo, hi)`` of every rank's buffer, cut into ``N`` chunks
+    (chunk ``r`` belongs to rank ``r``; a range padded to a multiple of ``N`` is cut exactly as
+    a reduce-scatter shards it):
+
+    * ``all_reduce``: every buffer gets the sum (``average``: divided by ``N``);
+    * ``reduce_scatter``: rank ``r``'s buffer gets the sum in chunk ``r`` (its other chunks
+      keep its own values);
+    * ``all_gather``: rank ``r``'s buffer gets every rank's chunk of its own buffer."""
+
+    kind: str
+    lo: int
+    hi: int
+    average: bool = False
+
+    def chunk(self, rank: int, n: int) -> tuple[int, int]:
+        step = -(-(self.hi - self.lo) // n)
+        return self.lo + rank * step, min(self.hi, self.lo + (rank + 1) * step)
+
+
+def merge_ops(ops: list[SharedOp]) -> list[SharedOp]:
+    """Adjacent all-reduces with the same averaging merged (fewer, larger chunks); the others
+    keep their chunking, which says which rank owns what."""
+    out: list[SharedOp] = []
+    for op in sorted(ops, key=lambda o: (o.lo, o.hi)):
+        last = out[-1] if out else None
+        if (last is not None and op.kind == last.kind == "all_reduce" and last.hi == op.lo
+                and last.average == op.average):
+            out[-1] = SharedOp("all_reduce", last.lo, op.hi, op.average)
         else:
-            out.append((lo, hi, avg))
+            out.append(op)
     return out
+
+
+def another_ranks_buffer(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` is another rank's shared buffer, mapped here to read or write it:
+    memory accounting charges each buffer to the rank that made it (its pid is in the name)."""
+    name = os.path.basename(storage.filename or "")
+    return name.startswith("megazero-") and not name.startswith(f"megazero-{os.getpid()}-")
 
 
 def _unlink(path: str) -> None:
