@@ -33,6 +33,12 @@ row's median).
 ZeRO settings: ``overlap_comm`` on, ``reduce_bucket_size`` 1e6 (four buckets for this 4.2M model),
 other keys at DeepSpeed defaults.
 
+A stage's floor is compute (the plain loop) + the stage's minimal collectives, each at the
+fastest implementation the stage can use on this machine (:data:`FLOOR_CHOICES`): gloo's
+(all-reduce, reduce-scatter native / as all-to-all / as an all-reduce keeping one's half,
+all-gather) or megazero's shared-memory ones (:mod:`megazero.shm_collectives`), which work on
+buffers that persist: stage 0-1 gradients, stage 1-2 parameters. All are timed in the run.
+
     python bench/zero_speed.py [--driver entry|engine] [--rounds 6] [--steps 6] [--warmup 2]
 
 Prints the table and writes bench/results/zero_speed.json.
