@@ -264,25 +264,21 @@ def collective_times(topo: ParallelTopology, numel: int, n: int) -> dict[str, li
 #: holds for the gradients at stages 0-1 and the parameters at stages 1-2; stage 2's
 #: gradients and stage 3's gathered parameters are transient (megazero has no shared-memory
 #: path for them).
-FLOOR_CHOICES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "0": (("all_reduce", "all_reduce_shm"),),
-    "1": (("reduce_scatter", "reduce_scatter_a2a", "all_reduce", "reduce_scatter_shm",
+FLOOR_CHOICES: dict[int, tuple[tuple[str, ...], ...]] = {
+    0: (("all_reduce", "all_reduce_shm"),),
+    1: (("reduce_scatter", "reduce_scatter_a2a", "all_reduce", "reduce_scatter_shm",
            "all_reduce_shm"), ("all_gather", "all_gather_shm")),
-    "2": (("reduce_scatter", "reduce_scatter_a2a", "all_reduce"),
+    2: (("reduce_scatter", "reduce_scatter_a2a", "all_reduce"),
           ("all_gather", "all_gather_shm")),
-    "3": (("all_gather",), ("all_gather",),
+    3: (("all_gather",), ("all_gather",),
           ("reduce_scatter", "reduce_scatter_a2a", "all_reduce")),
 }
-
-
-def floor_pattern(stage: int) -> str:
-    return str(stage)
 
 
 def floor_ops(coll: dict[str, float], stage: int) -> list[str]:
     """The fastest available implementation of each of the stage's minimal collectives."""
     return [min((k for k in choice if k in coll), key=lambda k: coll[k])
-            for choice in FLOOR_CHOICES[floor_pattern(stage)]]
+            for choice in FLOOR_CHOICES[stage]]
 
 
 def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch: Any,
@@ -305,7 +301,7 @@ def floor_loop_times(topo: ParallelTopology, step: Callable[[Any], float], batch
         else:
             issue_all(name, bufs, outs, topo.dp_group, "native")
 
-    patterns = {k: floor_ops(coll, int(k)) for k in FLOOR_CHOICES}
+    patterns = {k: floor_ops(coll, k) for k in FLOOR_CHOICES}
     out: dict[str, list[float]] = {f"floor:{k}": [] for k in patterns}
     dist.barrier()
     for i in range(n + 1):  # the first round warms the pattern up
@@ -602,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
         near_plain = statistics.median(near["plain"]) if near.get("plain") else plain
         near_coll = ({k[5:]: statistics.median(v) for k, v in near.items()
                       if k.startswith("coll:")} or coll)
-        loop_key = None if case is None else f"floor:{floor_pattern(case['stage'])}"
+        loop_key = None if case is None else f"floor:{case['stage']}"
         loop_src = near if near.get(str(loop_key)) else times
         loop_fl = (statistics.median(loop_src[loop_key])
                    if loop_key is not None and loop_src.get(loop_key) else None)

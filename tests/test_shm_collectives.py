@@ -194,3 +194,9 @@ def test_a_group_that_cannot_share_memory_uses_the_backend(case):
             assert "/nonexistent-megazero-shm is missing" in out["shared_memory"]
         assert "use 'auto'" in out["shared_memory"]
     assert _leftover_files([out["pid"] for out in outs]) == []
+
+
+def test_an_unknown_shared_memory_choice_is_a_config_error():
+    with pytest.raises(ConfigError, match="shared_memory 'yes': expected one of auto, "
+                                          "backend, shared_memory"):
+        GroupComm(None, "dp", CommLog(), shared_memory="yes")

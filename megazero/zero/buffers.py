@@ -106,6 +106,9 @@ class GradBuffer:
                 s.param.data = view
                 self.slot_of[id(s.param)] = (b, s)
         self.grad_flat = dp.shared_buffer(self.numel, grad_dtype, device) if stage < 2 else None
+        # whether the buckets' collectives run in shared memory (decided once, here)
+        self.shared_grads = self.grad_flat is not None and dp.is_shared(self.grad_flat)
+        self.shared_params = dp.is_shared(self.param_flat)
         shard_total = sum(b.numel // dp.size for b in self.buckets)
         self.shard_grad_flat = (torch.zeros(shard_total, dtype=grad_dtype, device=device)
                                 if stage == 2 else None)
@@ -171,7 +174,7 @@ class GradBuffer:
         if not b.pending and b.kind is None:
             # A shared-memory all-reduce is deferred to the wait either way: issuing it
             # blocking here would stall backward at every bucket for the slowest rank.
-            self._launch(b, async_op=self.overlap or self._shared(b))
+            self._launch(b, async_op=self.overlap or self.shared_grads)
 
     def _absorb(self, b: Bucket, s: Slot) -> None:
         """Move ``param.grad`` into the bucket unless it already lives there."""
@@ -206,7 +209,7 @@ class GradBuffer:
             self._zero_unfilled(b)
         if self.stage == 0 or (self.stage == 1 and not self.reduce_scatter):
             b.handle = self.dp.all_reduce(b.grad, async_op=async_op, average=average)
-        elif self.stage == 1 and self._shared(b):  # the sum lands in this rank's shard
+        elif self.stage == 1 and self.shared_grads:  # the sum lands in this rank's shard
             b.handle = self.dp.reduce_scatter_in_place(b.grad, async_op=async_op,
                                                        average=average)
         elif self.stage == 1:
@@ -227,9 +230,6 @@ class GradBuffer:
         if not async_op:
             b.handle.wait()
 
-    def _shared(self, b: Bucket) -> bool:
-        return b.grad is not None and self.dp.is_shared(b.grad)
-
     def _zero_unfilled(self, b: Bucket) -> None:
         """Zero what no gradient was copied into (unused parameters, padding)."""
         grad = b.full_grad()
@@ -249,7 +249,7 @@ class GradBuffer:
                 if id(s.param) in b.pending:
                     self._absorb(b, s)
             b.pending.clear()
-            self._launch(b, async_op=self.overlap or self._shared(b))
+            self._launch(b, async_op=self.overlap or self.shared_grads)
 
     def wait(self) -> None:
         for b in self.buckets:
@@ -308,10 +308,9 @@ class GradBuffer:
         """Refresh every rank's full parameters from the owners' updated shards."""
         if self.stage == 0 or self.dp.size == 1:
             return
-        shared = self.dp.is_shared(self.param_flat)
         handles = []
         for b in self.buckets:  # every bucket in flight at once, then wait
-            if shared:  # straight from the owners' buffers
+            if self.shared_params:  # straight from the owners' buffers
                 handles.append(self.dp.all_gather_in_place(b.param_data, async_op=True))
                 continue
             shard = b.param_data[b.own_lo:b.own_hi]
