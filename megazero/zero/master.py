@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
-from megazero.zero.offload import host_empty
+from megazero.host_resident import host_empty
 from megazero.zero.optimizers import (
     OptimizerFactory,
     OptimizerKind,

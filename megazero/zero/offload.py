@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megazero.config import ConfigError, ZeroConfig
+from megazero.host_resident import host_empty
 
 _Z = "zero_optimization"
 #: Adam's per-element state that swaps: the fp32 master, exp_avg and exp_avg_sq.
@@ -129,12 +130,6 @@ def swap_dir(block: str, nvme_path: str, rank: int, need_bytes: int, kind: str) 
                           f"every rank on the node needs as much); free space there or point "
                           f"nvme_path at a larger disk")
     return path
-
-
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host buffer; pinned (page-locked, for asynchronous copies) only when CUDA exists."""
-    return torch.empty(numel, dtype=dtype, device="cpu",
-                       pin_memory=pin and torch.cuda.is_available())
 
 
 def aligned_numel(numel: int, elem_size: int) -> int:

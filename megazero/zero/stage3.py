@@ -48,10 +48,11 @@ from torch import nn
 
 from megazero.config import ZeroConfig
 from megazero.errors import MegazeroError
+from megazero.host_resident import host_empty
 from megazero.model.init import ParamInitializer, workspace
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
-from megazero.zero.offload import OffloadPlan, host_empty
+from megazero.zero.offload import OffloadPlan
 from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
 from megazero.zero.stage3_grads import Stage3Grads
 from megazero.zero.units import Unit, leave_meta, unit_param_groups, unit_values, wrap_outputs
