@@ -8,6 +8,7 @@ with a fallback that computes the same thing. Code elsewhere calls these instead
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -22,3 +23,25 @@ reduce_scatter_tensor: Any = (getattr(dist, "reduce_scatter_single", None)
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
+
+# ``init_process_group(device_id=...)`` binds the group to this rank's GPU (torch >= 2.3): NCCL
+# creates its communicator there at once instead of guessing the device at the first collective
+# (a guess that lands every rank on GPU 0 when the current device was never set).
+_INIT_TAKES_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+def init_device_kwargs(device: torch.device) -> dict[str, Any]:
+    """``init_process_group`` keyword arguments binding the group to ``device``: ``device_id``
+    for a CUDA device where torch takes it, nothing otherwise (CPU groups bind to no device)."""
+    if device.type == "cuda" and _INIT_TAKES_DEVICE_ID:
+        return {"device_id": device}
+    return {}
+
+
+def bound_device_index(group: Any = None) -> int | None:
+    """The CUDA device the process group was bound to with ``device_id``, if any."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    bound = getattr(pg, "bound_device_id", None)
+    if bound is None or getattr(bound, "type", None) != "cuda":
+        return None
+    return bound.index if bound.index is not None else 0

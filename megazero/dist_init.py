@@ -2,9 +2,10 @@
 allocator (:mod:`megazero.host_allocator`, CPU runs) and seeds.
 
 ``torchrun`` exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT``; ``srun`` on SLURM exports ``SLURM_PROCID`` and friends,
-which are mapped to the same names. A plain ``python pretrain_gpt.py`` (no launcher) becomes a
-world of one on a free local port, so the training code never needs a non-distributed path.
+``MASTER_ADDR`` and ``MASTER_PORT``; ``srun`` and ``mpirun`` export their own names, which are
+mapped to torchrun's (:mod:`megazero.device`, which also picks the GPU). A plain
+``python pretrain_gpt.py`` (no launcher) becomes a world of one on a free local port, so the
+training code never needs a non-distributed path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megazero.compat import init_device_kwargs
 from megazero.config import ConfigError
+from megazero.device import Launch, choose_device_index, export_launch
 from megazero.host_allocator import keep_freed_host_memory
 
 
@@ -28,7 +31,7 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
-    local_world_size: int
+    local_world_size: int | None  # None: the launcher does not say
     backend: str
     device: torch.device
 
@@ -37,16 +40,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _from_slurm(env: dict[str, str]) -> None:
-    """``srun python pretrain_gpt.py`` without torchrun: translate SLURM's variables."""
-    if "RANK" in env or "SLURM_PROCID" not in env:
-        return
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
 
 
 def choose_backend(requested: str | None) -> str:
@@ -59,47 +52,45 @@ def choose_backend(requested: str | None) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def check_gpus_per_node(backend: str, local_world_size: int, gpu_count: int) -> None:
-    """NCCL needs one GPU per process on a node; say so before NCCL does (its own error,
-    ``ncclInvalidUsage``, names neither count)."""
-    if backend == "nccl" and local_world_size > gpu_count:
-        raise ConfigError(
-            f"{local_world_size} processes on this node but only {gpu_count} visible GPU(s): "
-            f"NCCL needs one GPU per process. Launch with --nproc_per_node {gpu_count} (or "
-            "fewer), or pass --distributed-backend gloo to run the processes on the CPU")
-
-
 def initialize_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> DistEnv:
-    """Join (or create) the process group; pins this process to its GPU on CUDA machines."""
+    """Join (or create) the process group; pins this process to its GPU on CUDA machines
+    (:func:`megazero.device.choose_device_index`) before the group exists, and binds the group
+    to it (``device_id``), so NCCL creates its communicator on the right GPU."""
     env = os.environ
-    _from_slurm(env)  # type: ignore[arg-type]
-    if "RANK" not in env:
+    launch = export_launch(env)  # type: ignore[arg-type]
+    if launch is None:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", str(_free_port()))
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local_rank = int(env.get("LOCAL_RANK", "0"))
-    local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        launch = Launch(0, 1, 0, 1, "none")
+    elif launch.world_size > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+        raise ConfigError(
+            f"{launch.launcher} started rank {launch.rank} of {launch.world_size} but "
+            "MASTER_ADDR / MASTER_PORT are not set: export them (the first node's address and "
+            "a free port) so the ranks can meet, or launch with torchrun")
+    rank, world = launch.rank, launch.world_size
+    local_rank = launch.local_rank if launch.local_rank is not None else 0
     backend = choose_backend(backend)
     if env.get("MASTER_ADDR", "") in ("127.0.0.1", "localhost"):
         # Single-host runs (and the loopback multi-node test): keep gloo off other interfaces,
         # whose host name may not resolve in containers.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
-        check_gpus_per_node(backend, local_world, torch.cuda.device_count())
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(choose_device_index(env, torch.cuda.device_count(), rank))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in env:
             # Processes on one host share its cores; oversubscription makes CPU runs crawl.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+            share = launch.local_world_size or world
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, share)))
         # The model's tensors are host memory: keep what an iteration frees for the next.
         keep_freed_host_memory()
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=timeout_minutes))
-    return DistEnv(rank, world, local_rank, local_world, backend, device)
+                                timeout=timedelta(minutes=timeout_minutes),
+                                **init_device_kwargs(device))
+    return DistEnv(rank, world, local_rank, launch.local_world_size, backend, device)
 
 
 def enable_deterministic_mode() -> None:

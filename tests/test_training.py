@@ -109,7 +109,8 @@ def test_backend_choice_slurm_env_and_seeds():
 
     import numpy as np
 
-    from megazero.dist_init import _from_slurm, choose_backend, set_seed
+    from megazero.device import export_launch
+    from megazero.dist_init import choose_backend, set_seed
 
     assert choose_backend(None) == ("nccl" if torch.cuda.is_available() else "gloo")
     assert choose_backend("gloo") == "gloo"
@@ -118,11 +119,11 @@ def test_backend_choice_slurm_env_and_seeds():
             choose_backend("nccl")
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
            "SLURM_NTASKS_PER_NODE": "8(x2)"}
-    _from_slurm(env)
+    export_launch(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
         "5", "16", "1", "8")
     torchrun_env = {"RANK": "3", "SLURM_PROCID": "0"}
-    _from_slurm(torchrun_env)  # torchrun's variables win
+    export_launch(torchrun_env)  # torchrun's variables win
     assert torchrun_env["RANK"] == "3"
     set_seed(11, pp_rank=1)
     a = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -131,10 +132,11 @@ def test_backend_choice_slurm_env_and_seeds():
 
 
 def test_more_processes_than_gpus_is_one_clear_error():
-    from megazero.dist_init import check_gpus_per_node
+    from megazero.device import choose_device_index
 
     with pytest.raises(ConfigError, match=r"8 processes on this node but only 1 visible GPU.*"
                                           r"--nproc_per_node 1.*--distributed-backend gloo"):
-        check_gpus_per_node("nccl", 8, 1)
-    check_gpus_per_node("nccl", 2, 2)
-    check_gpus_per_node("gloo", 8, 0)
+        choose_device_index({"RANK": "1", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                             "LOCAL_WORLD_SIZE": "8"}, 1, 1)
+    assert choose_device_index({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                "LOCAL_WORLD_SIZE": "2"}, 2, 1) == 1

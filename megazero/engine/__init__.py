@@ -84,10 +84,21 @@ _EXIT = _ExitInOrder()
 
 
 def _device() -> tuple[torch.device, int]:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device()), local_rank
-    return torch.device("cpu"), local_rank
+    """This rank's device and local rank. On NCCL the CUDA device is chosen as DeepSpeed
+    chooses it (:func:`megazero.device.engine_device_index`) and made current, also when the
+    script called ``init_process_group`` itself (else every rank would work on GPU 0)."""
+    from megazero.compat import bound_device_index
+    from megazero.device import engine_device_index, read_launch
+
+    launch = read_launch(os.environ)
+    local_rank = launch.local_rank if launch is not None and launch.local_rank is not None \
+        else 0
+    if "nccl" not in str(dist.get_backend()):  # "nccl", or "cpu:gloo,cuda:nccl"
+        return torch.device("cpu"), local_rank
+    index = engine_device_index(os.environ, torch.cuda.device_count(), dist.get_rank(),
+                                torch.cuda.current_device(), bound_device_index())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), local_rank
 
 
 def _mark_shared(module: nn.Module) -> None:

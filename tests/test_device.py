@@ -1,0 +1,101 @@
+"""Which GPU each process takes under torchrun, srun and mpirun, and from megazero.initialize
+after the script's own init_process_group: the rules of megazero.device with fake device
+counts, so they run on a CPU."""
+
+import pytest
+import torch
+
+from megazero.config import ConfigError
+from megazero.device import choose_device_index, engine_device_index, export_launch, read_launch
+
+
+def _two_nodes_of_8(rank: int) -> dict[str, str]:
+    """mpirun-like operator: RANK / WORLD_SIZE / LOCAL_RANK, no LOCAL_WORLD_SIZE."""
+    return {"RANK": str(rank), "WORLD_SIZE": "16", "LOCAL_RANK": str(rank % 8),
+            "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+
+
+def test_no_local_world_size_16_ranks_on_two_nodes_of_8():
+    for rank in range(16):
+        env = _two_nodes_of_8(rank)
+        launch = read_launch(env)
+        assert launch is not None and launch.local_world_size is None  # unknown: not 16
+        assert choose_device_index(env, 8, rank) == rank % 8
+    # a node with more processes than GPUs is still refused, naming both counts
+    env = {**_two_nodes_of_8(3), "LOCAL_WORLD_SIZE": "8"}
+    with pytest.raises(ConfigError, match=r"8 processes on this node but only 4 visible GPU"):
+        choose_device_index(env, 4, 3)
+    with pytest.raises(ConfigError, match=r"local rank 6 but only 4 visible GPU"):
+        choose_device_index(_two_nodes_of_8(6), 4, 6)
+
+
+def test_slurm_one_visible_gpu_per_task():
+    for rank in range(16):
+        env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "16",
+               "SLURM_LOCALID": str(rank % 8), "SLURM_TASKS_PER_NODE": "8(x2)",
+               "CUDA_VISIBLE_DEVICES": str(rank % 8)}
+        launch = export_launch(env)
+        assert launch is not None and (launch.local_rank, launch.local_world_size) == (
+            rank % 8, 8)
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (
+            str(rank), "16", str(rank % 8))
+        assert choose_device_index(env, 1, rank) == 0  # its one GPU, whatever the local rank
+    # 8 tasks sharing one GPU that no launcher bound to them is refused
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_NTASKS_PER_NODE": "8"}
+    with pytest.raises(ConfigError, match=r"8 processes on this node but only 1 visible GPU"):
+        choose_device_index(env, 1, 1)
+
+
+def test_mpirun_environment_only():
+    env = {"OMPI_COMM_WORLD_RANK": "13", "OMPI_COMM_WORLD_SIZE": "16",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}
+    launch = export_launch(env)
+    assert launch is not None and launch.launcher == "mpirun (Open MPI)"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+        "13", "16", "5", "8")
+    assert choose_device_index(env, 8, 13) == 5
+    mv2 = {"MV2_COMM_WORLD_RANK": "9", "MV2_COMM_WORLD_SIZE": "16",
+           "MV2_COMM_WORLD_LOCAL_RANK": "1"}
+    assert choose_device_index(mv2, 8, 9) == 1
+    # nothing says the local rank: rank % device count (DeepSpeed's fallback)
+    assert choose_device_index({"RANK": "11", "WORLD_SIZE": "16"}, 8, 11) == 3
+    assert read_launch({}) is None
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "0"}
+    export_launch(torchrun)  # torchrun's variables win
+    assert torchrun["RANK"] == "3"
+
+
+def test_initialize_after_the_scripts_init_process_group(monkeypatch):
+    """The script ran init_process_group itself (NCCL, LOCAL_RANK=3, 8 GPUs, device never
+    set): megazero.initialize works on cuda:3 and makes it current, as DeepSpeed does."""
+    import megazero.compat
+    import megazero.engine as engine_api
+
+    chosen = []
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 11)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(megazero.compat, "bound_device_index", lambda group=None: None)
+    for k in ("CUDA_VISIBLE_DEVICES", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "11")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert engine_api._device() == (torch.device("cuda", 3), 3)
+    assert chosen == [3]
+    # a device the script set (or bound the group to) is kept
+    assert engine_device_index({"LOCAL_RANK": "3"}, 8, 11, current=5, bound=None) == 5
+    assert engine_device_index({"LOCAL_RANK": "3"}, 8, 11, current=0, bound=6) == 6
+    # one visible GPU per process: device 0, whatever LOCAL_RANK says
+    assert engine_device_index({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "3"}, 1, 11,
+                               current=0, bound=None) == 0
+
+
+def test_init_process_group_is_bound_to_the_gpu():
+    from megazero.compat import init_device_kwargs
+
+    assert init_device_kwargs(torch.device("cuda", 2)) == {"device_id": torch.device("cuda", 2)}
+    assert init_device_kwargs(torch.device("cpu")) == {}
