@@ -63,7 +63,8 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", str(_free_port()))
         launch = Launch(0, 1, 0, 1, "none")
-    elif launch.world_size > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+    elif (launch.world_size > 1 and not dist.is_initialized()
+          and not ("MASTER_ADDR" in env and "MASTER_PORT" in env)):
         raise ConfigError(
             f"{launch.launcher} started rank {launch.rank} of {launch.world_size} but "
             "MASTER_ADDR / MASTER_PORT are not set: export them (the first node's address and "
