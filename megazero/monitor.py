@@ -14,11 +14,8 @@ import math
 import os
 import resource
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,107 +24,13 @@ import torch
 from megazero.config import LoggingConfig
 from megazero.flops import mfu as model_flops_utilisation
 from megazero.flops import tflops_per_device
+from megazero.timers import Timers
+
+__all__ = ["Monitor", "Timers", "format_breakdown", "format_log_line"]
 
 # Megatron's TensorBoard tags.
 TB_TAGS = ("lm loss", "lm loss validation", "learning-rate", "grad-norm", "loss-scale",
            "batch-size", "iteration-time")
-
-
-class Timers:
-    """Exclusive wall-clock regions (``wall_clock_breakdown``).
-
-    A region started inside another pauses it, so every second of an iteration is charged to
-    exactly one region (the innermost open one) and the regions add up to the time they cover
-    without double counting: ``backward`` wrapping the whole pipeline schedule ends up holding
-    only what its ``forward``, ``data`` and collective regions did not take. On GPU a region
-    boundary synchronises the device, so a region covers the kernels it launched.
-
-    Asynchronous collectives also report their *in-flight* time (launch to completion, measured
-    on the backend's completion callback) through :meth:`add_overlapped`: that time runs beside
-    the regions and is reported apart from them (it is the transfer time; the ``wait`` regions
-    are what the rank actually lost to it).
-    """
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self._stack: list[list[Any]] = []  # [name, start of the current stretch]
-        self._total: dict[str, float] = {}
-        self._overlapped: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _sync() -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-    def _charge(self, name: str, seconds: float) -> None:
-        self._total[name] = self._total.get(name, 0.0) + seconds
-
-    def start(self, name: str) -> None:
-        if not self.enabled:
-            return
-        self._sync()
-        now = time.perf_counter()
-        if self._stack:  # the enclosing region pauses here
-            top = self._stack[-1]
-            self._charge(top[0], now - top[1])
-            top[1] = now
-        self._stack.append([name, now])
-
-    def stop(self, name: str) -> None:
-        """Close ``name`` (and any region left open inside it); the enclosing region resumes."""
-        if not self.enabled:
-            return
-        idx = next((i for i in range(len(self._stack) - 1, -1, -1)
-                    if self._stack[i][0] == name), None)
-        if idx is None:
-            return
-        self._sync()
-        now = time.perf_counter()
-        while len(self._stack) > idx:
-            n, t0 = self._stack.pop()
-            self._charge(n, now - t0)
-            if self._stack:  # the enclosing region resumes here
-                self._stack[-1][1] = now
-
-    @contextmanager
-    def region(self, name: str) -> Iterator[None]:
-        self.start(name)
-        try:
-            yield
-        finally:
-            self.stop(name)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Inside, no region starts or stops: the enclosing region takes all the time (an
-        evaluation or a save is one line of the breakdown, not its forwards and collectives)."""
-        old, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = old
-
-    def add_overlapped(self, name: str, seconds: float) -> None:
-        """In-flight time of an asynchronous operation (may be called from another thread)."""
-        with self._lock:
-            self._overlapped[name] = self._overlapped.get(name, 0.0) + seconds
-
-    def pop_all(self) -> dict[str, float]:
-        """Exclusive seconds per region since the last call; resets them. Regions still open
-        are charged up to now and go on from here."""
-        if self._stack:
-            now = time.perf_counter()
-            for entry in self._stack[-1:]:
-                self._charge(entry[0], now - entry[1])
-                entry[1] = now
-        out, self._total = self._total, {}
-        return out
-
-    def pop_overlapped(self) -> dict[str, float]:
-        with self._lock:
-            out, self._overlapped = self._overlapped, {}
-        return out
 
 
 def peak_memory() -> tuple[str, float]:

@@ -162,12 +162,13 @@ def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) 
 
 
 def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lambda: []
-               ) -> tuple[float, Any, list[float], dict[str, float]]:
+               ) -> tuple[float, Any, list[float]]:
     """One iteration; returns (global mean loss, StepResult, this rank's ``exit_votes()``
-    (taken before the update) summed over every rank, seconds per ``wall_clock_breakdown``
-    region since the last call). The loss and the votes ride in the optimizer step's one
-    scalar all-reduce: besides gradient and parameter traffic an iteration makes a single
-    blocking collective."""
+    (taken before the update) summed over every rank). The loss and the votes ride in the
+    optimizer step's one scalar all-reduce: besides gradient and parameter traffic an
+    iteration makes a single blocking collective. Its ``wall_clock_breakdown`` regions stay
+    in ``run.timers`` until the loop reads them at a logged iteration (on GPUs resolving
+    their events is a wait for the device: once per log line, not per iteration)."""
     t, it = run.timers, run.state.iteration + 1
     mem = None
     if run.cfg.logging.log_memory_phases:
@@ -196,7 +197,7 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
         if result.updated:
             run.scheduler.step()
     loss_sum, count, *summed_votes = result.sums
-    return loss_sum / count, result, summed_votes, t.pop_all()
+    return loss_sum / count, result, summed_votes
 
 
 def _loss_sums(losses: list[float], topo: ParallelTopology) -> tuple[float, float]:
@@ -309,12 +310,13 @@ def train(run: Run) -> TrainState:
     try:
         while st.iteration < b.train_iters:
             t0 = time.perf_counter()
-            loss, result, votes, phases = train_step(
+            loss, result, votes = train_step(
                 run, data_iter, lambda: exit_votes(cfg.train, flags, start))
             st.iteration += 1
             st.consumed_samples += b.global_batch_size
             t = run.timers
             with t.region("logging"):
+                phases = t.pop_all() if st.iteration % log_interval == 0 else None
                 run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases,
                                    nonfinite=result.nonfinite)
                 st.history.append({"iteration": st.iteration, "loss": loss,
@@ -383,7 +385,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     logging = cfg.logging
     monitor = Monitor(logging, enabled=is_reporter, log_json=log_json or logging.log_json,
                       run_config=config_dict(cfg) if is_reporter else None)
-    timers = Timers(enabled=logging.wall_clock_breakdown)
+    timers = Timers(enabled=logging.wall_clock_breakdown, device=env.device)
     if timers.enabled:
         _time_forwards(chunks, timers)
         engine.comms.set_timers(timers)

@@ -71,7 +71,7 @@ class MegazeroEngine:
         self._loss_count = 0
         self._last_result: Any = None
         # wall_clock_breakdown: forward / backward / step and each collective inside them
-        self.timers = Timers(enabled=cfg.logging.wall_clock_breakdown)
+        self.timers = Timers(enabled=cfg.logging.wall_clock_breakdown, device=device)
         if self.timers.enabled:
             optimizer.comms.set_timers(self.timers)
         # A client scheduler object steers the client optimizer's groups: copy its learning

@@ -22,8 +22,6 @@ runs every recorded one in one pass between two barriers. ``shared_memory`` (``a
 
 from __future__ import annotations
 
-import contextlib
-import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -189,16 +187,13 @@ class GroupComm:
 
     def _handle(self, work: Any, op: str, finish: Callable[[], object] | None = None) -> Handle:
         """The :class:`Handle` of an asynchronous collective; with timers on, its in-flight time
-        (launch to the backend's completion) is recorded as overlapped time."""
+        (launch to completion: CUDA events on NCCL, see :mod:`megazero.timers`) is recorded as
+        overlapped time."""
         t = self.timers
         if t is None or not t.enabled:
             return Handle(work, finish)
         label = self._label(op)
-        if work is not None and hasattr(work, "get_future"):
-            t0 = time.perf_counter()
-            with contextlib.suppress(RuntimeError):
-                work.get_future().add_done_callback(
-                    lambda _f: t.add_overlapped(f"{label} in flight", time.perf_counter() - t0))
+        t.time_in_flight(f"{label} in flight", work)
         return Handle(work, finish, label, t)
 
     def _frac(self) -> float:
