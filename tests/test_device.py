@@ -99,3 +99,42 @@ def test_init_process_group_is_bound_to_the_gpu():
 
     assert init_device_kwargs(torch.device("cuda", 2)) == {"device_id": torch.device("cuda", 2)}
     assert init_device_kwargs(torch.device("cpu")) == {}
+
+
+def _launcher_env(monkeypatch, values):
+    """Set a launcher's variables; every name the start-up may write is restored after."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "SLURM_PROCID", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in values.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_start_up_under_mpirun_binds_the_group_to_the_local_gpu(monkeypatch):
+    """initialize_distributed with Open MPI's variables only and 8 (fake) GPUs: rank 13 of 16
+    takes cuda:5 before the group exists and binds the group to it (device_id)."""
+    import megazero.dist_init as dist_init
+
+    _launcher_env(monkeypatch, {"OMPI_COMM_WORLD_RANK": "13", "OMPI_COMM_WORLD_SIZE": "16",
+                                "OMPI_COMM_WORLD_LOCAL_RANK": "5",
+                                "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+                                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    current = [0]
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: current.__setitem__(0, i))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(dist_init.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist_init.dist, "init_process_group",
+                        lambda *a, **k: calls.append((a, k)))
+    got = dist_init.initialize_distributed("nccl")
+    assert (got.rank, got.world_size, got.local_rank, got.local_world_size) == (13, 16, 5, 8)
+    assert got.device == torch.device("cuda", 5) and current == [5]
+    (args, kwargs), = calls
+    assert args == ("nccl",) and kwargs["rank"] == 13 and kwargs["world_size"] == 16
+    assert kwargs["device_id"] == torch.device("cuda", 5)
+
+    _launcher_env(monkeypatch, {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="MASTER_ADDR / MASTER_PORT are not set"):
+        dist_init.initialize_distributed("gloo")
