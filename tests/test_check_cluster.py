@@ -27,7 +27,8 @@ def test_check_cluster_on_four_gloo_ranks(tmp_path):
     assert code == 0, text
     assert all(s == "PASS" for s, _ in rows), text
     assert names[0] == "device binding"
-    for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv"):
+    for op in ("dp all_reduce", "dp reduce_scatter", "dp all_gather", "world broadcast",
+               "world sendrecv"):
         assert f"{op} 256 KiB" in names, text
     for stage in range(4):
         assert f"zero-{stage} fp32 vs 1 rank" in names and f"zero-{stage} fp32 save+resume" \
@@ -36,14 +37,22 @@ def test_check_cluster_on_four_gloo_ranks(tmp_path):
     assert "4 rank(s) on 1 node(s)" in text and "16 checks, all passed" in text
     assert not (tmp_path / "ok").exists()  # checkpoints removed
 
-    argv = ["--no-collectives", "--zero-stages", "1", "--no-offload", "--train-iters", "2",
-            "--workdir", str(tmp_path / "planted")]
+    # a tp 2 x pp 2 job's collectives (over its tensor-parallel groups and between pipeline
+    # neighbours), and a planted mismatch in the training rows
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--size", "0.25", "--bandwidth-iters", "1", "--zero-stages", "1", "--no-offload",
+            "--train-iters", "2", "--workdir", str(tmp_path / "planted")]
     code, text = run_distributed(check_cluster_world, 4, argv, plant_lr_at_stage=1,
                                  timeout=300)[0]
     assert code == 1, text
     assert re.search(r"^FAIL  zero-1 fp32 vs 1 rank .*max rel diff .* \(> 1e-05\)", text,
                      re.M), text
     assert re.search(r"^PASS  zero-1 fp32 save\+resume", text, re.M), text
+    for op in ("tp all_reduce", "tp reduce_scatter", "tp all_gather", "world broadcast",
+               "pp sendrecv"):
+        assert re.search(rf"^PASS  {op} 256 KiB .*2 ranks\)|^PASS  {op} 256 KiB .*4 ranks\)",
+                         text, re.M), (op, text)
+    assert "dp all_reduce" not in text  # dp is 1 at tp 2 x pp 2 on 4 ranks
 
 
 def test_binding_judge_and_bus_bandwidth():
@@ -64,8 +73,8 @@ def test_binding_judge_and_bus_bandwidth():
     assert nominal_gbps("NVIDIA H100 80GB HBM3", 1) == 450.0
     assert nominal_gbps("NVIDIA H100 PCIe", 1) == 64.0
     assert nominal_gbps("NVIDIA H100 80GB HBM3", 2) == 50.0 and nominal_gbps("cpu", 1) is None
-    sizes = job_sizes([2**20], 4096, 2048, 1, 40_000_000, 8)
+    sizes = job_sizes([2**20], 4096, 2048, 1, 40_000_000)
     assert sizes["sendrecv"] == [2**20, 2 * 2048 * 4096]
-    assert sizes["all_reduce"] == [2**20, 160_000_000]
+    assert sizes["all_reduce"] == [2**20, 2 * 2048 * 4096, 160_000_000]
     rows = [Row("a", "PASS", ""), Row("b", "FAIL", "x")]
     assert exit_code(rows) == 1 and "2 checks, 1 failed" in format_table(rows)

@@ -28,6 +28,10 @@ def _list(kind):
 def parse(argv: list[str] | None = None) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1,
+                   help="the job's layout: its tensor-parallel groups' collectives are timed")
+    p.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1,
+                   help="the job's layout: send/recv between its pipeline neighbours")
     p.add_argument("--size", dest="sizes_mb", type=_list(float),
                    help="collective sizes in MiB, comma-separated (default 8,64,256 on GPUs, "
                         "1,4 on CPU)")

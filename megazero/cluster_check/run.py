@@ -14,12 +14,15 @@ from megazero.cluster_check import Row, exit_code, format_table
 from megazero.cluster_check.bandwidth import collective_rows, job_sizes, nominal_gbps
 from megazero.cluster_check.binding import binding_row
 from megazero.cluster_check.training_rows import finish_reference, layout_rows, start_reference
+from megazero.topology import ParallelTopology
 
 
 @dataclass
 class Options:
     """What ``tools/check_cluster.py`` parsed; None picks the default for the device kind."""
 
+    tp: int = 1
+    pp: int = 1
     sizes_mb: list[float] | None = None
     hidden_size: int | None = None
     seq_length: int | None = None
@@ -37,14 +40,6 @@ class Options:
     workdir: str = "check_cluster.tmp"
     backend: str | None = None
     timeout_minutes: float = 10.0
-
-
-def _nodes() -> int:
-    import socket
-
-    hosts: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return len(set(hosts))
 
 
 def run_checks(opts: Options) -> tuple[list[Row], list[str]]:
@@ -73,11 +68,15 @@ def run_checks(opts: Options) -> tuple[list[Row], list[str]]:
         if opts.collectives:
             base = [int(mb * 2**20) for mb in (opts.sizes_mb or ([8, 64, 256] if gpu else [1, 4]))]
             sizes = job_sizes(base, opts.hidden_size, opts.seq_length, opts.micro_batch_size,
-                              opts.ddp_bucket_size, dist.get_world_size())
-            nominal = opts.nominal_gbps
-            if nominal is None and gpu:
-                nominal = nominal_gbps(torch.cuda.get_device_name(device), _nodes())
-            rows += collective_rows(sizes, device, nominal, opts.min_fraction,
+                              opts.ddp_bucket_size)
+            name = torch.cuda.get_device_name(device) if gpu else None
+
+            def nominal(nodes: int) -> float | None:
+                return opts.nominal_gbps if opts.nominal_gbps is not None else (
+                    nominal_gbps(name, nodes))
+
+            topo = ParallelTopology.build(tp=opts.tp, pp=opts.pp)
+            rows += collective_rows(topo, sizes, device, nominal, opts.min_fraction,
                                     opts.bandwidth_iters or (10 if gpu else 3))
         if opts.training:
             reference, error = finish_reference(started, 60 * opts.timeout_minutes)
