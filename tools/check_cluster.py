@@ -27,7 +27,7 @@ def _list(kind):
 
 def parse(argv: list[str] | None = None) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1,
                    help="the job's layout: its tensor-parallel groups' collectives are timed")
     p.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=1,
@@ -36,8 +36,8 @@ def parse(argv: list[str] | None = None) -> Options:
                    help="collective sizes in MiB, comma-separated (default 8,64,256 on GPUs, "
                         "1,4 on CPU)")
     p.add_argument("--hidden-size", type=int, help="the job's: adds its pipeline send/recv size")
-    p.add_argument("--seq-length", type=int)
-    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--seq-length", type=int, help="the job's (with --hidden-size)")
+    p.add_argument("--micro-batch-size", type=int, help="the job's (with --hidden-size)")
     p.add_argument("--ddp-bucket-size", type=int,
                    help="the job's gradient bucket in elements: adds the all-reduce, "
                         "reduce-scatter (fp32) and all-gather, broadcast (16-bit) of one bucket")
@@ -46,21 +46,27 @@ def parse(argv: list[str] | None = None) -> Options:
                         "NVLink within a node, one NIC per GPU across nodes; CPU: report only)")
     p.add_argument("--min-fraction", type=float, default=0.5,
                    help="a collective's largest size fails under this share of nominal")
-    p.add_argument("--bandwidth-iters", type=int)
+    p.add_argument("--bandwidth-iters", type=int,
+                   help="timed calls per collective and size (10 on GPUs, 3 on CPU)")
     p.add_argument("--train-iters", type=int, default=4,
                    help="iterations per training row (saved and resumed half way)")
-    p.add_argument("--zero-stages", dest="stages", type=_list(int), default=[0, 1, 2, 3])
+    p.add_argument("--zero-stages", dest="stages", type=_list(int), default=[0, 1, 2, 3],
+                   help="ZeRO stages of the training rows, comma-separated")
     p.add_argument("--precisions", type=_list(str),
                    help="bf16,fp16 on GPUs and fp32 on CPU by default")
-    p.add_argument("--no-offload", dest="offload", action="store_false")
-    p.add_argument("--no-collectives", dest="collectives", action="store_false")
-    p.add_argument("--no-training", dest="training", action="store_false")
+    p.add_argument("--no-offload", dest="offload", action="store_false",
+                   help="skip the row with the optimizer offloaded to the CPU")
+    p.add_argument("--no-collectives", dest="collectives", action="store_false",
+                   help="skip the collective rows")
+    p.add_argument("--no-training", dest="training", action="store_false",
+                   help="skip the training rows")
     p.add_argument("--workdir", default="check_cluster.tmp",
                    help="checkpoints of the training rows (on multi-node: a shared directory); "
                         "removed at the end")
-    p.add_argument("--distributed-backend", dest="backend", choices=["nccl", "gloo"])
+    p.add_argument("--distributed-backend", dest="backend", choices=["nccl", "gloo"],
+                   help="nccl where CUDA is available, else gloo")
     p.add_argument("--distributed-timeout-minutes", dest="timeout_minutes", type=float,
-                   default=10.0)
+                   default=10.0, help="the process group's timeout")
     a = p.parse_args(argv)
     bad = [x for x in (a.precisions or []) if x not in ("fp32", "bf16", "fp16")]
     if bad or any(s not in (0, 1, 2, 3) for s in a.stages):
