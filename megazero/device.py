@@ -111,9 +111,9 @@ def choose_device_index(env: Mapping[str, str], device_count: int, rank: int) ->
                           "run on the CPU")
     if one_gpu_per_process(env, device_count):
         return 0
-    launch = read_launch(env)
-    local_rank = launch.local_rank if launch is not None else 0
-    local_size = launch.local_world_size if launch is not None else 1
+    launch = read_launch(env)  # None: the script made its group from its own rank numbers
+    local_rank = launch.local_rank if launch is not None else None
+    local_size = launch.local_world_size if launch is not None else None
     if local_size is not None and local_size > device_count:
         raise ConfigError(
             f"{local_size} processes on this node but only {device_count} visible GPU(s): "

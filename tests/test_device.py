@@ -89,6 +89,8 @@ def test_initialize_after_the_scripts_init_process_group(monkeypatch):
     # a device the script set (or bound the group to) is kept
     assert engine_device_index({"LOCAL_RANK": "3"}, 8, 11, current=5, bound=None) == 5
     assert engine_device_index({"LOCAL_RANK": "3"}, 8, 11, current=0, bound=6) == 6
+    # no launcher variables at all (init_process_group from the script's own numbers)
+    assert engine_device_index({}, 8, 11, current=0, bound=None) == 3
     # one visible GPU per process: device 0, whatever LOCAL_RANK says
     assert engine_device_index({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "3"}, 1, 11,
                                current=0, bound=None) == 0

@@ -5,7 +5,9 @@ train`, the code ``pretrain_gpt.py`` runs, on mock data: once uninterrupted, and
 by ``--exit-interval`` (which saves, as a pre-empted job does) and resumed with ``--load``.
 The global batch is one micro-batch per rank, so the one-rank reference (a subprocess of rank
 0, :mod:`megazero.cluster_check.reference`) trains the same batches by gradient accumulation:
-every layout trains the same model, so the losses agree to the precision's rounding.
+every layout trains the same model, so the losses agree to the precision's rounding. The rows
+are data parallel over every rank (the job's ``--tensor-model-parallel-size`` and
+``--pipeline-model-parallel-size`` shape the collective rows only).
 """
 
 from __future__ import annotations
