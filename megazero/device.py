@@ -20,7 +20,7 @@ set per process by the launcher) that GPU is device 0 whatever the local rank.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from megazero.config import ConfigError
@@ -78,7 +78,7 @@ def read_launch(env: Mapping[str, str]) -> Launch | None:
     return Launch(rank, world, local_rank, local_size, launcher)
 
 
-def export_launch(env: dict[str, str]) -> Launch | None:
+def export_launch(env: MutableMapping[str, str]) -> Launch | None:
     """Write what another launcher said under torchrun's names (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` when known), which ``init_process_group``'s
     ``env://`` and scripts written for torchrun read. torchrun's own variables are kept."""

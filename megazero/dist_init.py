@@ -57,7 +57,7 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     (:func:`megazero.device.choose_device_index`) before the group exists, and binds the group
     to it (``device_id``), so NCCL creates its communicator on the right GPU."""
     env = os.environ
-    launch = export_launch(env)  # type: ignore[arg-type]
+    launch = export_launch(env)
     if launch is None:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
