@@ -35,6 +35,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.ownership import (
+    HEARTBEAT_S,
+    RunOwner,
+    heartbeat,
+    new_run_id,
+    release,
+)
 from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
@@ -44,7 +51,16 @@ from megazero.dist_init import (
     initialize_distributed,
     set_seed,
 )
-from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
+from megazero.divergence import (
+    PendingSave,
+    SpikeWatch,
+    TrainingDivergedError,
+    discard_checkpoint,
+    note_nonfinite,
+    params_finite,
+    read_tracker_text,
+    spike_kept_from_save,
+)
 from megazero.errors import claim_report, expected_errors
 from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes, sigterm_deferred
 from megazero.flops import gpt_flops_per_iteration, peak_flops
@@ -53,7 +69,7 @@ from megazero.monitor import Monitor, Timers
 from megazero.peers import PeerRegistry
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.resume_checks import check_resume
-from megazero.save_check import check_save_dir, checkpoint_bytes
+from megazero.save_check import check_save_dir, checkpoint_bytes, claim_save_dir, save_allowed
 from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
@@ -84,6 +100,7 @@ class TrainState:
     history: deque[dict[str, float]] = field(
         default_factory=lambda: deque(maxlen=HISTORY_LENGTH))
     nonfinite_streak: int = 0  # NaN/inf steps in a row, reset by a finite one
+    spikes: SpikeWatch = field(default_factory=SpikeWatch)  # steps not worth saving
 
 
 @dataclass
@@ -104,6 +121,14 @@ class Run:
     state: TrainState
     watchdog: Watchdog | None = None
     checkpoint_writer: Any = None  # a megazero.checkpoint.files.Writer; None = the default
+    owner: RunOwner | None = None  # rank 0: the run holding the --save directory's lock
+
+    def close(self) -> None:
+        """Close the log sinks and give the ``--save`` directory's lock back."""
+        self.monitor.close()
+        if self.owner is not None and self.cfg.checkpoint.save:
+            release(self.cfg.checkpoint.save, self.owner)
+            self.owner = None
 
     @property
     def sp(self) -> bool:
@@ -236,13 +261,15 @@ def _save(run: Run) -> None:
     if not ck.save:
         return
     t0 = time.perf_counter()
+    save_allowed(ck.save, run.owner, run.topo, run.env.device)  # still this run's directory
     # A write that fails (a full disk, a directory gone or made read-only) is a CheckpointError
     # on every rank; a collective that fails (a peer died mid-save) stays the backend's error.
     save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
                     optimizer=run.engine, scheduler=run.scheduler,
                     consumed_samples=run.state.consumed_samples, config=run.cfg,
                     zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
-                    writer=run.checkpoint_writer)
+                    writer=run.checkpoint_writer,
+                    run_id=run.owner.run_id if run.owner is not None else None)
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 
@@ -273,13 +300,18 @@ def _load(run: Run) -> None:
                          f"{res.iteration}")
 
 
-def _save_if_sound(run: Run, why: str) -> bool:
+def _save_if_sound(run: Run, why: str, saved_at: int | None = None) -> bool:
     """Save unless the state is not worth keeping: the last step had a NaN/inf loss or
-    gradient (its weights produce garbage), or a weight is NaN/inf. ``latest`` then keeps
+    gradient (its weights produce garbage), the run is in a loss or grad-norm spike
+    (:class:`~megazero.divergence.SpikeWatch`), or a weight is NaN/inf. ``latest`` then keeps
     naming the last sound checkpoint."""
     if not run.cfg.checkpoint.save:
         return False
     st = run.state
+    if st.spikes.since is not None:  # the same global loss and norm on every rank
+        run.monitor.info(spike_kept_from_save(st.spikes, st.iteration, saved_at,
+                                              run.cfg.checkpoint.save))
+        return False
     if st.nonfinite_streak or not params_finite(run.chunks, run.topo, run.env.device):
         run.monitor.info(f"not saving the {why} checkpoint at iteration {st.iteration}: the "
                          f"model's loss, gradients or weights are NaN/inf; the last checkpoint "
@@ -287,6 +319,22 @@ def _save_if_sound(run: Run, why: str) -> bool:
         return False
     _save(run)
     return True
+
+
+def _discard_save(run: Run, pending: PendingSave, saved_at: int | None) -> int | None:
+    """The step after a save spiked: the weights that save holds came out of the update that
+    caused it. Rank 0 puts ``latest`` back and removes the save; returns the newest sound
+    checkpoint."""
+    save_dir = run.cfg.checkpoint.save
+    assert save_dir
+    if run.topo.rank == 0:
+        discard_checkpoint(save_dir, pending.iteration, pending.tracker_before)
+    kept = (f"the checkpoint of iteration {pending.saved_before} is the latest again"
+            if pending.saved_before is not None else "no checkpoint of this run is kept")
+    run.monitor.info(f"discarded the checkpoint of iteration {pending.iteration}: the step "
+                     f"after it is a spike ({run.state.spikes.why}), so the update it saved "
+                     f"is suspect; {kept}")
+    return pending.saved_before
 
 
 def train(run: Run) -> TrainState:
@@ -303,6 +351,7 @@ def train(run: Run) -> TrainState:
     flags.install()
     start = time.time()
     saved_at = st.iteration if cfg.checkpoint.load else None
+    pending: PendingSave | None = None
     run.timers.pop_all()
     run.timers.pop_overlapped()
     run.monitor.start_interval()
@@ -329,7 +378,15 @@ def train(run: Run) -> TrainState:
                                        cfg.model.seq_length, result.loss_scale, norm, flops,
                                        run.topo.world_size, peak,
                                        overlapped=t.pop_overlapped())
-            note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save)
+            spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)
+            if pending is not None:  # the step after a save judges the weights it saved
+                if spiked:
+                    saved_at = _discard_save(run, pending, saved_at)
+                pending = None
+            note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save,
+                           st.spikes)
+            if run.owner is not None and cfg.checkpoint.save:
+                heartbeat(cfg.checkpoint.save, every_s=HEARTBEAT_S)
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
                 with t.region("evaluation"), t.paused(), run.phase(
                         f"evaluation at iteration {st.iteration}", "mp"):
@@ -340,7 +397,9 @@ def train(run: Run) -> TrainState:
                     and st.iteration % cfg.checkpoint.save_interval == 0):
                 with t.region("checkpoint save"), t.paused(), run.phase(
                         f"checkpoint save at iteration {st.iteration}", "world"):
-                    if _save_if_sound(run, "interval"):
+                    before = read_tracker_text(cfg.checkpoint.save)
+                    if _save_if_sound(run, "interval", saved_at):
+                        pending = PendingSave(st.iteration, before, saved_at)
                         saved_at = st.iteration
             stop, why = exit_decision(cfg.train, st.iteration, votes)
             if stop:
@@ -351,7 +410,7 @@ def train(run: Run) -> TrainState:
         flags.uninstall()
     if saved_at != st.iteration:
         with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
-            _save_if_sound(run, "final")
+            _save_if_sound(run, "final", saved_at)
     return st
 
 
@@ -390,6 +449,11 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
     _describe(run)
+    run.state.spikes = SpikeWatch(cfg.train.spike_factor, cfg.train.spike_window)
+    if cfg.checkpoint.save:
+        run.owner = RunOwner.this_process(new_run_id()) if topo.rank == 0 else None
+        for line in claim_save_dir(cfg.checkpoint.save, run.owner, topo, env.device):
+            run.monitor.info(line)
     check_save_dir(cfg.checkpoint.save, checkpoint_bytes(engine), topo, env.device)
     _load(run)
     return run
@@ -482,7 +546,7 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
         shutdown(run)
         raise
     finally:
-        run.monitor.close()
+        run.close()
     shutdown(run)
     return state
 

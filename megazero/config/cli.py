@@ -76,7 +76,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--distributed-backend", "parallel.distributed_backend"),
     _f("--distributed-timeout-minutes", "parallel.distributed_timeout_minutes", **_FL,
        help="timeout of every process group's collectives, and the watchdog's limit for one "
-            "iteration (default: %(default)s)"),
+            "iteration"),
     # model
     _f("--model-preset", "model.model_preset",
        help="start the model from a preset; flags given explicitly override it"),
@@ -123,7 +123,13 @@ FLAGS: tuple[Flag, ...] = (
        dest="check_for_nan_in_loss_and_grad", action="store_false",
        help="apply updates whatever their values (fp16 still skips overflow steps)"),
     _f("--max-nonfinite-steps", "train.max_nonfinite_steps", **_I,
-       help="stop after this many NaN/inf steps in a row (default: %(default)s)"),
+       help="stop after this many NaN/inf steps in a row"),
+    _f("--spike-factor", "train.spike_factor", **_FL,
+       help="a step whose loss is more than this many times max(1, the median of the recent "
+            "sound steps' losses), or whose grad norm is more than this many times theirs, is "
+            "a spike and is not saved; 0 turns the check off"),
+    _f("--spike-window", "train.spike_window", **_I,
+       help="how many recent sound steps the spike check takes the median over"),
     # optimizer and learning rate
     _f("--lr", "optimizer.lr", **_FL),
     _f("--min-lr", "optimizer.min_lr", **_FL),
@@ -178,6 +184,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--use-checkpoint-opt_param-scheduler", "checkpoint.use_checkpoint_opt_param_scheduler",
        **_ON),
     _f("--use-checkpoint-args", "checkpoint.use_checkpoint_args", **_ON),
+    _f("--overwrite-checkpoints", "checkpoint.overwrite_checkpoints", **_ON),
     # logging
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),

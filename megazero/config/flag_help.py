@@ -141,6 +141,9 @@ HELP = {
     "--no-load-optim": "do not load the optimizer state (fresh Adam moments)",
     "--no-load-rng": "do not load the random-number-generator states",
     "--finetune": "load weights only: iteration 0, fresh optimizer and schedule",
+    "--overwrite-checkpoints": "start a new run in a --save directory that holds another run's "
+                               "newer checkpoints (refused otherwise): they are replaced as this "
+                               "run reaches their iterations",
     "--use-checkpoint-args": "take the model's shape (layers, widths, heads, positions, norm...) "
                              "from the --load checkpoint instead of the flags",
     # logging

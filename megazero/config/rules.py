@@ -195,6 +195,10 @@ def validate(cfg: MegazeroConfig) -> None:
         check_microbatch_groups(pp, count, p.microbatch_group_size_per_vp_stage, step)
     check(t.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1 (non-finite "
           f"steps in a row before the run stops), got {t.max_nonfinite_steps}")
+    check(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor must be 0 (off) or > 1 "
+          f"(how many times the recent median a spike is), got {t.spike_factor}")
+    check(t.spike_window >= 1, f"--spike-window must be >= 1 (sound steps the spike check "
+          f"takes the median over), got {t.spike_window}")
     check(p.distributed_timeout_minutes > 0, f"--distributed-timeout-minutes must be > 0, got "
           f"{p.distributed_timeout_minutes}")
     check(t.micro_batch_size >= 1, f"--micro-batch-size (train_micro_batch_size_per_gpu) must "

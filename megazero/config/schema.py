@@ -238,6 +238,8 @@ class TrainConfig:
     # stop the run after this many such steps in a row (the weights themselves are then bad).
     check_for_nan_in_loss_and_grad: bool = True
     max_nonfinite_steps: int = 3
+    spike_factor: float = 10.0  # a step this many times the recent median is a spike; 0: off
+    spike_window: int = 50  # sound steps the median is taken over
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,7 @@ class CheckpointConfig:
     override_opt_param_scheduler: bool = False  # on resume: the schedule flags given now win
     use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins
     use_checkpoint_args: bool = False  # take the model's shape from the --load checkpoint
+    overwrite_checkpoints: bool = False  # --save may hold another run's newer checkpoints
 
 
 @dataclass(frozen=True)
