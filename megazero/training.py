@@ -21,6 +21,7 @@ saving (:mod:`megazero.divergence`); a stuck or orphaned rank is ended by the wa
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import sys
@@ -43,7 +44,7 @@ from megazero.checkpoint.ownership import (
     release,
 )
 from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
-from megazero.config import MegazeroConfig
+from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.dist_init import (
     DistEnv,
@@ -122,6 +123,7 @@ class Run:
     watchdog: Watchdog | None = None
     checkpoint_writer: Any = None  # a megazero.checkpoint.files.Writer; None = the default
     owner: RunOwner | None = None  # rank 0: the run holding the --save directory's lock
+    eod_mask: int | None = None  # --eod-mask-loss: the end-of-document id whose next is masked
 
     def close(self) -> None:
         """Close the log sinks and give the ``--save`` directory's lock back."""
@@ -145,8 +147,10 @@ class Run:
 
 
 def _schedule(run: Run, data_iter, forward_only: bool,
-              activation_meter: ActivationMeter | None = None) -> list[float]:
-    """One pass of the pipeline schedule over ``m`` micro-batches; returns their mean losses."""
+              activation_meter: ActivationMeter | None = None,
+              num_microbatches: int | None = None) -> list[float]:
+    """One pass of the pipeline schedule over ``num_microbatches`` micro-batches (default: a
+    full global batch's); returns their mean losses."""
     from megazero.pipeline.executor import default_loss_fn, forward_backward
 
     scale = run.engine.loss_scale if (run.cfg.precision.fp16 and not forward_only) else 1.0
@@ -158,7 +162,8 @@ def _schedule(run: Run, data_iter, forward_only: bool,
 
     m = run.cfg.model
     losses = forward_backward(
-        run.chunks, data_iter, run.topo, run.batching.num_microbatches, m.seq_length,
+        run.chunks, data_iter, run.topo,
+        num_microbatches or run.batching.num_microbatches, m.seq_length,
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=_timed_get_batch(run),
@@ -168,7 +173,7 @@ def _schedule(run: Run, data_iter, forward_only: bool,
 
 
 def _timed_get_batch(run: Run):
-    fetch = functools.partial(get_batch, device=run.env.device)
+    fetch = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask)
     if not run.timers.enabled:
         return fetch
 
@@ -202,7 +207,9 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
     with t.region("backward"), run.phase(f"iteration {it}: forward-backward (pipeline "
                                          "schedule)", "mp"):
         losses = _schedule(run, data_iter, forward_only=False,
-                           activation_meter=mem.meter if mem is not None else None)
+                           activation_meter=mem.meter if mem is not None else None,
+                           num_microbatches=run.batching.microbatches_at(
+                               run.state.consumed_samples))
     with t.region("grad sync (local)"), run.phase(f"iteration {it}: gradient sync", "dp"):
         run.engine.finish_grad_sync()
     if mem is not None:
@@ -340,8 +347,7 @@ def _discard_save(run: Run, pending: PendingSave, saved_at: int | None) -> int |
 def train(run: Run) -> TrainState:
     cfg, st, b = run.cfg, run.state, run.batching
     log_interval = run.monitor.config.log_interval
-    flops = gpt_flops_per_iteration(cfg.model, b.global_batch_size,
-                                    run.chunks[0].padded_vocab_size)
+    vocab = run.chunks[0].padded_vocab_size
     peak = None
     if run.env.device.type == "cuda":
         peak = peak_flops(torch.cuda.get_device_name(run.env.device),
@@ -349,6 +355,13 @@ def train(run: Run) -> TrainState:
     data_iter = batch_iterator(run.train_ds, b, run.topo, st.consumed_samples)
     flags = ExitFlags()
     flags.install()
+    # --manual-gc (Megatron): a collection pauses one rank at an arbitrary point and every other
+    # rank waits for it at the next collective; collecting every N iterations on all ranks at
+    # once turns those stalls into one known pause.
+    gc_every = cfg.train.manual_gc_interval if cfg.train.manual_gc else 0
+    if cfg.train.manual_gc:
+        gc.disable()
+        gc.collect()
     start = time.time()
     saved_at = st.iteration if cfg.checkpoint.load else None
     pending: PendingSave | None = None
@@ -358,10 +371,11 @@ def train(run: Run) -> TrainState:
     try:
         while st.iteration < b.train_iters:
             t0 = time.perf_counter()
+            gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
             loss, result, votes, phases = train_step(
                 run, data_iter, lambda: exit_votes(cfg.train, flags, start))
             st.iteration += 1
-            st.consumed_samples += b.global_batch_size
+            st.consumed_samples += gbs
             t = run.timers
             with t.region("logging"):
                 run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases,
@@ -369,15 +383,19 @@ def train(run: Run) -> TrainState:
                 st.history.append({"iteration": st.iteration, "loss": loss,
                                    "grad_norm": result.grad_norm,
                                    "loss_scale": result.loss_scale,
-                                   "skipped": float(result.skipped)})
+                                   "skipped": float(result.skipped),
+                                   **({"num_zeros": result.num_zeros}
+                                      if result.num_zeros is not None else {})})
                 if st.iteration % log_interval == 0:
                     norm = None if result.skipped or math.isnan(result.grad_norm) else (
                         result.grad_norm)
                     run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
-                                       run.scheduler.get_lr(), b.global_batch_size,
-                                       cfg.model.seq_length, result.loss_scale, norm, flops,
+                                       run.scheduler.get_lr(), gbs,
+                                       cfg.model.seq_length, result.loss_scale, norm,
+                                       gpt_flops_per_iteration(cfg.model, gbs, vocab),
                                        run.topo.world_size, peak,
-                                       overlapped=t.pop_overlapped())
+                                       overlapped=t.pop_overlapped(),
+                                       num_zeros=result.num_zeros)
             spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)
             if pending is not None:  # the step after a save judges the weights it saved
                 if spiked:
@@ -387,10 +405,16 @@ def train(run: Run) -> TrainState:
                            st.spikes)
             if run.owner is not None and cfg.checkpoint.save:
                 heartbeat(cfg.checkpoint.save, every_s=HEARTBEAT_S)
+            if gc_every and st.iteration % gc_every == 0:
+                gc.collect()
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
                 with t.region("evaluation"), t.paused(), run.phase(
                         f"evaluation at iteration {st.iteration}", "mp"):
+                    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+                        gc.collect()
                     val = evaluate(run)
+                    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+                        gc.collect()
                 if val is not None:
                     run.monitor.report_validation(st.iteration, val)
             if (cfg.checkpoint.save_interval
@@ -408,6 +432,8 @@ def train(run: Run) -> TrainState:
                 break
     finally:
         flags.uninstall()
+        if cfg.train.manual_gc:
+            gc.enable()
     if saved_at != st.iteration:
         with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
             _save_if_sound(run, "final", saved_at)
@@ -431,7 +457,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     is_reporter = topo.rank == 0
     log = print if is_reporter else (lambda *a, **k: None)
     demo = not cfg.data.data_path and not cfg.data.mock_data
-    _, cfg = build_tokenizer_and_data_path(cfg, topo, log=log)
+    tokenizer, cfg = build_tokenizer_and_data_path(cfg, topo, log=log)
     if demo:
         log(f"> no --data-path: training on the built-in demo corpus, cached in "
             f"{os.path.dirname(cfg.data.data_path[0])} (--data-cache-path moves it)")
@@ -450,6 +476,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
               valid_ds, TrainState(), watchdog)
     _describe(run)
     run.state.spikes = SpikeWatch(cfg.train.spike_factor, cfg.train.spike_window)
+    if cfg.data.eod_mask_loss:
+        run.eod_mask = _eod_id(tokenizer)
+    engine.count_zeros_in_grad = cfg.logging.log_num_zeros_in_grad
     if cfg.checkpoint.save:
         run.owner = RunOwner.this_process(new_run_id()) if topo.rank == 0 else None
         for line in claim_save_dir(cfg.checkpoint.save, run.owner, topo, env.device):
@@ -457,6 +486,14 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     check_save_dir(cfg.checkpoint.save, checkpoint_bytes(engine), topo, env.device)
     _load(run)
     return run
+
+
+def _eod_id(tokenizer: Any) -> int:
+    eod = getattr(tokenizer, "eod", None)
+    if eod is None:
+        raise ConfigError(f"--eod-mask-loss: the tokenizer ({type(tokenizer).__name__}) has no "
+                          f"end-of-document token; drop the flag or use a tokenizer with one")
+    return int(eod)
 
 
 def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology) -> float:
@@ -509,6 +546,10 @@ def _describe(run: Run) -> None:
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
         f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
     ]
+    if b.rampup is not None:
+        start, inc, samples = b.rampup
+        lines.append(f"> batch ramp-up: global batch {start} growing by {inc} over the first "
+                     f"{samples:,} samples to {b.global_batch_size}")
     d = cfg.data
     if d.mock_data:
         lines.append("> data: --mock-data (random tokens)")

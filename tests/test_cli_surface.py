@@ -48,6 +48,8 @@ GOLDEN_FLAGS = """
 --lr-warmup-fraction
 --lr-warmup-samples --lr-decay-samples --kv-channels --use-checkpoint-args
 --tensorboard-dir --log-json --log-memory-phases --wall-clock-breakdown
+--rotary-percent --rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval
+--eod-mask-loss --log-num-zeros-in-grad
 """.split()
 
 CHOICES = {
