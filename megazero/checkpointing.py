@@ -3,7 +3,10 @@
 ::
 
     SAVE/latest_checkpointed_iteration.txt     "10": the newest complete checkpoint
-    SAVE/iter_0000010/metadata.json            index of every tensor + file checksums; written
+    SAVE/.megazero-run.lock                    the run writing here (one at a time, see
+                                               :mod:`megazero.checkpoint.ownership`)
+    SAVE/iter_0000010/metadata.json            index of every tensor + file checksums, the
+                                               run id that wrote it; written
                                                last, so its presence means "complete"
     SAVE/iter_0000010/config.json              the run's configuration
     SAVE/iter_0000010/mp_rank_TT_PPP/model.pt  {global name: TP shard} of the weights this
@@ -190,7 +193,8 @@ def _raise_first(problems: list[str | None]) -> None:
 
 def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered: list[Any],
                  config: Any, consumed_samples: int, topo: ParallelTopology, zero_stage: int,
-                 scheduler: Any, engine: Any, has_optimizer: bool, tag: str | None = None) -> None:
+                 scheduler: Any, engine: Any, has_optimizer: bool, tag: str | None = None,
+                 run_id: str | None = None) -> None:
     """Rank 0, once every rank's files are on disk: config.json, metadata.json (the index and
     checksums; its presence means "complete"), then the ``latest`` pointer (the iteration
     tracker, or with ``tag`` DeepSpeed's ``latest`` tag file)."""
@@ -213,7 +217,7 @@ def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered:
             "loss_scaler": engine.scaler.state_dict() if engine is not None else None,
             "has_optimizer": has_optimizer, "opaque_optimizer": any(g[3] for g in gathered),
             "optimizer": engine.masters.kind.name if engine is not None else None,
-            "tensors": tensors, "files": all_files}
+            "run_id": run_id, "tensors": tensors, "files": all_files}
     meta["sha256"] = meta_digest(meta)
     w.text(json.dumps(meta, indent=1), os.path.join(directory, MARKER))
     if tag is not None:
@@ -230,12 +234,14 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
                     barrier: Callable[[], None] = _barrier,
                     gather: Callable[[Any], list[Any]] = _gather,
                     writer: Writer | None = None, tag: str | None = None,
-                    extra_state: Any = None) -> str:
+                    extra_state: Any = None, run_id: str | None = None) -> str:
     """Collective: every rank calls it. Returns the iteration directory.
 
     ``tag``: save under ``root/<tag>`` and point ``root/latest`` at it (DeepSpeed's layout)
     instead of ``iter_<iteration>`` and the iteration tracker. ``extra_state``: rank 0's
-    tensors / numbers / strings / lists / dicts, saved beside (loadable with weights_only)."""
+    tensors / numbers / strings / lists / dicts, saved beside (loadable with weights_only).
+    ``run_id``: the run that writes it (:mod:`megazero.checkpoint.ownership`), recorded in
+    ``metadata.json``."""
     w = writer if writer is not None else Writer()
     c = topo.coord
     directory = os.path.join(root, tag) if tag is not None else iteration_dir(root, iteration)
@@ -291,7 +297,8 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
     if topo.rank == 0:
         try:
             _write_index(w, root, directory, iteration, gathered, config, consumed_samples,
-                         topo, zero_stage, scheduler, engine, optimizer is not None, tag)
+                         topo, zero_stage, scheduler, engine, optimizer is not None, tag,
+                         run_id)
         except (OSError, RuntimeError) as e:  # as above
             problem = explain_write_error(root, iteration, e)
     _raise_first(gather(problem if topo.rank == 0 else None))

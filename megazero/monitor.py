@@ -60,7 +60,7 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, ms_
                     loss_scale: float | None, grad_norm: float | None, skipped: int, nan: int,
                     tokens_per_second: float, tflops: float, memory: tuple[str, float],
                     breakdown_ms: dict[str, float] | None = None,
-                    mfu: float | None = None) -> str:
+                    mfu: float | None = None, num_zeros: float | None = None) -> str:
     """The Megatron-style line users grep for (``lm loss: ...`` etc.). ``mfu`` (model FLOPs
     utilisation) appears only when the device's peak FLOP/s is known."""
     parts = [
@@ -76,6 +76,8 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, ms_
         parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if num_zeros is not None:
+        parts.append(f"num zeros: {num_zeros:.1f}")
     parts += [
         f"number of skipped iterations: {skipped:3d}",
         f"number of nan iterations: {nan:3d}",
@@ -182,7 +184,8 @@ class Monitor:
                global_batch_size: int, seq_length: int, loss_scale: float | None,
                grad_norm: float | None, flops_per_iteration: float, world_size: int,
                peak_flops: float | None = None,
-               overlapped: dict[str, float] | None = None) -> None:
+               overlapped: dict[str, float] | None = None,
+               num_zeros: float | None = None) -> None:
         """Print the interval's log line and write every scalar sink; reset the interval.
 
         With ``wall_clock_breakdown`` the iterations' regions (:class:`Timers`) are printed on
@@ -205,7 +208,7 @@ class Monitor:
         loop_ms = 1000.0 * wall / s.iterations
         print(format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
                               global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
-                              tokens, tflops, mem, None, mfu), flush=True)
+                              tokens, tflops, mem, None, mfu, num_zeros), flush=True)
         if breakdown_ms:
             print(format_breakdown(breakdown_ms, loop_ms, overlapped_ms), flush=True)
         scalars: dict[str, float] = {"learning-rate": lr, "batch-size": global_batch_size,
@@ -216,6 +219,8 @@ class Monitor:
             scalars["loss-scale"] = loss_scale
         if grad_norm is not None:
             scalars["grad-norm"] = grad_norm
+        if num_zeros is not None:
+            scalars["num-zeros"] = num_zeros
         scalars.update(self.memory_phases)
         scalars.update(breakdown_scalars(breakdown_ms, loop_ms, overlapped_ms))
         self.memory_phases = {}

@@ -11,6 +11,10 @@ peers on its own host, looks at ``/proc/<pid>/stat``: gone, a zombie or a recycl
 rank died; state ``T`` means it is stopped. Peers on other hosts cannot be looked at and are not
 named.
 
+The diagnosis of a stopped peer is decided once: the survivor that finds it stopped records
+``megazero/stopped/<rank>`` in the store *before* ending it, so a survivor that looks after the
+kill (and finds the process gone) still says "stopped", not "died".
+
 A stopped peer is ended with ``SIGKILL``: the job is ending, the launcher's ``SIGTERM`` cannot
 act on a stopped process (``torchrun`` waits ``--shutdown_timeout``, 30 s, before its own
 ``SIGKILL``), and until then the frozen rank holds its GPU memory and ports.
@@ -26,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _KEY = "megazero/proc/{}"
+_STOPPED = "megazero/stopped/{}"  # set before a stopped peer is killed
 
 
 _PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is in its exit (a kill -9 under way)
@@ -71,6 +76,18 @@ class PeerRegistry:
         except Exception:  # noqa: BLE001 - no store (its host is gone too): nothing to say
             return None
 
+    def _record_stopped(self, rank: int) -> None:
+        try:
+            self.store.set(_STOPPED.format(rank), "1")
+        except Exception:  # noqa: BLE001 - no store: the kill goes ahead, undiagnosed for others
+            pass
+
+    def _was_stopped(self, rank: int) -> bool:
+        try:
+            return bool(self.store.check([_STOPPED.format(rank)]))
+        except Exception:  # noqa: BLE001
+            return False
+
     def diagnose(self, ranks: Sequence[int], settle_s: float = 1.0) -> str | None:
         """What is wrong with the peers among ``ranks`` on this host, or None if nothing seen
         within ``settle_s`` (a killed peer may still be finishing its exit when its closed
@@ -95,9 +112,10 @@ class PeerRegistry:
             _, pid, start = entry
             stat = _stat(pid)
             if stat is None or stat[0] in "ZXx" or stat[1] != start:
-                dead.append(f"rank {r} (pid {pid})")
+                (stopped if self._was_stopped(r) else dead).append(f"rank {r} (pid {pid})")
             elif stat[0] in "Tt":
                 stopped.append(f"rank {r} (pid {pid})")
+                self._record_stopped(r)
                 try:
                     self._kill(pid, signal.SIGKILL)
                 except OSError:

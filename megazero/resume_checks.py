@@ -4,6 +4,14 @@
   the directory it is about to save to, which may not exist yet. A ``--load`` that names no
   directory is a typo, and training from scratch under it would waste the allocation.
   (Megatron warns and starts from random weights; here the path must be right.)
+* ``--load`` must be a checkpoint directory (the one holding the tracker), not one of its
+  iteration folders: ``--load ck/iter_0000040`` finds no tracker there, and starting from
+  scratch would then save over ``ck``'s own iterations. It is refused naming ``ck``.
+* ``--save`` must not hold checkpoints newer than where this run starts unless it is the
+  ``--load`` directory (a resume) or ``--overwrite-checkpoints`` says so: a new run saved into
+  an old run's directory overwrites its iterations one by one and moves ``latest`` back.
+  (Megatron does that silently; torchtitan resumes instead.) A ``--save`` equal to ``--load``
+  is a resume: checkpoints newer than the tracker are a rollback the user chose.
 * The learning-rate schedule (peak and minimum rate, decay style, warm-up and decay steps) must
   match the checkpoint's, as in Megatron's ``OptimizerParamScheduler.load_state_dict``:
   ``--override-opt_param-scheduler`` takes the flags given now, ``--use-checkpoint-opt_param-
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import fields, replace
 from typing import Any
 
@@ -37,8 +46,36 @@ _SCHEDULE = {
 }
 
 
+_ITER = re.compile(r"iter_(\d{7,})")
+
+
+def _checkpoint_root_of(path: str) -> tuple[str, int] | None:
+    """(root, iteration) when ``path`` is one iteration folder of a megazero checkpoint
+    directory: named ``iter_NNNNNNN`` with a ``metadata.json``, or inside a directory with a
+    tracker."""
+    path = os.path.normpath(os.path.abspath(path))
+    m = _ITER.fullmatch(os.path.basename(path))
+    if m is None:
+        return None
+    parent = os.path.dirname(path)
+    if os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(
+            os.path.join(parent, TRACKER)):
+        return parent, int(m.group(1))
+    return None
+
+
 def check_load_path(cfg: MegazeroConfig) -> None:
     ck = cfg.checkpoint
+    inside = _checkpoint_root_of(ck.load) if ck.load else None
+    if inside is not None:
+        root, iteration = inside
+        latest = _tracker(root)
+        which = (f"it resumes from iteration {latest}, the one {TRACKER} names" if latest
+                 is not None else f"it has no {TRACKER} yet")
+        pick = ("" if latest == iteration else f"; to resume from iteration {iteration} "
+                f"instead, write {iteration} into {os.path.join(root, TRACKER)} first")
+        raise ConfigError(f"--load {ck.load} is one iteration folder of the checkpoint "
+                          f"directory {root}: pass --load {root} ({which}){pick}")
     if not ck.load or os.path.isdir(ck.load):
         return
     if ck.save and os.path.abspath(ck.save) == os.path.abspath(ck.load):
@@ -48,6 +85,52 @@ def check_load_path(cfg: MegazeroConfig) -> None:
                           f"(the one holding {TRACKER})")
     raise ConfigError(f"--load {ck.load}: no such directory; check the path, or drop --load to "
                       f"start from scratch (a --load equal to --save may not exist yet)")
+
+
+def _tracker(root: str) -> int | None:
+    try:
+        with open(os.path.join(root, TRACKER), encoding="utf-8") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _complete(root: str) -> list[int]:
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        m = _ITER.fullmatch(name)
+        if m and os.path.isfile(os.path.join(root, name, "metadata.json")):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def check_save_path(cfg: MegazeroConfig) -> None:
+    """``--save`` holds no checkpoint newer than where this run starts (module docstring)."""
+    ck = cfg.checkpoint
+    if not ck.save or ck.overwrite_checkpoints or not os.path.isdir(ck.save):
+        return
+    same = bool(ck.load) and os.path.abspath(str(ck.load)) == os.path.abspath(ck.save)
+    if same:
+        return
+    start = 0
+    if ck.load and not ck.finetune:
+        start = _tracker(ck.load) or 0
+    done = _complete(ck.save)
+    newer = [i for i in done if i > start]
+    if not newer:
+        return
+    latest = _tracker(ck.save)
+    held = (f"checkpoints up to iteration {newer[-1]}" + (f" (latest: {latest})" if latest
+                                                          is not None else ""))
+    if not ck.load:
+        start_text = "this run starts from scratch (no --load)"
+    elif ck.finetune:
+        start_text = f"this run starts at iteration 0 (--load {ck.load} with --finetune)"
+    else:
+        start_text = f"this run starts from --load {ck.load} at iteration {start}"
+    raise ConfigError(f"--save {ck.save} already holds {held}, and {start_text}: saving there "
+                      f"would overwrite them. To resume that run, add --load {ck.save}; to start "
+                      f"a new run over them, add --overwrite-checkpoints; or give another --save")
 
 
 def saved_config(load_dir: str) -> dict[str, Any] | None:
@@ -115,6 +198,7 @@ def use_checkpoint_args(cfg: MegazeroConfig, saved: dict[str, Any] | None) -> Me
 def check_resume(cfg: MegazeroConfig) -> MegazeroConfig:
     """All the checks above; the config to train with."""
     check_load_path(cfg)
+    check_save_path(cfg)
     if cfg.checkpoint.load and os.path.isdir(cfg.checkpoint.load):
         from megazero.checkpoint.reader import refuse_foreign
 

@@ -3,15 +3,19 @@
 Why: a run that learns at hour six that its checkpoint directory is read-only, a file, or on
 a full disk has lost six hours. At start-up the directory must exist or be creatable, accept a
 file, and have room for one checkpoint of this model: the parameter and optimizer-state bytes
-every rank holds (the engine's own accounting), summed over ranks.
+every rank holds (the engine's own accounting), summed over ranks. Before that check the
+directory is claimed for this run (:func:`claim_save_dir`, one job at a time) and megazero's own
+failed saves there are removed, so the space they hold is not counted against the run.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -98,3 +102,112 @@ def check_save_dir(path: str | None, rank_bytes: int, topo: ParallelTopology, de
     if failed.item() > 0:
         raise ConfigError(problem or f"--save {path}: another rank cannot write there (see "
                           f"its message)")
+
+
+def remove_failed_saves(path: str) -> tuple[list[str], int]:
+    """megazero's own leftovers in ``path``: ``*.tmp.<pid>`` files of interrupted writes, and
+    iteration folders that never became complete (no ``metadata.json``) and hold only
+    megazero's file names. Call only while this job holds the directory's lock. Returns what
+    was removed and how many bytes that freed."""
+    from megazero.checkpoint.files import TMP_TAG
+    from megazero.checkpoint.reader import MARKER
+
+    removed: list[str] = []
+    freed = 0
+
+    def drop(file: str) -> None:
+        nonlocal freed
+        try:
+            size = os.path.getsize(file)
+            os.remove(file)
+        except OSError:
+            return
+        freed += size
+        removed.append(file)
+
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and TMP_TAG in name:
+            drop(full)
+        elif (os.path.isdir(full) and _ITER_DIR.fullmatch(name)
+              and not os.path.exists(os.path.join(full, MARKER)) and _only_ours(full)):
+            for base, _, names in os.walk(full):
+                for n in names:
+                    drop(os.path.join(base, n))
+            shutil.rmtree(full, ignore_errors=True)
+        elif os.path.isdir(full) and _ITER_DIR.fullmatch(name):
+            for base, _, names in os.walk(full):
+                for n in names:
+                    if TMP_TAG in n:
+                        drop(os.path.join(base, n))
+    return removed, freed
+
+
+_ITER_DIR = re.compile(r"iter_\d{7,}")
+_OUR_FILES = re.compile(r"(model|optim|optim_rng|extra_state)\.pt|config\.json|.*\.tmp\.\d+")
+_OUR_DIRS = re.compile(r"mp_rank_\d{2}_\d{3}(_\d{3})?")
+
+
+def _only_ours(directory: str) -> bool:
+    """Every entry under ``directory`` has a name megazero's save writes."""
+    for base, dirs, names in os.walk(directory):
+        if base != directory and not _OUR_DIRS.fullmatch(os.path.basename(base)):
+            return False
+        if any(not _OUR_FILES.fullmatch(n) for n in names):
+            return False
+        if any(not _OUR_DIRS.fullmatch(d) for d in dirs):
+            return False
+    return True
+
+
+def claim_save_dir(path: str, owner: Any, topo: ParallelTopology, device: Any) -> list[str]:
+    """Collective: rank 0 takes ``path``'s lock for ``owner``
+    (:mod:`megazero.checkpoint.ownership`), then removes megazero's own failed saves there, so
+    the free-space check that follows counts the space they held. Every rank raises alike when
+    another live job owns the directory. Returns rank 0's lines to log."""
+    import torch
+    import torch.distributed as dist
+
+    from megazero.checkpoint.ownership import SaveDirBusy, claim
+
+    lines: list[str] = []
+    problem = None
+    if topo.rank == 0:
+        problem = save_dir_problem(path, 0)  # a file, unwritable...: said as such first
+    if topo.rank == 0 and problem is None:
+        try:
+            taken_over = claim(path, owner)
+            if taken_over:
+                warnings.warn(taken_over, stacklevel=2)
+            removed, freed = remove_failed_saves(path)
+            if removed:
+                lines.append(f"> removed {len(removed)} files ({_human(freed)}) left in {path} "
+                             f"by an earlier save that did not complete")
+        except (SaveDirBusy, OSError) as e:
+            problem = str(e) if isinstance(e, SaveDirBusy) else (
+                f"--save {path}: cannot take the directory's lock: {e}")
+    failed = torch.tensor([float(problem is not None)], device=device)
+    if topo.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() > 0:
+        raise SaveDirBusy(problem or f"--save {path} is in use by another job (see rank 0's "
+                          f"message)")
+    return lines
+
+
+def save_allowed(path: str, owner: Any, topo: ParallelTopology, device: Any) -> None:
+    """Collective, before each save: the directory's lock still names this run (rank 0 checks
+    and refreshes it); otherwise every rank raises a CheckpointError and nothing is written."""
+    import torch
+    import torch.distributed as dist
+
+    from megazero.checkpoint.files import CheckpointError
+    from megazero.checkpoint.ownership import verify
+
+    problem = verify(path, owner) if topo.rank == 0 and owner is not None else None
+    failed = torch.tensor([float(problem is not None)], device=device)
+    if topo.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() > 0:
+        raise CheckpointError(problem or f"--save {path} now belongs to another job (see rank "
+                              f"0's message)")

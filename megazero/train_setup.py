@@ -15,31 +15,65 @@ from typing import Any
 import torch
 
 from megazero.config import ConfigError, MegazeroConfig
-from megazero.config.rules import num_microbatches
+from megazero.config.rules import check_rampup, num_microbatches, rampup_batch_size
 from megazero.errors import DataError, MegazeroError
 from megazero.topology import ParallelTopology
 
 
 @dataclass(frozen=True)
 class Batching:
-    """The batch arithmetic of one run (Megatron's names)."""
+    """The batch arithmetic of one run (Megatron's names). With ``rampup`` (Megatron's
+    ``--rampup-batch-size``) the global batch of an iteration depends on the samples consumed
+    before it (:func:`megazero.config.rules.rampup_batch_size`); ``global_batch_size`` and
+    ``num_microbatches`` are then the full size the ramp reaches."""
 
     micro_batch_size: int
     global_batch_size: int
     num_microbatches: int
     train_iters: int
+    dp: int = 1
+    rampup: tuple[int, int, int] | None = None
 
     @classmethod
     def from_config(cls, cfg: MegazeroConfig, dp: int) -> Batching:
         t = cfg.train
         gbs = t.global_batch_size or t.micro_batch_size * dp
         count = num_microbatches(gbs, t.micro_batch_size, dp)
+        rampup = t.rampup_batch_size
+        if rampup is not None:
+            check_rampup(rampup, gbs, t.micro_batch_size, dp)
         iters = t.train_iters
         if iters is None and t.train_samples is not None:
-            iters = t.train_samples // gbs
+            iters = cls(t.micro_batch_size, gbs, count, 1, dp, rampup).iters_for(t.train_samples)
         if not iters:
             raise ConfigError("set --train-iters (or --train-samples) to say how long to train")
-        return cls(t.micro_batch_size, gbs, count, iters)
+        return cls(t.micro_batch_size, gbs, count, iters, dp, rampup)
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        if self.rampup is None:
+            return self.global_batch_size
+        return rampup_batch_size(self.rampup, self.global_batch_size, consumed_samples)
+
+    def microbatches_at(self, consumed_samples: int) -> int:
+        return self.global_batch_at(consumed_samples) // (self.micro_batch_size * self.dp)
+
+    def iters_for(self, samples: int) -> int:
+        """Iterations until ``samples`` are consumed (Megatron: whole batches only)."""
+        if self.rampup is None:
+            return samples // self.global_batch_size
+        consumed = iters = 0
+        while consumed + self.global_batch_at(consumed) <= samples:
+            if self.global_batch_at(consumed) == self.global_batch_size:
+                return iters + (samples - consumed) // self.global_batch_size
+            consumed += self.global_batch_at(consumed)
+            iters += 1
+        return iters
+
+    @property
+    def sampler_batch(self) -> int:
+        """The unit the sampler serves whole: the global batch, or with a ramp one micro-batch
+        per data-parallel rank (iterations then draw as many as their batch needs)."""
+        return self.global_batch_size if self.rampup is None else self.micro_batch_size * self.dp
 
 
 def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
@@ -60,10 +94,18 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
                               f"{d.tokenizer_type}")
         tok: Any = NullTokenizer(cfg.model.vocab_size)
     elif d.data_path:
+        if not d.tokenizer_type and d.vocab_file and d.merge_file:
+            # Megatron's default tokenizer: GPT-2's BPE from --vocab-file and --merge-file.
+            d = replace(d, tokenizer_type="GPT2BPETokenizer")
+            cfg = replace(cfg, data=d)
+            log("> tokenizer: GPT2BPETokenizer (Megatron's default, from --vocab-file and "
+                "--merge-file)")
         if not d.tokenizer_type:
-            raise ConfigError("--data-path needs --tokenizer-type (SentencePieceTokenizer with "
-                              "--tokenizer-model, GPT2BPETokenizer with --vocab-file and "
-                              "--merge-file, or NullTokenizer with --vocab-size)")
+            raise ConfigError("--data-path needs a tokenizer: --vocab-file and --merge-file "
+                              "(GPT-2 BPE, Megatron's default), or --tokenizer-type "
+                              "(SentencePieceTokenizer with --tokenizer-model, "
+                              "HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer "
+                              "with --vocab-size)")
         try:
             tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
                                   vocab_file=d.vocab_file, merge_file=d.merge_file,
@@ -123,13 +165,16 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
     from megazero.data.builder import build_data_iterator
 
     return build_data_iterator(dataset, batching.micro_batch_size, topo.dp_rank, topo.dp_size,
-                               batching.global_batch_size, consumed_samples, cyclic=cyclic)
+                               batching.sampler_batch, consumed_samples, cyclic=cyclic)
 
 
-def get_batch(data_iterator: Iterator[dict],
-              device: torch.device | None = None) -> dict[str, torch.Tensor]:
+def get_batch(data_iterator: Iterator[dict], device: torch.device | None = None,
+              eod_mask: int | None = None) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
-    ``labels [b, s]``, on ``device``.
+    ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
+    ``--eod-mask-loss``) also ``loss_mask [b, s]``: 0 where the input token is that id, so no
+    loss is taken on predicting a new document's first token from the previous one's end
+    (Megatron's rule).
 
     The batch is moved once, here, where it is drawn: on CUDA from pinned host memory with a
     non-blocking copy, so the transfer overlaps the work already queued on the GPU.
@@ -137,7 +182,10 @@ def get_batch(data_iterator: Iterator[dict],
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
         tokens = tokens.pin_memory().to(device, non_blocking=True)
-    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    if eod_mask is not None:
+        batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    return batch
 
 
 def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,

@@ -21,6 +21,7 @@ saving (:mod:`megazero.divergence`); a stuck or orphaned rank is ended by the wa
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import sys
@@ -35,8 +36,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.ownership import (
+    HEARTBEAT_S,
+    RunOwner,
+    heartbeat,
+    new_run_id,
+    release,
+)
 from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
-from megazero.config import MegazeroConfig
+from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.dist_init import (
     DistEnv,
@@ -44,7 +52,16 @@ from megazero.dist_init import (
     initialize_distributed,
     set_seed,
 )
-from megazero.divergence import TrainingDivergedError, note_nonfinite, params_finite
+from megazero.divergence import (
+    PendingSave,
+    SpikeWatch,
+    TrainingDivergedError,
+    discard_checkpoint,
+    note_nonfinite,
+    params_finite,
+    read_tracker_text,
+    spike_kept_from_save,
+)
 from megazero.errors import claim_report, expected_errors
 from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes, sigterm_deferred
 from megazero.flops import gpt_flops_per_iteration, peak_flops
@@ -53,7 +70,7 @@ from megazero.monitor import Monitor, Timers
 from megazero.peers import PeerRegistry
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.resume_checks import check_resume
-from megazero.save_check import check_save_dir, checkpoint_bytes
+from megazero.save_check import check_save_dir, checkpoint_bytes, claim_save_dir, save_allowed
 from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import GROUP_KINDS, ParallelTopology
 from megazero.train_setup import (
@@ -84,6 +101,7 @@ class TrainState:
     history: deque[dict[str, float]] = field(
         default_factory=lambda: deque(maxlen=HISTORY_LENGTH))
     nonfinite_streak: int = 0  # NaN/inf steps in a row, reset by a finite one
+    spikes: SpikeWatch = field(default_factory=SpikeWatch)  # steps not worth saving
 
 
 @dataclass
@@ -104,6 +122,15 @@ class Run:
     state: TrainState
     watchdog: Watchdog | None = None
     checkpoint_writer: Any = None  # a megazero.checkpoint.files.Writer; None = the default
+    owner: RunOwner | None = None  # rank 0: the run holding the --save directory's lock
+    eod_mask: int | None = None  # --eod-mask-loss: the end-of-document id whose next is masked
+
+    def close(self) -> None:
+        """Close the log sinks and give the ``--save`` directory's lock back."""
+        self.monitor.close()
+        if self.owner is not None and self.cfg.checkpoint.save:
+            release(self.cfg.checkpoint.save, self.owner)
+            self.owner = None
 
     @property
     def sp(self) -> bool:
@@ -120,8 +147,10 @@ class Run:
 
 
 def _schedule(run: Run, data_iter, forward_only: bool,
-              activation_meter: ActivationMeter | None = None) -> list[float]:
-    """One pass of the pipeline schedule over ``m`` micro-batches; returns their mean losses."""
+              activation_meter: ActivationMeter | None = None,
+              num_microbatches: int | None = None) -> list[float]:
+    """One pass of the pipeline schedule over ``num_microbatches`` micro-batches (default: a
+    full global batch's); returns their mean losses."""
     from megazero.pipeline.executor import default_loss_fn, forward_backward
 
     scale = run.engine.loss_scale if (run.cfg.precision.fp16 and not forward_only) else 1.0
@@ -133,7 +162,8 @@ def _schedule(run: Run, data_iter, forward_only: bool,
 
     m = run.cfg.model
     losses = forward_backward(
-        run.chunks, data_iter, run.topo, run.batching.num_microbatches, m.seq_length,
+        run.chunks, data_iter, run.topo,
+        num_microbatches or run.batching.num_microbatches, m.seq_length,
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=_timed_get_batch(run),
@@ -143,7 +173,7 @@ def _schedule(run: Run, data_iter, forward_only: bool,
 
 
 def _timed_get_batch(run: Run):
-    fetch = functools.partial(get_batch, device=run.env.device)
+    fetch = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask)
     if not run.timers.enabled:
         return fetch
 
@@ -178,7 +208,9 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
     with t.region("backward"), run.phase(f"iteration {it}: forward-backward (pipeline "
                                          "schedule)", "mp"):
         losses = _schedule(run, data_iter, forward_only=False,
-                           activation_meter=mem.meter if mem is not None else None)
+                           activation_meter=mem.meter if mem is not None else None,
+                           num_microbatches=run.batching.microbatches_at(
+                               run.state.consumed_samples))
     with t.region("grad sync (local)"), run.phase(f"iteration {it}: gradient sync", "dp"):
         run.engine.finish_grad_sync()
     if mem is not None:
@@ -237,13 +269,15 @@ def _save(run: Run) -> None:
     if not ck.save:
         return
     t0 = time.perf_counter()
+    save_allowed(ck.save, run.owner, run.topo, run.env.device)  # still this run's directory
     # A write that fails (a full disk, a directory gone or made read-only) is a CheckpointError
     # on every rank; a collective that fails (a peer died mid-save) stays the backend's error.
     save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
                     optimizer=run.engine, scheduler=run.scheduler,
                     consumed_samples=run.state.consumed_samples, config=run.cfg,
                     zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
-                    writer=run.checkpoint_writer)
+                    writer=run.checkpoint_writer,
+                    run_id=run.owner.run_id if run.owner is not None else None)
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 
@@ -274,13 +308,18 @@ def _load(run: Run) -> None:
                          f"{res.iteration}")
 
 
-def _save_if_sound(run: Run, why: str) -> bool:
+def _save_if_sound(run: Run, why: str, saved_at: int | None = None) -> bool:
     """Save unless the state is not worth keeping: the last step had a NaN/inf loss or
-    gradient (its weights produce garbage), or a weight is NaN/inf. ``latest`` then keeps
+    gradient (its weights produce garbage), the run is in a loss or grad-norm spike
+    (:class:`~megazero.divergence.SpikeWatch`), or a weight is NaN/inf. ``latest`` then keeps
     naming the last sound checkpoint."""
     if not run.cfg.checkpoint.save:
         return False
     st = run.state
+    if st.spikes.since is not None:  # the same global loss and norm on every rank
+        run.monitor.info(spike_kept_from_save(st.spikes, st.iteration, saved_at,
+                                              run.cfg.checkpoint.save))
+        return False
     if st.nonfinite_streak or not params_finite(run.chunks, run.topo, run.env.device):
         run.monitor.info(f"not saving the {why} checkpoint at iteration {st.iteration}: the "
                          f"model's loss, gradients or weights are NaN/inf; the last checkpoint "
@@ -290,11 +329,26 @@ def _save_if_sound(run: Run, why: str) -> bool:
     return True
 
 
+def _discard_save(run: Run, pending: PendingSave, saved_at: int | None) -> int | None:
+    """The step after a save spiked: the weights that save holds came out of the update that
+    caused it. Rank 0 puts ``latest`` back and removes the save; returns the newest sound
+    checkpoint."""
+    save_dir = run.cfg.checkpoint.save
+    assert save_dir
+    if run.topo.rank == 0:
+        discard_checkpoint(save_dir, pending.iteration, pending.tracker_before)
+    kept = (f"the checkpoint of iteration {pending.saved_before} is the latest again"
+            if pending.saved_before is not None else "no checkpoint of this run is kept")
+    run.monitor.info(f"discarded the checkpoint of iteration {pending.iteration}: the step "
+                     f"after it is a spike ({run.state.spikes.why}), so the update it saved "
+                     f"is suspect; {kept}")
+    return pending.saved_before
+
+
 def train(run: Run) -> TrainState:
     cfg, st, b = run.cfg, run.state, run.batching
     log_interval = run.monitor.config.log_interval
-    flops = gpt_flops_per_iteration(cfg.model, b.global_batch_size,
-                                    run.chunks[0].padded_vocab_size)
+    vocab = run.chunks[0].padded_vocab_size
     peak = None
     if run.env.device.type == "cuda":
         peak = peak_flops(torch.cuda.get_device_name(run.env.device),
@@ -302,18 +356,27 @@ def train(run: Run) -> TrainState:
     data_iter = batch_iterator(run.train_ds, b, run.topo, st.consumed_samples)
     flags = ExitFlags()
     flags.install()
+    # --manual-gc (Megatron): a collection pauses one rank at an arbitrary point and every other
+    # rank waits for it at the next collective; collecting every N iterations on all ranks at
+    # once turns those stalls into one known pause.
+    gc_every = cfg.train.manual_gc_interval if cfg.train.manual_gc else 0
+    if cfg.train.manual_gc:
+        gc.disable()
+        gc.collect()
     start = time.time()
     saved_at = st.iteration if cfg.checkpoint.load else None
+    pending: PendingSave | None = None
     run.timers.pop_all()
     run.timers.pop_overlapped()
     run.monitor.start_interval()
     try:
         while st.iteration < b.train_iters:
             t0 = time.perf_counter()
+            gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
             loss, result, votes = train_step(
                 run, data_iter, lambda: exit_votes(cfg.train, flags, start))
             st.iteration += 1
-            st.consumed_samples += b.global_batch_size
+            st.consumed_samples += gbs
             t = run.timers
             with t.region("logging"):
                 phases = t.pop_all() if st.iteration % log_interval == 0 else None
@@ -322,27 +385,47 @@ def train(run: Run) -> TrainState:
                 st.history.append({"iteration": st.iteration, "loss": loss,
                                    "grad_norm": result.grad_norm,
                                    "loss_scale": result.loss_scale,
-                                   "skipped": float(result.skipped)})
+                                   "skipped": float(result.skipped),
+                                   **({"num_zeros": result.num_zeros}
+                                      if result.num_zeros is not None else {})})
                 if st.iteration % log_interval == 0:
                     norm = None if result.skipped or math.isnan(result.grad_norm) else (
                         result.grad_norm)
                     run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
-                                       run.scheduler.get_lr(), b.global_batch_size,
-                                       cfg.model.seq_length, result.loss_scale, norm, flops,
+                                       run.scheduler.get_lr(), gbs,
+                                       cfg.model.seq_length, result.loss_scale, norm,
+                                       gpt_flops_per_iteration(cfg.model, gbs, vocab),
                                        run.topo.world_size, peak,
-                                       overlapped=t.pop_overlapped())
-            note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save)
+                                       overlapped=t.pop_overlapped(),
+                                       num_zeros=result.num_zeros)
+            spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)
+            if pending is not None:  # the step after a save judges the weights it saved
+                if spiked:
+                    saved_at = _discard_save(run, pending, saved_at)
+                pending = None
+            note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save,
+                           st.spikes)
+            if run.owner is not None and cfg.checkpoint.save:
+                heartbeat(cfg.checkpoint.save, every_s=HEARTBEAT_S)
+            if gc_every and st.iteration % gc_every == 0:
+                gc.collect()
             if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
                 with t.region("evaluation"), t.paused(), run.phase(
                         f"evaluation at iteration {st.iteration}", "mp"):
+                    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+                        gc.collect()
                     val = evaluate(run)
+                    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+                        gc.collect()
                 if val is not None:
                     run.monitor.report_validation(st.iteration, val)
             if (cfg.checkpoint.save_interval
                     and st.iteration % cfg.checkpoint.save_interval == 0):
                 with t.region("checkpoint save"), t.paused(), run.phase(
                         f"checkpoint save at iteration {st.iteration}", "world"):
-                    if _save_if_sound(run, "interval"):
+                    before = read_tracker_text(cfg.checkpoint.save)
+                    if _save_if_sound(run, "interval", saved_at):
+                        pending = PendingSave(st.iteration, before, saved_at)
                         saved_at = st.iteration
             stop, why = exit_decision(cfg.train, st.iteration, votes)
             if stop:
@@ -351,9 +434,11 @@ def train(run: Run) -> TrainState:
                 break
     finally:
         flags.uninstall()
+        if cfg.train.manual_gc:
+            gc.enable()
     if saved_at != st.iteration:
         with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
-            _save_if_sound(run, "final")
+            _save_if_sound(run, "final", saved_at)
     return st
 
 
@@ -374,7 +459,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     is_reporter = topo.rank == 0
     log = print if is_reporter else (lambda *a, **k: None)
     demo = not cfg.data.data_path and not cfg.data.mock_data
-    _, cfg = build_tokenizer_and_data_path(cfg, topo, log=log)
+    tokenizer, cfg = build_tokenizer_and_data_path(cfg, topo, log=log)
     if demo:
         log(f"> no --data-path: training on the built-in demo corpus, cached in "
             f"{os.path.dirname(cfg.data.data_path[0])} (--data-cache-path moves it)")
@@ -392,9 +477,25 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
     _describe(run)
+    run.state.spikes = SpikeWatch(cfg.train.spike_factor, cfg.train.spike_window)
+    if cfg.data.eod_mask_loss:
+        run.eod_mask = _eod_id(tokenizer)
+    engine.count_zeros_in_grad = cfg.logging.log_num_zeros_in_grad
+    if cfg.checkpoint.save:
+        run.owner = RunOwner.this_process(new_run_id()) if topo.rank == 0 else None
+        for line in claim_save_dir(cfg.checkpoint.save, run.owner, topo, env.device):
+            run.monitor.info(line)
     check_save_dir(cfg.checkpoint.save, checkpoint_bytes(engine), topo, env.device)
     _load(run)
     return run
+
+
+def _eod_id(tokenizer: Any) -> int:
+    eod = getattr(tokenizer, "eod", None)
+    if eod is None:
+        raise ConfigError(f"--eod-mask-loss: the tokenizer ({type(tokenizer).__name__}) has no "
+                          f"end-of-document token; drop the flag or use a tokenizer with one")
+    return int(eod)
 
 
 def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology) -> float:
@@ -447,6 +548,10 @@ def _describe(run: Run) -> None:
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
         f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
     ]
+    if b.rampup is not None:
+        start, inc, samples = b.rampup
+        lines.append(f"> batch ramp-up: global batch {start} growing by {inc} over the first "
+                     f"{samples:,} samples to {b.global_batch_size}")
     d = cfg.data
     if d.mock_data:
         lines.append("> data: --mock-data (random tokens)")
@@ -484,7 +589,7 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
         shutdown(run)
         raise
     finally:
-        run.monitor.close()
+        run.close()
     shutdown(run)
     return state
 

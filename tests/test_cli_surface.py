@@ -36,16 +36,20 @@ GOLDEN_FLAGS = """
 --micro-batch-size --global-batch-size --train-iters --train-samples --seed --deterministic-mode
 --eval-interval
 --eval-iters --exit-interval --exit-duration-in-mins --check-for-nan-in-loss-and-grad
---no-check-for-nan-in-loss-and-grad --max-nonfinite-steps --lr --min-lr --lr-decay-style
+--no-check-for-nan-in-loss-and-grad --max-nonfinite-steps --spike-factor --spike-window --lr
+--min-lr --lr-decay-style
 --lr-warmup-iters --lr-decay-iters --optimizer --sgd-momentum --weight-decay --adam-beta1
 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
---override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --lr-warmup-fraction
+--override-opt_param-scheduler --overwrite-checkpoints --use-checkpoint-opt_param-scheduler
+--lr-warmup-fraction
 --lr-warmup-samples --lr-decay-samples --kv-channels --use-checkpoint-args
 --tensorboard-dir --log-json --log-memory-phases --wall-clock-breakdown
+--rotary-percent --rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval
+--eod-mask-loss --log-num-zeros-in-grad
 """.split()
 
 CHOICES = {

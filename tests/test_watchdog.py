@@ -235,3 +235,31 @@ def test_sigterm_is_held_until_the_survivor_has_spoken():
         assert seen == ["message", "handler"]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_stopped_peer_is_called_stopped_by_every_survivor():
+    """Two survivors look at a SIGSTOPped peer: the first ends it, the second finds it gone.
+    Both must name it stopped (the diagnosis is recorded before the kill), not "died"."""
+    import signal
+    import socket
+
+    from megazero.peers import PeerRegistry, _stat
+
+    store = _Store()
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store.set("megazero/proc/2", f"{socket.gethostname()} {stopped.pid} "
+                                     f"{_stat(stopped.pid)[1]}")
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _stat(stopped.pid)[0] not in "Tt" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = PeerRegistry(store, 0).diagnose([0, 1, 2])
+        stopped.wait(timeout=10)  # really ended by the first survivor
+        second = PeerRegistry(store, 1).diagnose([0, 1, 2], settle_s=0.1)
+        assert "is stopped (SIGSTOP or a debugger)" in first, first
+        assert second is not None and "is stopped" in second and "died" not in second, second
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait()

@@ -133,22 +133,31 @@ def run(args: argparse.Namespace) -> dict:
     return {"prompt_ids": prompt, "output_ids": ids, "text": text}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Errors megazero raises on purpose (a missing or damaged checkpoint, a wrong flag) are one
+    ``generate_text.py: error: ...`` line and exit status 2, as in ``pretrain_gpt.py`` and
+    ``convert.py`` (``MEGAZERO_DEBUG=1`` adds the traceback)."""
     import torch.distributed as dist
 
+    from megazero.errors import expected_errors, report_error
+
     args = build_parser().parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except expected_errors() as e:
+        return report_error(e, "generate_text.py")
     if dist.is_initialized():
         rank = dist.get_rank()
         dist.destroy_process_group()
         if rank != 0:
-            return
+            return 0
     if args.json:
         print(json.dumps(result))
     else:
         print(result["text"] if result["text"] is not None else
               " ".join(map(str, result["output_ids"])))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

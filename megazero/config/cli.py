@@ -76,7 +76,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--distributed-backend", "parallel.distributed_backend"),
     _f("--distributed-timeout-minutes", "parallel.distributed_timeout_minutes", **_FL,
        help="timeout of every process group's collectives, and the watchdog's limit for one "
-            "iteration (default: %(default)s)"),
+            "iteration"),
     # model
     _f("--model-preset", "model.model_preset",
        help="start the model from a preset; flags given explicitly override it"),
@@ -90,6 +90,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--max-position-embeddings", "model.max_position_embeddings", **_I),
     _f("--position-embedding-type", "model.position_embedding_type"),
     _f("--rotary-base", "model.rotary_base", **_FL),
+    _f("--rotary-percent", "model.rotary_percent", **_FL),
     _f("--normalization", "model.normalization"),
     _f("--norm-epsilon", "model.norm_epsilon", **_FL),
     _f("--swiglu", "model.swiglu", **_ON),
@@ -123,7 +124,18 @@ FLAGS: tuple[Flag, ...] = (
        dest="check_for_nan_in_loss_and_grad", action="store_false",
        help="apply updates whatever their values (fp16 still skips overflow steps)"),
     _f("--max-nonfinite-steps", "train.max_nonfinite_steps", **_I,
-       help="stop after this many NaN/inf steps in a row (default: %(default)s)"),
+       help="stop after this many NaN/inf steps in a row"),
+    _f("--spike-factor", "train.spike_factor", **_FL,
+       help="a step whose loss is more than this many times max(1, the median of the recent "
+            "sound steps' losses), or whose grad norm is more than this many times theirs, is "
+            "a spike and is not saved; 0 turns the check off"),
+    _f("--rampup-batch-size", "train.rampup_batch_size", tuple, nargs=3, type=int,
+       metavar=("START", "INCREMENT", "SAMPLES")),
+    _f("--manual-gc", "train.manual_gc", **_ON),
+    _f("--manual-gc-interval", "train.manual_gc_interval", **_I),
+    _f("--no-manual-gc-eval", "train.manual_gc_eval", lambda v: not v, **_ON),
+    _f("--spike-window", "train.spike_window", **_I,
+       help="how many recent sound steps the spike check takes the median over"),
     # optimizer and learning rate
     _f("--lr", "optimizer.lr", **_FL),
     _f("--min-lr", "optimizer.min_lr", **_FL),
@@ -167,6 +179,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--vocab-file", "data.vocab_file"),
     _f("--merge-file", "data.merge_file"),
     _f("--data-cache-path", "data.data_cache_path"),
+    _f("--eod-mask-loss", "data.eod_mask_loss", **_ON),
     # checkpoints
     _f("--save", "checkpoint.save"),
     _f("--load", "checkpoint.load"),
@@ -178,11 +191,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("--use-checkpoint-opt_param-scheduler", "checkpoint.use_checkpoint_opt_param_scheduler",
        **_ON),
     _f("--use-checkpoint-args", "checkpoint.use_checkpoint_args", **_ON),
+    _f("--overwrite-checkpoints", "checkpoint.overwrite_checkpoints", **_ON),
     # logging
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),
     _f("--log-memory-phases", "logging.log_memory_phases", **_ON),
     _f("--wall-clock-breakdown", "logging.wall_clock_breakdown", **_ON),
+    _f("--log-num-zeros-in-grad", "logging.log_num_zeros_in_grad", **_ON),
     _f("--log-json", "logging.log_json", metavar="PATH"),
 )
 
@@ -264,11 +279,36 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     argv = rewrite_aliases(argv)
     parser = build_parser(explicit_only=True)
     args, unknown = parser.parse_known_args(argv)
-    for token in unknown:
-        name = token.split("=")[0]
-        known = [n for flag in FLAGS for n in flag.names]
-        raise ConfigError(f"command line: {suggest(name, known, token)}")
+    problems = _unknown_problems(unknown)
+    if len(problems) == 1:
+        raise ConfigError(f"command line: {problems[0]}")
+    if problems:
+        listed = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        raise ConfigError(f"command line: {len(problems)} arguments are not megazero's, all "
+                          f"listed here: {listed}")
     return args
+
+
+def _unknown_problems(unknown: Sequence[str]) -> list[str]:
+    """One message per unknown flag; the values that follow an unknown flag belong to it."""
+    known = [n for flag in FLAGS for n in flag.names]
+    problems: list[str] = []
+    after_flag = False
+    for token in unknown:
+        if token.startswith("-") and not _is_number(token):
+            problems.append(suggest(token.split("=")[0], known, token))
+            after_flag = True
+        elif not after_flag:
+            problems.append(suggest(token, known, token))
+    return problems
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False
 
 
 def flag_values(args: argparse.Namespace | dict[str, Any]) -> dict[str, tuple[str, Any]]:

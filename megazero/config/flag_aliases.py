@@ -39,6 +39,9 @@ EQUIVALENT_FLAGS: dict[str, tuple[str, ...]] = {
     "--log-throughput": (),
     "--log-timers-to-tensorboard": ("--wall-clock-breakdown",),
     "--log-validation-ppl-to-tensorboard": (),
+    "--cross-entropy-loss-fusion": (),
+    "--overlap-p2p-communication": (),
+    "--no-create-attention-mask-in-dataloader": (),
 }
 
 #: flag that takes a value -> it is accepted with no effect (the value is dropped too).
@@ -46,6 +49,9 @@ EQUIVALENT_WITH_VALUE: dict[str, str] = {
     "--num-workers": "samples are read from the mmap files in the training process",
     "--tensorboard-log-interval": "TensorBoard is written at every --log-interval",
     "--attention-backend": "flash-attn is used when installed and on GPU (--no-flash-attn: never)",
+    "--ckpt-format": "megazero writes one portable format, which like torch_dist loads at any "
+                     "layout",
+    "--cross-entropy-fusion-impl": "the vocab-parallel loss is one implementation",
 }
 
 #: flag -> what to write instead (the flag itself is rejected).
@@ -55,7 +61,6 @@ RENAMED_FLAGS: dict[str, str] = {
     "--checkpoint-activations": "--recompute-granularity full --recompute-method uniform",
     "--activations-checkpoint-method": "--recompute-method",
     "--sequence-parallel-size": "--sequence-parallel (a mode of the TP group)",
-    "--use-distributed-optimizer": "--zero-stage 1",
     "--warmup": "--lr-warmup-iters",
     "--local_rank": "nothing: launch with torchrun, which sets LOCAL_RANK",
     "--local-rank": "nothing: launch with torchrun, which sets LOCAL_RANK",
@@ -68,8 +73,6 @@ RENAMED_FLAGS: dict[str, str] = {
     "--use-flash-attn-triton": "--use-flash-attn",
     "--no-load-lr-state": "--use-checkpoint-opt_param-scheduler or "
                           "--override-opt_param-scheduler",
-    "--rampup-batch-size": "a constant --global-batch-size (batch-size ramp-up is not "
-                           "implemented)",
     "--wandb-project": 'the DeepSpeed JSON: "wandb": {"enabled": true, "project": "..."}',
     "--wandb-exp-name": 'the DeepSpeed JSON: "wandb": {"enabled": true, "group": "..."}',
     "--wandb-save-dir": 'the DeepSpeed JSON "wandb" block',
@@ -93,13 +96,24 @@ RENAMED_FLAGS: dict[str, str] = {
     "--apply-query-key-layer-scaling": "nothing: attention scores are scaled by 1/sqrt(head "
                                        "dim) in fp32",
     "--transformer-impl": "nothing: megazero has one transformer implementation",
+    "--qk-layernorm": "nothing: query/key LayerNorm is not implemented; drop the flag (the "
+                      "model is then a standard GPT)",
     "--tokenizer-name-or-path": "--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH",
 }
 
 
+#: Megatron's distributed optimizer shards the optimizer state over data-parallel ranks: ZeRO-1.
+DISTRIBUTED_OPTIMIZER = "--use-distributed-optimizer"
+
+
 def rewrite_aliases(argv: Sequence[str]) -> list[str]:
     """``argv`` with every :data:`EQUIVALENT_FLAGS` flag replaced by its megazero tokens and
-    every :data:`EQUIVALENT_WITH_VALUE` flag dropped with its value."""
+    every :data:`EQUIVALENT_WITH_VALUE` flag dropped with its value.
+    ``--use-distributed-optimizer`` becomes ``--zero-stage 1`` unless the stage is given
+    (``--zero-stage`` or a DeepSpeed JSON): every stage >= 1 shards the optimizer state."""
+    names = {t.partition("=")[0] for t in argv}
+    stage_given = bool(names & {"--zero-stage", "--deepspeed_config", "--deepspeed-config",
+                                "--deepscale_config"})
     out: list[str] = []
     skip = False
     for i, token in enumerate(argv):
@@ -107,7 +121,9 @@ def rewrite_aliases(argv: Sequence[str]) -> list[str]:
             skip = False
             continue
         name, has_value, _ = token.partition("=")
-        if name in EQUIVALENT_FLAGS and not has_value:
+        if name == DISTRIBUTED_OPTIMIZER and not has_value:
+            out.extend(() if stage_given else ("--zero-stage", "1"))
+        elif name in EQUIVALENT_FLAGS and not has_value:
             out.extend(EQUIVALENT_FLAGS[name])
         elif name in EQUIVALENT_WITH_VALUE:
             skip = not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("--")

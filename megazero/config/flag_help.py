@@ -48,6 +48,18 @@ HELP = {
     "--distributed-backend": "torch.distributed backend (default: nccl on GPU, gloo on CPU)",
     # model
     "--model-preset": "start the model from a preset; flags given explicitly override it",
+    "--rotary-percent": "the share of each head's dims that RoPE rotates, as GPT-NeoX's "
+                        "rotary_pct (the rest pass through)",
+    "--rampup-batch-size": "START INCREMENT SAMPLES: the global batch grows from START by "
+                           "INCREMENT in equal steps over the first SAMPLES samples, then stays "
+                           "at --global-batch-size (Megatron's ramp-up)",
+    "--manual-gc": "turn Python's automatic garbage collection off (stalls on one rank hold "
+                   "up all); collect every --manual-gc-interval iterations",
+    "--manual-gc-interval": "iterations between collections with --manual-gc (0: none while "
+                            "training)",
+    "--no-manual-gc-eval": "with --manual-gc, do not collect around evaluation",
+    "--eod-mask-loss": "no loss on the token that follows an end-of-document token",
+    "--log-num-zeros-in-grad": "count the gradient's zero elements and log them each line",
     "--num-layers": "transformer layers",
     "--hidden-size": "model width",
     "--num-attention-heads": "attention heads per layer",
@@ -141,6 +153,9 @@ HELP = {
     "--no-load-optim": "do not load the optimizer state (fresh Adam moments)",
     "--no-load-rng": "do not load the random-number-generator states",
     "--finetune": "load weights only: iteration 0, fresh optimizer and schedule",
+    "--overwrite-checkpoints": "start a new run in a --save directory that holds another run's "
+                               "newer checkpoints (refused otherwise): they are replaced as this "
+                               "run reaches their iterations",
     "--use-checkpoint-args": "take the model's shape (layers, widths, heads, positions, norm...) "
                              "from the --load checkpoint instead of the flags",
     # logging

@@ -179,6 +179,40 @@ def check_microbatch_groups(pp: int, num_microbatches: int | None, group_size: i
     return n
 
 
+def rampup_batch_size(rampup: tuple[int, int, int], global_batch: int, consumed: int) -> int:
+    """Megatron's batch-size ramp-up: the global batch after ``consumed`` samples. It starts at
+    START and grows by INCREMENT once every ``SAMPLES / ((global - START) / INCREMENT)``
+    samples, reaching ``global_batch`` after SAMPLES samples."""
+    start, increment, samples = rampup
+    steps = (global_batch - start) // increment
+    if steps <= 0 or samples <= 0:
+        return global_batch
+    per_step = samples / steps
+    return min(global_batch, start + int(consumed / per_step) * increment)
+
+
+def check_rampup(rampup: tuple[int, int, int], global_batch: int, micro_batch: int,
+                 dp: int | None) -> list[int]:
+    """The global batch sizes a ramp-up runs through (each a whole number of micro-batches
+    on every data-parallel rank); raises naming the value that does not fit."""
+    start, increment, samples = rampup
+    flag = f"--rampup-batch-size {start} {increment} {samples}"
+    check(start > 0 and increment > 0 and samples >= 0,
+          f"{flag}: START and INCREMENT must be > 0 and SAMPLES >= 0")
+    check(start <= global_batch and (global_batch - start) % increment == 0,
+          f"{flag}: the ramp must reach --global-batch-size {global_batch} in whole "
+          f"increments from START (global - START = {global_batch - start} is not a "
+          f"multiple of {increment})")
+    sizes = list(range(start, global_batch + 1, increment))
+    if dp is not None:
+        step = micro_batch * dp
+        bad = [g for g in sizes if g % step]
+        check(not bad, f"{flag}: global batch {bad[0] if bad else 0} of the ramp is not a "
+              f"multiple of --micro-batch-size {micro_batch} x data-parallel size {dp} = {step}; "
+              f"make START and INCREMENT multiples of {step}")
+    return sizes
+
+
 def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -193,8 +227,24 @@ def validate(cfg: MegazeroConfig) -> None:
             if step > 0 and t.global_batch_size % step == 0:
                 count = t.global_batch_size // step
         check_microbatch_groups(pp, count, p.microbatch_group_size_per_vp_stage, step)
+        if t.rampup_batch_size is not None and step and count is not None:
+            for g in check_rampup(t.rampup_batch_size, t.global_batch_size or step,
+                                  t.micro_batch_size, p.dp):
+                check_microbatch_groups(pp, g // step, p.microbatch_group_size_per_vp_stage,
+                                        step)
+    if t.rampup_batch_size is not None:
+        check(t.global_batch_size is not None, "--rampup-batch-size needs --global-batch-size "
+              "(the size the ramp reaches)")
+        check_rampup(t.rampup_batch_size, t.global_batch_size or 0, t.micro_batch_size,
+                     p.dp if p.world_size is not None else None)
+    check(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got "
+          f"{t.manual_gc_interval}")
     check(t.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1 (non-finite "
           f"steps in a row before the run stops), got {t.max_nonfinite_steps}")
+    check(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor must be 0 (off) or > 1 "
+          f"(how many times the recent median a spike is), got {t.spike_factor}")
+    check(t.spike_window >= 1, f"--spike-window must be >= 1 (sound steps the spike check "
+          f"takes the median over), got {t.spike_window}")
     check(p.distributed_timeout_minutes > 0, f"--distributed-timeout-minutes must be > 0, got "
           f"{p.distributed_timeout_minutes}")
     check(t.micro_batch_size >= 1, f"--micro-batch-size (train_micro_batch_size_per_gpu) must "

@@ -39,6 +39,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's dims RoPE rotates (GPT-NeoX, Megatron)
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
@@ -78,6 +79,10 @@ class ModelConfig:
         _check(self.kv_channels in (None, self.head_dim),
                f"--kv-channels {self.kv_channels}: megazero's head width is --hidden-size / "
                f"--num-attention-heads = {self.head_dim}; drop --kv-channels or make them agree")
+        rot = self.head_dim * self.rotary_percent
+        _check(0 < self.rotary_percent <= 1 and rot == int(rot) and int(rot) % 2 == 0,
+               f"--rotary-percent {self.rotary_percent}: expected 0 < p <= 1 with head dim "
+               f"{self.head_dim} x p an even integer (e.g. 0.25, 0.5, 1.0)")
         _check(self.max_positions >= self.seq_length,
                f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
                f"--seq-length {self.seq_length}")
@@ -85,6 +90,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates; the rest pass through."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def query_groups(self) -> int:
@@ -219,6 +229,7 @@ class DataConfig:
     vocab_file: str | None = None
     merge_file: str | None = None
     data_cache_path: str | None = None
+    eod_mask_loss: bool = False  # Megatron: no loss on the token that follows an end-of-document
 
 
 @dataclass(frozen=True)
@@ -238,6 +249,14 @@ class TrainConfig:
     # stop the run after this many such steps in a row (the weights themselves are then bad).
     check_for_nan_in_loss_and_grad: bool = True
     max_nonfinite_steps: int = 3
+    spike_factor: float = 10.0  # a step this many times the recent median is a spike; 0: off
+    spike_window: int = 50  # sound steps the median is taken over
+    # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START
+    # by INCREMENT over the first SAMPLES samples (in equal steps), then stays at its full size.
+    rampup_batch_size: tuple[int, int, int] | None = None
+    manual_gc: bool = False  # Python's automatic GC off; collected every manual_gc_interval
+    manual_gc_interval: int = 0  # iterations between collections (0: none during training)
+    manual_gc_eval: bool = True  # also collect around evaluation
 
 
 @dataclass(frozen=True)
@@ -251,6 +270,7 @@ class LoggingConfig:
     wandb: dict[str, Any] = field(default_factory=dict)
     csv_monitor: dict[str, Any] = field(default_factory=dict)
     log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
+    log_num_zeros_in_grad: bool = False  # Megatron: count the gradient's zeros, logged each line
 
 
 @dataclass(frozen=True)
@@ -264,6 +284,7 @@ class CheckpointConfig:
     override_opt_param_scheduler: bool = False  # on resume: the schedule flags given now win
     use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins
     use_checkpoint_args: bool = False  # take the model's shape from the --load checkpoint
+    overwrite_checkpoints: bool = False  # --save may hold another run's newer checkpoints
 
 
 @dataclass(frozen=True)

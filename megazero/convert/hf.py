@@ -149,7 +149,7 @@ def megazero_preset(m: ModelConfig) -> str:
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm",
                 swiglu=False, add_bias_linear=True)
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                 add_bias_linear=False, openai_gelu=False)
+                 add_bias_linear=False, openai_gelu=False, rotary_percent=1.0)
     for name, want in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(m, k) == v for k, v in want.items()):
             if name == "gpt2" and m.query_groups != m.num_attention_heads:

@@ -138,7 +138,7 @@ class GPTModel(nn.Module):
 
         self.embedding = (scope(Embedding(config, parallel=parallel), "embedding")
                           if pre_process else None)
-        self.rotary = (RotaryEmbedding(config.head_dim, config.max_positions, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.max_positions, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, layer_range, parallel=parallel,
                                         post_process=post_process)
@@ -168,7 +168,7 @@ class GPTModel(nn.Module):
         if self.rotary is not None and self.rotary.cos.is_meta:
             c = self.config
             with torch.device(device):
-                self.rotary = RotaryEmbedding(c.head_dim, c.max_positions, c.rotary_base)
+                self.rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base)
 
     def param_initializer(self, device: torch.device) -> ParamInitializer:
         """What computes any element of this model's parameters (for ZeRO-3 to materialise

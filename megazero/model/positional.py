@@ -1,4 +1,7 @@
-"""Rotary position embeddings (RoPE), Megatron/GPT-NeoX "rotate half" convention."""
+"""Rotary position embeddings (RoPE), Megatron/GPT-NeoX "rotate half" convention.
+
+With ``--rotary-percent p`` (GPT-NeoX's ``rotary_pct``) the tables cover the first
+``head_dim * p`` dims of each head; :func:`apply_rotary` rotates those and passes the rest."""
 
 from __future__ import annotations
 
@@ -31,5 +34,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[s, b, heads, head_dim]`` by position."""
-    return x * cos + _rotate_half(x) * sin
+    """Rotate ``x`` of shape ``[s, b, heads, head_dim]`` by position (its first
+    ``cos.shape[-1]`` dims when the tables are narrower than the head)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head, rest = x[..., :rot], x[..., rot:]
+    return torch.cat([head * cos + _rotate_half(head) * sin, rest], dim=-1)

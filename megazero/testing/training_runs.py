@@ -29,6 +29,6 @@ def train_in_rank(rank: int, world: int, args: list[str], writer=None, keep_run=
     try:
         state = train(run)
     finally:
-        run.monitor.close()
+        run.close()
     losses = {int(h["iteration"]): h["loss"] for h in state.history}
     return (losses, run) if keep_run else losses

@@ -28,6 +28,14 @@ def sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).pow(2).sum()
 
 
+def count_zeros(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """How many elements of ``grads`` are exactly zero (float64 scalar: counts past 2**24)."""
+    counts = [(g == 0).sum() for g in grads if g.numel()]
+    if not counts:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(counts).sum().to(torch.float64)
+
+
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """Scale to apply to every gradient so that the global norm is at most ``max_norm``."""
     if max_norm <= 0 or not math.isfinite(total_norm):

@@ -46,6 +46,7 @@ class StepResult:
     skipped: bool
     nonfinite: bool = False  # NaN/inf loss or (fp32/bf16) gradients; see ZeroOptimizer.step
     sums: tuple[float, ...] = ()  # the caller's ``also_sum`` values, summed over every rank
+    num_zeros: float | None = None  # zero gradient elements of the model (count_zeros_in_grad)
 
 
 @dataclass
@@ -86,6 +87,9 @@ class ZeroOptimizer:
     training loop drive its ``no_sync`` / ``start_grad_sync`` / ``finish_grad_sync``; stage 0
     (plain all-reduce, no sharding) is how a run without ZeRO synchronises gradients.
     """
+
+    #: Count the gradient's zero elements in each step (Megatron's --log-num-zeros-in-grad).
+    count_zeros_in_grad: bool = False
 
     def __init__(self, stores: list[ParamStore], masters: MasterParams, comms: Comms,
                  topo: ParallelTopology,
@@ -220,23 +224,29 @@ class ZeroOptimizer:
         # (as Megatron's --check-for-nan-in-loss-and-grad and DeepSpeed's fp16 check on the
         # norm), with no separate pass over the gradients.
         tp_rank = self.topo.tp_rank
-        sq = clip_grads.sum_of_squares(
-            p.grad for p in pieces if not is_duplicate_copy(p.param, tp_rank))
+        owned = [p.grad for p in pieces if not is_duplicate_copy(p.param, tp_rank)]
+        sq = clip_grads.sum_of_squares(owned)
+        # Megatron's --log-num-zeros-in-grad: the same elements as the norm, counted once.
+        zeros = (clip_grads.count_zeros(owned) if self.count_zeros_in_grad
+                 else torch.zeros((), dtype=torch.float64))
         if self.zero.stage == 0 and self.topo.dp_rank != 0:
             sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
+            zeros = zeros * 0
         scalars = torch.cat([
             sq.reshape(1).to(self.device, torch.float64),
+            zeros.reshape(1).to(self.device, torch.float64),
             torch.tensor([float(not loss_is_finite), *also_sum], dtype=torch.float64,
                          device=self.device)])
         self.comms.world.all_reduce(scalars, what="scalar")
-        total_sq, bad_loss_count, *sums = scalars.tolist()
+        total_sq, num_zeros, bad_loss_count, *sums = scalars.tolist()
+        counted = num_zeros if self.count_zeros_in_grad else None
         bad_grad, bad_loss = not math.isfinite(total_sq), bad_loss_count > 0
         if (self.precision.fp16 or skip_nonfinite) and (bad_grad or bad_loss):
             self._end_step()
             if self.precision.fp16:
                 self.scaler.update(overflow=True)
             nonfinite = bad_loss or not self.precision.fp16
-            return StepResult(False, float("nan"), scale, True, nonfinite, tuple(sums))
+            return StepResult(False, float("nan"), scale, True, nonfinite, tuple(sums), counted)
         norm = math.sqrt(max(total_sq, 0.0)) / scale
         coef = clip_grads.clip_coefficient(norm, self.clip_grad)
         self.masters.step(coef / scale)
@@ -245,7 +255,7 @@ class ZeroOptimizer:
             store.after_step(chunk, not self.zero.allgather_partitions)
         self._end_step()
         self.scaler.update(overflow=False)
-        return StepResult(True, norm, scale, False, sums=tuple(sums))
+        return StepResult(True, norm, scale, False, sums=tuple(sums), num_zeros=counted)
 
     def _end_step(self) -> None:
         self._last_comm = self.comms.log.report()
