@@ -15,6 +15,7 @@ import argparse
 import math
 
 import torch
+import torch.distributed as dist
 
 import megazero
 
@@ -66,15 +67,24 @@ def main() -> None:
                 print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)
+        step_loss = torch.zeros((), device=engine.device)
         for batch in loader:
             batch = batch.to(engine.device)
             loss = engine(input_ids=batch, labels=batch).loss
             engine.backward(loss)
+            step_loss += loss.detach().float()
             engine.step()
-            if engine.was_step_applied() and engine.global_rank == 0:
-                print(f"step {engine.global_steps} loss {loss.item():.4f} "
-                      f"(perplexity {math.exp(loss.item()):.1f})", flush=True)
             boundary = engine.micro_steps % engine.gradient_accumulation_steps() == 0
+            if boundary:
+                # the step's loss: its micro-batches' mean, averaged over the ranks
+                step_loss /= engine.gradient_accumulation_steps()
+                if dist.is_initialized():
+                    dist.all_reduce(step_loss)
+                    step_loss /= dist.get_world_size()
+                if engine.was_step_applied() and engine.global_rank == 0:
+                    print(f"step {engine.global_steps} loss {step_loss.item():.4f} "
+                          f"(perplexity {math.exp(step_loss.item()):.1f})", flush=True)
+                step_loss.zero_()
             if boundary and args.save_dir and engine.global_steps % args.save_every == 0:
                 engine.save_checkpoint(args.save_dir, tag=f"step{engine.global_steps}",
                                        client_state={"epoch": epoch})

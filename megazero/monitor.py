@@ -33,10 +33,13 @@ TB_TAGS = ("lm loss", "lm loss validation", "learning-rate", "grad-norm", "loss-
            "batch-size", "iteration-time")
 
 
+GPU_MEMORY = "peak memory (MB)"
+
+
 def peak_memory() -> tuple[str, float]:
     """``(label, MB)``: the CUDA allocator's peak on GPU, else this process's peak RSS."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "peak memory (MB)", torch.cuda.max_memory_allocated() / 2**20
+        return GPU_MEMORY, torch.cuda.max_memory_allocated() / 2**20
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
     mb = rss_kb / 2**20 if sys.platform == "darwin" else rss_kb / 1024
     return "peak RSS (MB)", mb
@@ -82,7 +85,8 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, ms_
         f"number of skipped iterations: {skipped:3d}",
         f"number of nan iterations: {nan:3d}",
         f"tokens per second: {tokens_per_second:.1f}",
-        f"TFLOP/s per GPU: {tflops:.2f}",
+        # On the CPU a rank is a process, not a GPU (the memory column says which it is).
+        f"TFLOP/s per {'GPU' if memory[0] == GPU_MEMORY else 'process'}: {tflops:.2f}",
     ]
     if mfu is not None:
         parts.append(f"MFU: {100.0 * mfu:.1f}%")

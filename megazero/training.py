@@ -498,7 +498,8 @@ def _eod_id(tokenizer: Any) -> int:
     return int(eod)
 
 
-def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology) -> float:
+def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology,
+                          shapes: dict[int, torch.Size] | None = None) -> float:
     """This rank's share of the model's parameter count; summed over one data-parallel replica
     (the tp x pp ranks) it is the count of the model itself, the same at every layout.
 
@@ -507,13 +508,16 @@ def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology)
     copy of a tied word embedding not at all) are skipped; a TP-split tensor counts its slice;
     vocabulary pad rows (the vocabulary is padded to a multiple of
     ``make_vocab_size_divisible_by x tp``) are not parameters of the model.
+    ``shapes`` (``id(param)`` -> TP-shard shape) counts the parameters ZeRO-3 has partitioned
+    (their ``.data`` holds a data-parallel partition, or nothing) at their full size.
     """
     share = 0.0
     for c in chunks:
         for p in c.parameters():
             if is_duplicate_copy(p, topo.tp_rank):
                 continue
-            share += p.numel() * getattr(p, "vocab_size", 1) / getattr(p, "padded_vocab_size", 1)
+            numel = math.prod(shapes[id(p)]) if shapes and id(p) in shapes else p.numel()
+            share += numel * getattr(p, "vocab_size", 1) / getattr(p, "padded_vocab_size", 1)
     return share
 
 
@@ -527,8 +531,11 @@ def _padded_vocab(chunks: list[torch.nn.Module]) -> int | None:
 
 def _describe(run: Run) -> None:
     cfg, topo, b = run.cfg, run.topo, run.batching
-    counts = torch.tensor([local_parameter_share(run.chunks, topo)], dtype=torch.float64,
-                          device=run.env.device)
+    shapes: dict[int, torch.Size] = {}
+    for store in run.engine.stores:  # ZeRO-3 keeps each parameter's full (TP-shard) shape
+        shapes.update(store.param_shapes())
+    counts = torch.tensor([local_parameter_share(run.chunks, topo, shapes)],
+                          dtype=torch.float64, device=run.env.device)
     if topo.world_size > 1:
         dist.all_reduce(counts)
     total = round(counts.item() / topo.dp_size)  # dp replicas hold the same (tp, pp) shards
@@ -548,6 +555,14 @@ def _describe(run: Run) -> None:
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
         f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
     ]
+    for what, off in (("optimizer", cfg.zero.offload_optimizer),
+                      ("param", cfg.zero.offload_param)):
+        if off.enabled:
+            where = f"NVMe files under {off.nvme_path}" if off.nvme else "host memory"
+            held = ("fp32 masters and optimizer moments; the step runs on the CPU"
+                    if what == "optimizer" else "ZeRO-3 parameter shards between uses")
+            lines.append(f"> offload_{what}: {held}, in {where} (pin_memory "
+                         f"{str(off.pin_memory).lower()})")
     if b.rampup is not None:
         start, inc, samples = b.rampup
         lines.append(f"> batch ramp-up: global batch {start} growing by {inc} over the first "
@@ -561,8 +576,10 @@ def _describe(run: Run) -> None:
     if cfg.logging.tensorboard_dir:
         lines.append(f"> tensorboard: writing to {cfg.logging.tensorboard_dir}")
     if cfg.checkpoint.save:
-        lines.append(f"> checkpoints: saving to {cfg.checkpoint.save} every "
-                     f"{cfg.checkpoint.save_interval or 'end of'} iterations")
+        every = (f"every {cfg.checkpoint.save_interval} iterations and "
+                 if cfg.checkpoint.save_interval else "")
+        lines.append(f"> checkpoints: saving to {cfg.checkpoint.save} {every}at the end of "
+                     f"training")
     run.monitor.info("\n".join(lines))
 
 

@@ -46,3 +46,26 @@ def test_parameter_count_is_the_same_at_every_layout():
     results = run_distributed(_counts, 4, timeout=180)
     for counts in results:
         assert counts == [want] * len(LAYOUTS), (counts, want)
+
+
+def test_banner_counts_the_model_under_zero_3():
+    """ZeRO-3 partitions every parameter over data-parallel ranks (and keeps nothing whole
+    under the persistence threshold): the banner still counts the model, not the partition."""
+    import json
+    import re
+
+    from megazero.testing.launch import TINY, check, run_training
+
+    def banner_count(out):
+        return int(re.search(r"M parameters \(([\d,]+)\)", out).group(1).replace(",", ""))
+
+    one = banner_count(check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0"])))
+    ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}}
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(ds, f)
+    z3 = banner_count(check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
+                                          "--deepspeed_config", f.name], nproc=2)))
+    assert z3 == one, (z3, one)

@@ -21,7 +21,7 @@ IMPL, TODO = True, False
 INT, FLOAT, BOOL, STR, BETAS, BLOCK, OPEN = "int", "float", "bool", "str", "betas", "block", "open"
 _EXPECTED = {INT: "an integer", FLOAT: "a number", BOOL: "true or false", STR: "a string",
              BETAS: "a list of two numbers like [0.9, 0.999]", BLOCK: "an object {...}",
-             OPEN: "an object {...}"}
+             OPEN: "an object {...}", "list": "a list [...]"}
 
 
 class UnimplementedConfigWarning(UserWarning):
@@ -206,6 +206,10 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     **{f"csv_monitor.{name}": _k(kind) for name, kind in (
         ("enabled", BOOL), ("output_path", STR), ("job_name", STR))},
     "comet": _k(OPEN, None, None, TODO),
+    "comms_logger": _k(BLOCK, None, None, TODO),
+    **{f"comms_logger.{name}": _k(kind) for name, kind in (
+        ("enabled", BOOL), ("verbose", BOOL), ("prof_all", BOOL), ("debug", BOOL),
+        ("prof_ops", "list"))},
     # features megazero does not have (yet); checked one level deep where the keys are stable
     "checkpoint": _k(BLOCK, None, None, TODO),
     **{f"checkpoint.{name}": _k(kind) for name, kind in (
@@ -300,6 +304,8 @@ def _coerce(path: str, key: Key, value: Any) -> Any:
         value = [float(v) for v in value] if ok else value
     elif key.kind in (BLOCK, OPEN):
         ok = isinstance(value, dict)
+    elif key.kind == "list":
+        ok = isinstance(value, list)
     if not ok:
         raise ConfigError(f"{path}: got {json.dumps(value)} ({type(value).__name__}), expected "
                           f"{_EXPECTED[key.kind]}" + (" (e.g. 2e8 or 200000000)"
@@ -317,8 +323,9 @@ def _walk(obj: dict[str, Any], parent: str, todo: list[str], inside_todo: bool) 
         key = DS_CONFIG_KEYS.get(path)
         if key is None:
             raise _unknown(path, name, parent)
-        if not key.implemented and not inside_todo:
-            todo.append(path)
+        disabled = isinstance(value, dict) and value.get("enabled") is False
+        if not key.implemented and not inside_todo and not disabled:
+            todo.append(path)  # a block switched off has no effect to warn about
         if value == "auto" and key.kind not in (BLOCK, OPEN):
             out[name] = "auto"
         elif key.kind == BLOCK:

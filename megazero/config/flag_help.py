@@ -99,8 +99,9 @@ HELP = {
     "--exit-duration-in-mins": "stop (and save) after this many minutes",
     "--exit-signal-handler": "accepted: SIGTERM always saves a checkpoint and exits",
     "--skip-train": "no training: evaluate the loaded model on the validation set only",
-    "--optimizer": "adam (Adam with decoupled weight decay, as Megatron) or sgd; the JSON "
-                   "optimizer.type also takes Adam with adam_w_mode false (L2 decay)",
+    "--optimizer": "adam (default: Adam with decoupled weight decay, as Megatron's adam) or "
+                   "sgd; the JSON optimizer.type also takes Adam with adam_w_mode false (L2 "
+                   "decay)",
     "--sgd-momentum": "SGD momentum (with --optimizer sgd)",
     "--weight-decay": "weight decay (decoupled for adam; L2 for sgd)",
     "--adam-beta1": "Adam beta1",

@@ -228,8 +228,10 @@ class MegazeroEngine:
         loss = float(total) / count
         r = self._last_result
         lr = ", ".join(f"{x:.4e}" for x in self.get_lr())
+        # loss: rank 0's mean over every micro-batch since the last line (``every`` steps)
+        window = f"loss(mean of {every} steps)" if every > 1 else "loss"
         line = (f"[megazero] step={self.global_steps} samples={self.global_samples} lr=[{lr}] "
-                f"loss={loss:.6f} grad_norm={r.grad_norm:.4f} loss_scale={r.loss_scale:g} "
+                f"{window}={loss:.6f} grad_norm={r.grad_norm:.4f} loss_scale={r.loss_scale:g} "
                 f"skipped={self.skipped_steps}")
         if self.timers.enabled:
             line += " | " + " ".join(f"{k}={v * 1000 / every:.1f}ms"

@@ -1,0 +1,64 @@
+"""What a new user reads: DeepSpeed blocks that are accepted, switched off or not implemented,
+the start-up summary (offload named), the log line's units, and help texts that agree with the
+choices they offer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+from megazero.config import load_config
+from megazero.monitor import format_log_line
+from megazero.testing.launch import SCRIPT, TINY, check, env, run_training
+
+
+def _warnings_for(ds: dict, tmp_path) -> list[str]:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config([*TINY, "--train-iters", "2", "--deepspeed_config", str(path)], 1)
+    return [str(w.message) for w in caught]
+
+
+def test_comms_logger_is_accepted_and_a_disabled_block_says_nothing(tmp_path):
+    said = _warnings_for({"comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
+                                           "debug": False, "prof_ops": ["all_reduce"]}},
+                         tmp_path)
+    assert len(said) == 1 and "'comms_logger'" in said[0] and "no effect" in said[0], said
+    assert _warnings_for({"comms_logger": {"enabled": False}}, tmp_path) == []
+    assert _warnings_for({"flops_profiler": {"enabled": False, "profile_step": 1}},
+                         tmp_path) == []
+    said = _warnings_for({"flops_profiler": {"enabled": True}}, tmp_path)
+    assert len(said) == 1 and "'flops_profiler'" in said[0], said
+
+
+def test_startup_summary_names_offload_and_the_save_schedule(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
+                              "--deepspeed_config", str(path), "--save", str(tmp_path / "ck"),
+                              "--save-interval", "10"]))
+    assert ("> offload_optimizer: fp32 masters and optimizer moments; the step runs on the "
+            "CPU, in host memory (pin_memory true)") in out, out[:2000]
+    assert (f"> checkpoints: saving to {tmp_path / 'ck'} every 10 iterations and at the end "
+            f"of training") in out
+    assert "TFLOP/s per process:" in out and "TFLOP/s per GPU" not in out
+
+
+def test_log_line_names_the_device_kind():
+    args = (1, 10, 8, 100.0, 1e-3, 8, 2.0, None, None, 0, 0, 10.0, 0.5)
+    assert "TFLOP/s per GPU: 0.50" in format_log_line(*args, ("peak memory (MB)", 1.0))
+    assert "TFLOP/s per process: 0.50" in format_log_line(*args, ("peak RSS (MB)", 1.0))
+
+
+def test_optimizer_help_names_its_own_choices():
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], env=env(), capture_output=True,
+                         text=True, timeout=120).stdout
+    block = " ".join(out.split("--optimizer {adam,sgd}")[1].split("--sgd-momentum")[0].split())
+    assert "adam (default: Adam with decoupled weight decay" in block, block
+    assert "adamw" not in block, block
