@@ -18,10 +18,12 @@ reported by rank 0. The other ranks exit with the same code without printing (se
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 
 #: Exit status of a job stopped by an expected error (argparse uses 2 for usage errors too).
 EXIT_CODE = 2
@@ -98,6 +100,24 @@ def already_reported() -> bool:
         return False
 
 
+def record_for_launcher(message: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Write ``message`` where torchrun looks for a child's error (``TORCHELASTIC_ERROR_FILE``,
+    the file its ``@record`` decorator writes), so its failure report's "Root Cause" section
+    names the error instead of "To enable traceback see: ...". True when written."""
+    path = env.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            # the layout torch's ErrorHandler writes; torchrun prints ``py_callstack`` as the
+            # failure's "traceback", so it carries the one line instead of a stack
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+        return True
+    except OSError:
+        return False
+
+
 def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
                  grace_s: float = 20.0) -> int:
     """Print ``prog: error: <message>`` once per job; return the exit status for every rank.
@@ -109,6 +129,7 @@ def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
     """
     rank = env_rank()
     code = getattr(error, "exit_code", EXIT_CODE)
+    record_for_launcher(f"{prog}: error: {error}")
     if debug_enabled():
         traceback.print_exception(error, file=sys.stderr)
     if claim_report(rank, head_start_s):

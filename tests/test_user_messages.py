@@ -62,3 +62,12 @@ def test_optimizer_help_names_its_own_choices():
     block = " ".join(out.split("--optimizer {adam,sgd}")[1].split("--sgd-momentum")[0].split())
     assert "adam (default: Adam with decoupled weight decay" in block, block
     assert "adamw" not in block, block
+
+
+def test_torchruns_failure_report_carries_the_error_line():
+    proc = run_training([*TINY, "--train-iters", "2", "--bogus-flag"], nproc=2)
+    assert proc.returncode != 0
+    root = proc.stderr.split("Root Cause (first observed failure):")[1]
+    assert ("traceback : pretrain_gpt.py: error: command line: unknown argument "
+            "'--bogus-flag'") in root, proc.stderr[-3000:]
+    assert "To enable traceback see" not in proc.stderr
