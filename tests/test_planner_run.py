@@ -70,3 +70,28 @@ def test_plan_layout_impossible_flags_get_the_runs_message():
     assert proc.returncode == 2
     assert "not divisible by --tensor-model-parallel-size 4" in proc.stderr or \
         "world size 6 is not divisible" in proc.stderr
+
+
+def test_planner_and_estimator_agree_and_say_what_they_assume(tmp_path):
+    """The winner's flags, given to estimate_memory.py, predict the step time plan_layout.py
+    printed for it (one step-time model; the planner does not switch overlap_comm on behind
+    the user's back); both print the batch and sequence they assume; --vocab-size from a model
+    preset is not among the winner's flags for a real corpus."""
+    proc = _plan(["--model", "gpt2-350m", "--world-size", "8", "--bf16", "--top", "1",
+                  "--out-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("assuming sequence length 2048, micro-batch 1, global batch 8 (default: the world "
+            "size; --global-batch-size)") in proc.stdout, proc.stdout
+    row = [ln for ln in proc.stdout.splitlines() if ln.strip().startswith("1 ")][0]
+    planned = float(row.split()[-3])
+    flags = (tmp_path / "winner_flags.txt").read_text().split()
+    assert "--vocab-size" not in flags
+    flags[flags.index("ds_config.json")] = str(tmp_path / "ds_config.json")
+    est = subprocess.run([sys.executable, str(REPO / "tools" / "estimate_memory.py"), *flags,
+                          "--world-size", "8", "--vocab-size", "50257"], capture_output=True,
+                         text=True, cwd=REPO, timeout=300)
+    assert est.returncode == 0, est.stderr[-3000:]
+    assert "assuming sequence length 2048, micro-batch 1, global batch 8" in est.stdout
+    estimated = float(est.stdout.split("step time ")[1].split()[0])
+    assert abs(estimated - planned) < 1e-3, (estimated, planned)
+    assert "(alternatives, not a sum)" in est.stdout and "<- the peak" in est.stdout

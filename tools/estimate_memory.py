@@ -113,19 +113,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
+    from megazero.planner.estimate import FRAGMENTATION_ITEM, STATE_ITEMS
+    from megazero.planner.search import assumptions
+
     p, w = cfg.parallel, est.worst
+    note = "" if cfg.train.global_batch_size else " (default: micro-batch x dp)"
     print(f"cluster {cluster.name} ({cluster.device}, {cluster.memory_gb:g} GB), world {world}: "
           f"tp {p.tp} x pp {p.pp} x dp {cfg.layout().dp}, vpp {cfg.vpp or 1}, ZeRO "
           f"{cfg.zero.stage}, {cfg.precision.params_dtype}".replace("torch.", ""))
+    print(assumptions(cfg, note))
     print(f"parameters on the worst rank (pp stage {w.pp_rank}): {w.numel:,}")
+    print("  model states (held throughout; they add up):")
     for name, v in w.items.items():
-        print(f"  {name:<46}{gb(v)}")
-    for name, v in w.sync.items():
-        print(f"  {'grad sync: ' + name:<46}{gb(v)}")
-    for name, v in w.step.items():
-        print(f"  {'step: ' + name:<46}{gb(v)}")
-    print("  (peak: model states + the largest of the forward-backward, grad-sync and step "
-          "items)")
+        if name in STATE_ITEMS:
+            print(f"    {name:<44}{gb(v)}")
+    phases = {
+        "forward-backward": {k: v for k, v in w.items.items()
+                             if k not in STATE_ITEMS and k != FRAGMENTATION_ITEM},
+        "grad sync (last micro-batch's backward)": w.sync,
+        "optimizer step": w.step,
+    }
+    largest = max(phases, key=lambda k: sum(phases[k].values()))
+    print("  plus the largest of three phases that do not overlap (alternatives, not a sum):")
+    for phase, items in phases.items():
+        mark = "   <- the peak" if phase == largest else ""
+        print(f"    {phase + ':':<44}{gb(sum(items.values()))}{mark}")
+        for name, v in items.items():
+            print(f"      {name:<42}{gb(v)}")
+    if FRAGMENTATION_ITEM in w.items:
+        print(f"  plus {FRAGMENTATION_ITEM:<41}{gb(w.items[FRAGMENTATION_ITEM])}")
     print(f"  {'total per device':<46}{gb(w.device_total)}   "
           f"({'fits' if est.fits else 'DOES NOT FIT'} in {cluster.memory_gb:g} GB)")
     for name, v in w.host.items():

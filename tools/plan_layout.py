@@ -27,6 +27,7 @@ from megazero.planner.cluster import load_cluster  # noqa: E402
 from megazero.planner.search import (  # noqa: E402
     deepspeed_json,
     search,
+    assumptions,
     why_slower,
     winner_flags,
 )
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         fits = measure_candidates(fits[:args.measure], base, world, args.measure_iters) \
             + fits[args.measure:]
     win = fits[0]
+    note = "" if args.global_batch_size else " (default: the world size; --global-batch-size)"
+    print(assumptions(win.est.config, note))
     print(f"{len(evaluated)} valid layouts, {len(fits)} fit in {cluster.memory_gb:g} GB "
           f"({cluster.name}); top {min(args.top, len(fits))} by "
           f"{'measured' if args.measure else 'predicted'} step time:")

@@ -82,8 +82,9 @@ def _config(base: list[str], flags: list[str], world: int):
 
     off = "--offload-optimizer" in flags
     cfg = load_config(base + [f for f in flags if f != "--offload-optimizer"], world)
-    # candidates run with overlap_comm on (as the DeepSpeed JSON written for the winner says)
-    zero = replace(cfg.zero, overlap_comm=True)
+    # the user's overlap_comm (flags or JSON), as estimate_memory.py reads it: one step-time
+    # model for both tools; the DeepSpeed JSON written for the winner says the same
+    zero = cfg.zero
     if off:
         zero = replace(zero, offload_optimizer=OffloadConfig(device="cpu"))
     return replace(cfg, zero=zero)
@@ -122,7 +123,7 @@ def deepspeed_json(c: Candidate) -> dict[str, Any]:
     ds: dict[str, Any] = {
         "train_batch_size": gbs, "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gbs // (t.micro_batch_size * dp),
-        "zero_optimization": {"stage": z.stage, "overlap_comm": True,
+        "zero_optimization": {"stage": z.stage, "overlap_comm": z.overlap_comm,
                               "contiguous_gradients": True},
         "gradient_clipping": cfg.optimizer.clip_grad,
     }
@@ -136,8 +137,33 @@ def deepspeed_json(c: Candidate) -> dict[str, Any]:
 
 
 def winner_flags(c: Candidate, base: list[str]) -> str:
+    """The winner's command line. ``--vocab-size`` (from a model preset) only sizes synthetic
+    data; with a real corpus the tokenizer decides the vocabulary, so it is left out unless
+    the run uses ``--mock-data`` or the NullTokenizer."""
     flags = [f for f in c.flags if f != "--offload-optimizer" and not f.startswith("--zero-")]
-    return " ".join(base + flags + ["--deepspeed_config", "ds_config.json"])
+    synthetic = "--mock-data" in base or "NullTokenizer" in base
+    kept: list[str] = []
+    skip = False
+    for i, f in enumerate(base):
+        if skip:
+            skip = False
+            continue
+        if f.split("=")[0] == "--vocab-size" and not synthetic:
+            skip = "=" not in f and i + 1 < len(base)
+            continue
+        kept.append(f)
+    return " ".join(kept + flags + ["--deepspeed_config", "ds_config.json"])
+
+
+def assumptions(cfg: Any, gbs_note: str = "") -> str:
+    """The batch and sequence a prediction is for, in one line."""
+    t, m = cfg.train, cfg.model
+    dp = cfg.layout().dp
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    return (f"assuming sequence length {m.seq_length}, micro-batch {t.micro_batch_size}, "
+            f"global batch {gbs}{gbs_note} ({gbs // (t.micro_batch_size * dp)} "
+            f"micro-batch(es) per iteration at dp {dp}), vocabulary {m.vocab_size}, overlap_comm "
+            f"{str(cfg.zero.overlap_comm).lower()}")
 
 
 def dumps(obj: Any) -> str:
