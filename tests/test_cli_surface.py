@@ -40,6 +40,7 @@ GOLDEN_FLAGS = """
 --lr-warmup-iters --lr-decay-iters --optimizer --sgd-momentum --weight-decay --adam-beta1
 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
+--accumulate-allreduce-grads-in-fp32
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval

@@ -150,6 +150,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--min-loss-scale", "precision.min_loss_scale", **_FL),
     _f("--loss-scale-window", "precision.loss_scale_window", **_I),
     _f("--hysteresis", "precision.hysteresis", **_I),
+    _f("--accumulate-allreduce-grads-in-fp32", "precision.grad_accum_dtype", lambda v: "fp32",
+       **_ON),
     # ZeRO and the DeepSpeed config
     _f("--zero-stage", "zero.stage", type=int,
        help="ZeRO stage; the same as zero_optimization.stage in the JSON"),

@@ -119,6 +119,10 @@ HELP = {
     "--min-loss-scale": "smallest dynamic loss scale; overflowing there stops the run",
     "--loss-scale-window": "clean steps before the dynamic scale doubles",
     "--hysteresis": "overflows tolerated before the dynamic scale halves",
+    "--accumulate-allreduce-grads-in-fp32":
+        "accumulate gradients over micro-batches and reduce them over data-parallel ranks in "
+        "fp32 (on by default with --bf16; data_types.grad_accum_dtype \"bf16\" in the JSON "
+        "turns it off there)",
     # ZeRO and DeepSpeed
     "--zero-stage": "ZeRO stage; the same as zero_optimization.stage in the JSON",
     "--deepspeed_config": "DeepSpeed JSON config (comments, trailing commas allowed; \"auto\" "

@@ -103,7 +103,10 @@ class PrecisionConfig:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
-    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None  # None: params' dtype
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None  # None: see grad_dtype
+    # DeepSpeed's data_types.grad_accum_dtype; Megatron's --accumulate-allreduce-grads-in-fp32
+    # sets "fp32". None: fp32 for bf16 (Megatron's default), the params' dtype otherwise.
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
 
     def __post_init__(self) -> None:
         _check(not (self.fp16 and self.bf16),
@@ -116,6 +119,32 @@ class PrecisionConfig:
         _check(self.communication_data_type in (None, "fp32", "fp16", "bf16"),
                f"communication_data_type: got {self.communication_data_type!r}, expected fp32, "
                f"fp16 or bf16")
+        _check(self.grad_accum_dtype in (None, "fp32", "fp16", "bf16"),
+               f"data_types.grad_accum_dtype: got {self.grad_accum_dtype!r}, expected fp32, "
+               f"fp16 or bf16")
+        _check(None in (self.grad_accum_dtype, self.communication_data_type)
+               or self.grad_accum_dtype == self.communication_data_type,
+               f"data_types.grad_accum_dtype {self.grad_accum_dtype!r} and "
+               f"communication_data_type {self.communication_data_type!r} differ: megazero "
+               f"accumulates and reduces gradients in one dtype; set them equal or drop one")
+
+    @property
+    def grad_dtype_name(self) -> str:
+        """The dtype gradients accumulate over micro-batches and are reduced over data-parallel
+        ranks in. bf16 defaults to fp32, as Megatron's ``main_grad`` (bf16 sums of many
+        micro-batches, and a bf16 reduction over many ranks, lose the small contributions);
+        fp16 and fp32 keep the parameters' dtype, as Megatron and DeepSpeed do."""
+        name = self.grad_accum_dtype or self.communication_data_type
+        if name is not None:
+            return name
+        return "fp32" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        import torch
+
+        return {"fp32": torch.float32, "fp16": torch.float16,
+                "bf16": torch.bfloat16}[self.grad_dtype_name]
 
     @property
     def params_dtype(self) -> torch.dtype:

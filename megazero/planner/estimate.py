@@ -131,20 +131,24 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash,
                                                       sdpa_math)
     ps = cfg.precision.params_dtype.itemsize
-    gs = ps
+    gs = cfg.precision.grad_dtype.itemsize  # 4 for bf16 by default (fp32 accumulation)
+    accumulate = gs != ps  # every backward adds param.grad into the wider ZeRO buffers
     # the last micro-batch's backward: its own activations (a schedule of one micro-batch)
     layers = cfg.model.num_layers // (p.pp * (cfg.vpp or 1))
     out.sync["activations (last micro-batch)"] = sum(
         chunk_saved_bytes(cfg, pp_rank, flash=flash, sdpa_math=sdpa_math)) + segment_peak_bytes(
         cfg, cfg.train.micro_batch_size, p.tp, layers, flash, sdpa_math)
-    if z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
+    if z.stage == 2 and accumulate:
+        pass  # the staging buffers are the accumulating gradients counted below
+    elif z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
         out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
             2 if z.overlap_comm else 1)
     elif z.stage == 1:  # reduce-scatter outputs
         out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs / dp
-    if z.stage == 2 or (z.stage < 2 and not z.contiguous_gradients):
+    if z.stage == 2 or (z.stage < 2 and not z.contiguous_gradients and not accumulate):
         # gradients live in autograd's own tensors until the last micro-batch's backward
-        # copies them into the buckets (no views into a flat buffer)
+        # copies them into the buckets (no views into a flat buffer); in accumulate mode at
+        # stage 2 they are summed in the buckets' full-size staging buffers instead
         out.items["autograd gradients (accumulating)"] = out.numel * gs
         out.sync["autograd gradients (accumulating)"] = out.numel * gs
     elif z.stage == 3:

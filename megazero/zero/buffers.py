@@ -10,6 +10,13 @@ Where the data-parallel group can use shared memory (one host, gloo), the gradie
 stages 0-1 and the parameter buffer of stages 1-2 live there, and their reductions and the
 parameters' all-gather run in it (:meth:`megazero.zero.comm.GroupComm.shared_buffer`).
 
+Gradients accumulate over micro-batches in the buffer's dtype (``grad_dtype``, fp32 for bf16
+parameters by default: :attr:`megazero.config.PrecisionConfig.grad_dtype`). Where it is wider
+than the parameters (*accumulate* mode, Megatron's ``main_grad``) every backward's
+``param.grad`` is added into the bucket in that dtype, already divided by dp, and freed, inside
+``no_sync`` too; a bf16 ``param.grad`` never holds more than one micro-batch's gradient, and the
+reduction runs on the wide sums.
+
 Gradients by stage:
 
 * stage 0 / 1: a persistent flat gradient buffer. With ``contiguous_gradients`` (and the
@@ -90,6 +97,8 @@ class GradBuffer:
         dtype = params[0].dtype
         device = params[0].device
         self.view_mode = stage < 2 and contiguous_gradients and grad_dtype == dtype
+        # add each micro-batch's gradient into the (wider) buffer: see the module docstring
+        self.accumulate = grad_dtype != dtype
         self.buckets = self._make_buckets(params, bucket_numel, deferred_kind)
         self.numel = sum(b.numel for b in self.buckets)
         self.padding = sum(b.padding for b in self.buckets)
@@ -187,9 +196,14 @@ class GradBuffer:
                 s.param.grad = view.view_as(s.param)
             return
         if b.grad is None:  # stage 2: staging buffer, every slot written before the reduction
-            b.grad = torch.empty(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+            alloc = torch.zeros if self.accumulate else torch.empty
+            b.grad = alloc(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
         g = s.param.grad
-        if g is not None:
+        if g is not None and self.accumulate:
+            # added in grad_dtype (the bf16 gradient is widened first), pre-divided like below
+            b.grad[s.start:s.start + s.numel].add_(g.reshape(-1), alpha=1.0 / self.dp.size)
+            b.filled.add(s.start)
+        elif g is not None:
             # The 1/dp of the average is applied in this copy rather than in a separate pass.
             view = b.grad[s.start:s.start + s.numel]
             torch.mul(g.reshape(-1), 1.0 / self.dp.size, out=view)
@@ -261,7 +275,11 @@ class GradBuffer:
         return [b.full_grad() for b in self.buckets if b.kind == kind]
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
-        """Inside ``no_sync``: the gradient stays where autograd accumulates it."""
+        """Inside ``no_sync``: the gradient stays where autograd accumulates it, or in
+        accumulate mode is added into the wider buffer now (and ``param.grad`` freed)."""
+        if self.accumulate:
+            b, s = self.slot_of[id(param)]
+            self._absorb(b, s)
 
     def params(self) -> list[nn.Parameter]:
         return [s.param for b in self.buckets for s in b.slots]
@@ -286,7 +304,8 @@ class GradBuffer:
 
     def unused_params(self) -> list[nn.Parameter]:
         return [s.param for b in self.buckets for s in b.slots
-                if id(s.param) in b.pending and s.param.grad is None and not self.view_mode]
+                if id(s.param) in b.pending and s.param.grad is None and not self.view_mode
+                and s.start not in b.filled]
 
     # --- views used by the optimizer ----------------------------------------------------------
 

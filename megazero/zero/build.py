@@ -16,7 +16,7 @@ from megazero.topology import ParallelTopology
 from megazero.zero.buffers import GradBuffer
 from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
-from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
+from megazero.zero.optimizer import Comms, ZeroOptimizer
 from megazero.zero.optimizers import OptimizerFactory
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off"). The
@@ -109,8 +109,9 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
             if p.dtype != dtype:
                 p.data = p.data.to(dtype)
     comms = Comms.from_topology(topo, reduce_scatter_impl, shared_memory)
-    grad_dtype = _DTYPES[precision_config.communication_data_type] if (
-        precision_config.communication_data_type) else dtype
+    # bf16 gradients accumulate and reduce in fp32 unless the config says otherwise
+    # (PrecisionConfig.grad_dtype); the buffers add each micro-batch's gradient into it
+    grad_dtype = precision_config.grad_dtype
     stores: list[ParamStore] = []
     for chunk in chunks:
         params = [p for p in chunk.parameters() if p.requires_grad]
