@@ -42,6 +42,8 @@ GOLDEN_FLAGS = """
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
 --accumulate-allreduce-grads-in-fp32
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
+--overlap-grad-reduce --no-overlap-grad-reduce --overlap-param-gather --no-overlap-param-gather
+--ddp-bucket-size
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
 --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --lr-warmup-fraction

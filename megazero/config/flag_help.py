@@ -128,6 +128,16 @@ HELP = {
     "--deepspeed_config": "DeepSpeed JSON config (comments, trailing commas allowed; \"auto\" "
                           "takes the flags)",
     "--deepspeed": "accepted for Megatron-DeepSpeed scripts; no effect",
+    "--overlap-grad-reduce": "reduce each gradient bucket as soon as it is full, behind the rest "
+                             "of backward (default: on with NCCL, off on gloo; "
+                             "zero_optimization.overlap_comm)",
+    "--no-overlap-grad-reduce": "reduce the gradient buckets after backward",
+    "--overlap-param-gather": "ZeRO 1-2: all-gather the updated parameters per bucket in the "
+                              "background; the next forward waits for each bucket where it "
+                              "first uses it (default: on with NCCL, off on gloo)",
+    "--no-overlap-param-gather": "ZeRO 1-2: all-gather the parameters inside the step",
+    "--ddp-bucket-size": "elements per gradient bucket (default: max(40M, 1M x dp) with NCCL, "
+                         "5e8 on gloo; zero_optimization.reduce_bucket_size)",
     # data
     "--data-path": '"PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights for blending)',
     "--split": "train,valid,test proportions of --data-path",

@@ -45,6 +45,7 @@ from megazero.config.optim_schema import (
     OptimizerConfig,
     PrecisionConfig,
     ZeroConfig,
+    nccl_zero_defaults,
 )
 from megazero.config.rules import num_microbatches
 from megazero.config.schema import (
@@ -248,6 +249,16 @@ def _fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dic
     return out
 
 
+def _backend(parallel: ParallelConfig) -> str:
+    """The backend the run will use: the flag, else NCCL where CUDA is available (the rule of
+    :func:`megazero.dist_init.choose_backend`)."""
+    if parallel.distributed_backend is not None:
+        return parallel.distributed_backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def _get(cfg: Any, path: str) -> Any:
     for part in path.split("."):
         cfg = getattr(cfg, part)
@@ -338,6 +349,8 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                                    global_batch_size=gbs, gradient_accumulation_steps=gas))
 
     zero_kw = _section("zero", merged)
+    if _backend(parallel) == "nccl":  # Megatron's GPU settings where nothing set them
+        zero_kw = {**nccl_zero_defaults(parallel.dp), **zero_kw}
     for path, fn in _AUTO_FROM_HIDDEN.items():
         if get_path(ds_checked, path) == "auto":
             zero_kw[path.split(".")[-1]] = fn(model.hidden_size)

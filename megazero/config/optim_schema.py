@@ -56,7 +56,9 @@ class AioConfig:
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """DeepSpeed's ``zero_optimization`` block (same key names and defaults)."""
+    """DeepSpeed's ``zero_optimization`` block (same key names and defaults), plus Megatron's
+    ``--overlap-param-gather``. Runs on NCCL that leave them unset get Megatron's GPU settings
+    instead (:func:`nccl_zero_defaults`, applied by the config merge)."""
 
     stage: Literal[0, 1, 2, 3] = 0
     reduce_scatter: bool = True
@@ -64,6 +66,9 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = False
+    # stages 1-2: the parameters' all-gather after the step runs asynchronously per bucket and
+    # the first module of the next forward that uses a bucket waits for it
+    overlap_param_gather: bool = False
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
@@ -89,6 +94,17 @@ class ZeroConfig:
                      "stage3_max_reuse_distance", "sub_group_size"):
             _check(getattr(self, name) >= 0, f"zero_optimization.{name}: got "
                    f"{getattr(self, name)}, expected an integer >= 0")
+
+
+def nccl_zero_defaults(dp: int) -> dict[str, Any]:
+    """Megatron's settings for GPU runs, for the ``zero`` fields a run on NCCL leaves unset:
+    gradient reduction overlapped with backward (``--overlap-grad-reduce``), the parameter
+    all-gather with the next forward (``--overlap-param-gather``), and buckets of
+    ``max(40M, 1M x dp)`` elements (megatron-core's ``--ddp-bucket-size`` default). On gloo the
+    dataclass defaults (DeepSpeed's) stay: on one host stages 0-2 reduce and gather through
+    shared memory, whose collectives run inside their wait, so overlap buys nothing there."""
+    return {"overlap_comm": True, "overlap_param_gather": True,
+            "reduce_bucket_size": max(40_000_000, 1_000_000 * dp)}
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ offsets on different pipeline stages, so the other sum has to happen on full gra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,6 +71,7 @@ class Bucket:
     filled: set[int] = field(default_factory=set)  # slots copied into ``grad`` this step
     launched: bool = False
     handle: Handle | None = None
+    gather: Handle | None = None  # the parameters' all-gather in flight after the step
     grad: torch.Tensor | None = None  # full-size gradients (a view, or stage-2 staging)
     # this bucket's range of the flat parameter buffer (GradBuffer sets it)
     param_data: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -121,6 +123,7 @@ class GradBuffer:
         shard_total = sum(b.numel // dp.size for b in self.buckets)
         self.shard_grad_flat = (torch.zeros(shard_total, dtype=grad_dtype, device=device)
                                 if stage == 2 else None)
+        self.gather_hooks: list[Any] = []  # overlap_param_gather's forward pre-hooks
         self.zero_grad()
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_numel: int,
@@ -214,6 +217,12 @@ class GradBuffer:
         """Average the bucket over data-parallel ranks: summed, then divided (the all-reduce
         does the division, before its sum or after it); slots copied in were divided then."""
         b.launched = True
+        if self.stage == 2 and async_op:
+            # a stage-2 bucket whose reduce-scatter finished frees its staging buffer now,
+            # not when backward ends (only the buckets still in flight keep theirs)
+            for o in self.buckets:
+                if o.handle is not None and o.handle.ready():
+                    o.handle.wait()
         average = False  # whether the sum still has to be divided by dp
         if b.grad is None:
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
@@ -325,20 +334,33 @@ class GradBuffer:
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
         """Refresh every rank's full parameters from the owners' updated shards."""
+        self.start_param_gather(chunk, use_broadcast)
+        self.wait_param_gather()
+
+    def start_param_gather(self, chunk: int | None, use_broadcast: bool) -> None:
+        """Issue every bucket's all-gather (all in flight at once) without waiting: each
+        bucket's handle waits in :meth:`wait_param_gather`, which the forward pre-hooks of
+        :func:`megazero.zero.param_gather.register_param_gather_hooks` call
+        (``overlap_param_gather``)."""
+        self.wait_param_gather()  # a gather still in flight must not land after this one
         if self.stage == 0 or self.dp.size == 1:
             return
-        handles = []
-        for b in self.buckets:  # every bucket in flight at once, then wait
+        for b in self.buckets:
             if self.shared_params:  # straight from the owners' buffers
-                handles.append(self.dp.all_gather_in_place(b.param_data, async_op=True))
+                b.gather = self.dp.all_gather_in_place(b.param_data, async_op=True)
                 continue
             shard = b.param_data[b.own_lo:b.own_hi]
             if not self.dp.inplace_all_gather:
                 shard = shard.clone()
-            handles.append(self.dp.all_gather(b.param_data, shard, async_op=True, chunk=chunk,
-                                              use_broadcast=use_broadcast))
-        for h in handles:
-            h.wait()
+            b.gather = self.dp.all_gather(b.param_data, shard, async_op=True, chunk=chunk,
+                                          use_broadcast=use_broadcast)
+
+    def wait_param_gather(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Wait for the all-gather of these buckets (default: all) if one is in flight."""
+        for b in self.buckets if buckets is None else (self.buckets[i] for i in buckets):
+            if b.gather is not None:
+                h, b.gather = b.gather, None
+                h.wait()
 
     def held_grads(self) -> list[torch.Tensor]:
         out = [self.grad_flat, self.shard_grad_flat]

@@ -18,6 +18,7 @@ from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
 from megazero.zero.optimizer import Comms, ZeroOptimizer
 from megazero.zero.optimizers import OptimizerFactory
+from megazero.zero.param_gather import register_param_gather_hooks
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off"). The
 # DeepSpeed key table marks them TODO and warns once when a config sets them, so the engine does
@@ -29,6 +30,7 @@ IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
     "stage": (0, 1, 2, 3),
     "reduce_bucket_size": (0, 1, 2, 3),
     "overlap_comm": (0, 1, 2, 3),
+    "overlap_param_gather": (1, 2),  # Megatron's flag; no JSON key
     "contiguous_gradients": (0, 1),
     "reduce_scatter": (1, 2),
     "allgather_partitions": (1, 2),
@@ -123,12 +125,15 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
 
             stores.append(Stage3Params(chunk, zero_config, comms, grad_dtype, kinds, param_init))
         else:
-            stores.append(GradBuffer(
+            buffer = GradBuffer(
                 params, stage=zero_config.stage, dp=comms.dp,
                 bucket_numel=max(1, int(zero_config.reduce_bucket_size)), grad_dtype=grad_dtype,
                 contiguous_gradients=zero_config.contiguous_gradients,
                 reduce_scatter=zero_config.reduce_scatter, overlap=zero_config.overlap_comm,
-                deferred_kind=kinds))
+                deferred_kind=kinds)
+            if zero_config.overlap_param_gather and zero_config.stage in (1, 2):
+                buffer.gather_hooks = register_param_gather_hooks(chunk, buffer)
+            stores.append(buffer)
     pieces = [piece for store in stores for piece in store.pieces()]
     plan = OffloadPlan.from_config(zero_config)
     swapper = None
