@@ -19,7 +19,9 @@ class OffloadConfig:
     """``offload_optimizer`` / ``offload_param``. With ``device: nvme`` the states live in files
     under ``nvme_path`` and stream through ``buffer_count`` host buffers (checked in
     :func:`megazero.zero.offload.check_offload`). ``buffer_count`` None: DeepSpeed's default
-    for the block (4 for the optimizer, 5 for parameters)."""
+    for the block (4 for the optimizer, 5 for parameters). ``pin_memory``: DeepSpeed's default
+    (false) here; a config whose block leaves it unset gets true on a machine with CUDA (the
+    config merge), where pinned buffers make the device-host copies asynchronous."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
     pin_memory: bool = False

@@ -167,9 +167,9 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
         out.sync["ZeRO-3 gradient buckets being reduced"] = (
             largest + bucket * (1 + int(device_is_cpu) + int(z.overlap_comm and many))) * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
-    # gradients to fp32; AdamW's foreach update keeps one fp32 temporary of the sub-group's
-    # size (sqrt of the second moment, divided and shifted in place). Adam on host masters
-    # runs the fused CPU kernel (megazero.zero.optimizers.update_kernel): no temporary.
+    # gradients to fp32; a foreach update (SGD, Lion) keeps one fp32 temporary of the
+    # sub-group's size (divided and shifted in place). Adam runs torch's fused
+    # kernel on host and CUDA masters (megazero.zero.optimizers.update_kernel): no temporary.
     shard = out.numel / (dp if z.stage else 1)
     sub = min(shard, z.sub_group_size) * 4
     on_host = z.offload_optimizer.enabled or device_is_cpu
@@ -179,7 +179,7 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             (out.host if z.offload_optimizer.enabled else out.items)[GRAD_STAGING_ITEM] = sub
         else:
             step["fp32 grad sub-group"] = sub
-    if not (on_host and cfg.optimizer.optimizer in ("adam", "adamw")):
+    if cfg.optimizer.optimizer not in ("adam", "adamw"):  # Adam: fused on the host and CUDA
         step["optimizer update temporary"] = sub
     # Not counted: buffers the collective library allocates for itself (NCCL's channels,
     # gloo's flat staging copy of an all-gather's output), which CUDA's allocator statistics
