@@ -98,7 +98,8 @@ def test_every_flag_maps_to_an_existing_field():
     # two spellings may share a field only when they are one switch's on/off or an alias
     fields = [f.field for f in FLAGS]
     shared = {f for f in fields if fields.count(f) > 1}
-    assert shared == {"model.use_flash_attn", "train.check_for_nan_in_loss_and_grad"}
+    assert shared == {"model.use_flash_attn", "train.check_for_nan_in_loss_and_grad",
+                      "zero.overlap_comm", "zero.overlap_param_gather"}
 
 
 def test_every_json_key_maps_to_an_existing_field():

@@ -166,6 +166,10 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
         out.items["ZeRO gathered params + prefetch"] = gathered * ps
         out.sync["ZeRO-3 gradient buckets being reduced"] = (
             largest + bucket * (1 + int(device_is_cpu) + int(z.overlap_comm and many))) * gs
+        if num_microbatches > 1:
+            # inside no_sync every unit's gradients stay full-size until the last micro-batch
+            # (in the buckets' inputs in accumulate mode, else in autograd's tensors)
+            out.items["ZeRO-3 gradients accumulating"] = out.numel * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
     # gradients to fp32; a foreach update (SGD, Lion) keeps one fp32 temporary of the
     # sub-group's size (divided and shifted in place). Adam runs torch's fused
