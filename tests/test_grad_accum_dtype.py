@@ -13,8 +13,18 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig, load_config
+from megazero.config import (
+    ConfigError,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ZeroConfig,
+    load_config,
+)
+from megazero.model import GPTModel
+from megazero.tensor_parallel import ParallelContext
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, make_batches
 from megazero.topology import ParallelTopology
@@ -77,6 +87,56 @@ def test_bf16_accumulation_drifts_and_the_fp32_default_does_not():
             err, dtype = out[(stage, "bf16")]
             assert dtype == torch.bfloat16 and err > DRIFT * out[(stage, "rounding")], (
                 stage, err, out[(stage, "rounding")])
+
+
+def _tp_world(rank, world_size):
+    """tp 2 with sequence parallelism, bf16: the LayerNorm gradients are summed over the
+    tensor-parallel ranks before the data-parallel reduction (their own buckets)."""
+    topo = ParallelTopology.build(tp=2)
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 128, (1, 17), generator=g) for _ in range(MICRO)]
+
+    def model():
+        m = GPTModel(cfg, topo, parallel=ParallelContext.from_topology(
+            topo, sequence_parallel=True))
+        return m.to(torch.bfloat16)
+
+    ref_model = model()
+    names = dict(ref_model.named_parameters())
+    ref = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in names.items()}
+    for t in data:
+        ref_model.zero_grad()
+        ref_model(t[:, :-1], t[:, 1:]).float().mean().backward()
+        for n, p in names.items():
+            ref[n] += p.grad.reshape(-1).double()
+    for n, p in names.items():
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(ref[n], group=topo.tp_group)
+    out = {}
+    for stage in (0, 2):
+        m = model()
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_model.parameters()))
+        by_id = {id(p): n for n, p in m.named_parameters()}
+        engine = build_zero_optimizer([m], OptimizerConfig(), ZeroConfig(stage=stage),
+                                      PrecisionConfig(bf16=True), topo, sequence_parallel=True)
+        engine.zero_grad()
+        for i, t in enumerate(data):
+            with engine.no_sync() if i < MICRO - 1 else torch.enable_grad():
+                engine.backward(m(t[:, :-1], t[:, 1:]).float().mean())
+        engine.finish_grad_sync()
+        got = torch.cat([pc.grad.double() for pc in engine.pieces()])
+        want = torch.cat([ref[by_id[id(pc.param)]][pc.offset:pc.offset + pc.grad.numel()]
+                          for pc in engine.pieces()])
+        out[stage] = ((got - want).norm() / want.norm()).item()
+    return out
+
+
+def test_tensor_parallel_sequence_parallel_accumulates_in_fp32():
+    for out in run_distributed(_tp_world, 2, timeout=300):
+        for stage, err in out.items():
+            assert err < FP32_BOUND, (stage, err)
 
 
 def test_grad_dtype_from_the_config(tmp_path):

@@ -175,12 +175,7 @@ class GradBuffer:
 
     def grad_ready(self, param: nn.Parameter) -> None:
         """A parameter's gradient for this step is complete (called from its hook)."""
-        b, s = self.slot_of[id(param)]
-        if b.launched:
-            raise RuntimeError(
-                "a gradient arrived after its bucket was already reduced this step; run the "
-                "backward of every micro-batch but the last inside engine.no_sync() and call "
-                "engine.zero_grad() before the next step")
+        b, s = self._unreduced_slot(param)
         self._absorb(b, s)
         b.pending.discard(id(param))
         if not b.pending and b.kind is None:
@@ -287,8 +282,16 @@ class GradBuffer:
         """Inside ``no_sync``: the gradient stays where autograd accumulates it, or in
         accumulate mode is added into the wider buffer now (and ``param.grad`` freed)."""
         if self.accumulate:
-            b, s = self.slot_of[id(param)]
-            self._absorb(b, s)
+            self._absorb(*self._unreduced_slot(param))
+
+    def _unreduced_slot(self, param: nn.Parameter) -> tuple[Bucket, Slot]:
+        b, s = self.slot_of[id(param)]
+        if b.launched:
+            raise RuntimeError(
+                "a gradient arrived after its bucket was already reduced this step; run the "
+                "backward of every micro-batch but the last inside engine.no_sync() and call "
+                "engine.zero_grad() before the next step")
+        return b, s
 
     def params(self) -> list[nn.Parameter]:
         return [s.param for b in self.buckets for s in b.slots]
