@@ -246,6 +246,8 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
     c = topo.coord
     directory = os.path.join(root, tag) if tag is not None else iteration_dir(root, iteration)
     engine = optimizer if _is_engine(optimizer) else None
+    if engine is not None:
+        engine.wait_for_params()  # the weights are read below, outside any forward
     infos = [i for i in param_infos(list(models), c.pp, topo.pp_size) if not i.duplicate]
     if engine is not None and engine.zero.stage == 3:
         full = engine.full_parameters()  # collective over dp: every dp rank takes part

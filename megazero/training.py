@@ -320,6 +320,7 @@ def _save_if_sound(run: Run, why: str, saved_at: int | None = None) -> bool:
         run.monitor.info(spike_kept_from_save(st.spikes, st.iteration, saved_at,
                                               run.cfg.checkpoint.save))
         return False
+    run.engine.wait_for_params()  # --overlap-param-gather: the weights are read here
     if st.nonfinite_streak or not params_finite(run.chunks, run.topo, run.env.device):
         run.monitor.info(f"not saving the {why} checkpoint at iteration {st.iteration}: the "
                          f"model's loss, gradients or weights are NaN/inf; the last checkpoint "

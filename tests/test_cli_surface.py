@@ -41,7 +41,10 @@ GOLDEN_FLAGS = """
 --lr-warmup-iters --lr-decay-iters --optimizer --sgd-momentum --weight-decay --adam-beta1
 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
+--accumulate-allreduce-grads-in-fp32
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
+--overlap-grad-reduce --no-overlap-grad-reduce --overlap-param-gather --no-overlap-param-gather
+--ddp-bucket-size
 --tokenizer-type --tokenizer-model --vocab-file --merge-file --data-cache-path --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --eval-interval --log-interval
 --override-opt_param-scheduler --overwrite-checkpoints --use-checkpoint-opt_param-scheduler
@@ -99,7 +102,8 @@ def test_every_flag_maps_to_an_existing_field():
     # two spellings may share a field only when they are one switch's on/off or an alias
     fields = [f.field for f in FLAGS]
     shared = {f for f in fields if fields.count(f) > 1}
-    assert shared == {"model.use_flash_attn", "train.check_for_nan_in_loss_and_grad"}
+    assert shared == {"model.use_flash_attn", "train.check_for_nan_in_loss_and_grad",
+                      "zero.overlap_comm", "zero.overlap_param_gather"}
 
 
 def test_every_json_key_maps_to_an_existing_field():

@@ -1,5 +1,6 @@
 """Planner numbers against published formulas: DeepSpeed's estimate_zero{2,3} (hand-computed
-values), the 16 bytes/parameter of mixed-precision Adam without ZeRO for Llama-2 7B, Megatron's
+values), the 18 (fp32 gradients) or 16 (bf16 gradients) bytes/parameter of mixed-precision
+Adam without ZeRO for Llama-2 7B, Megatron's
 per-layer activation bytes (and the measured saved bytes of a real layer), the pipeline's
 in-flight micro-batches (1F1B: pp on the first stage; interleaved: pv + p - 1 chunks)."""
 
@@ -36,15 +37,26 @@ def test_deepspeed_zero3_formula_hand_values():
     assert zero3_mem_needs(p, big, 4, 1, True, False) == (24 * 10**9, 700_000_000, 200_000_000)
 
 
-def test_llama2_7b_mixed_precision_no_zero_is_16_bytes_per_param():
-    cfg = load_config(preset_argv("llama2-7b") + "--bf16 --micro-batch-size 1 --train-iters 1"
-                      .split(), 8)
-    w = estimate(cfg, load_cluster("h100-80gb-nvlink")).worst
-    psi = w.numel
-    assert 6.73e9 < psi < 6.75e9
-    states = w.items["weights"] + w.items["gradients"] + w.items["fp32 masters + Adam moments"]
-    assert abs(states / psi - 16) < 1e-3
-    assert 107e9 < states < 108.5e9
+def test_llama2_7b_mixed_precision_no_zero_is_16_or_18_bytes_per_param():
+    """bf16 weights, fp32 gradients (Megatron's default for bf16: accumulated and reduced in
+    fp32), fp32 masters and two moments: 2 + 4 + 12 = 18 bytes/param; with bf16 gradients
+    (DeepSpeed's data_types.grad_accum_dtype "bf16") the classic 16."""
+    import json
+    import tempfile
+
+    for extra, per_param in (({}, 18), ({"data_types": {"grad_accum_dtype": "bf16"}}, 16)):
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(extra, f)
+            f.flush()
+            cfg = load_config(preset_argv("llama2-7b") + "--bf16 --micro-batch-size 1 "
+                              f"--train-iters 1 --deepspeed_config {f.name}".split(), 8)
+        w = estimate(cfg, load_cluster("h100-80gb-nvlink")).worst
+        psi = w.numel
+        assert 6.73e9 < psi < 6.75e9
+        states = (w.items["weights"] + w.items["gradients"]
+                  + w.items["fp32 masters + Adam moments"])
+        assert abs(states / psi - per_param) < 1e-3
+        assert 6.73e9 * per_param < states < 6.75e9 * per_param
 
 
 @pytest.mark.parametrize("tp,sp,selective", [(1, False, False), (4, False, False),

@@ -152,6 +152,7 @@ def test_a_finished_bucket_frees_its_input_at_the_next_launch():
     g.units = [Unit(i, [p], 2, 0, False, None) for i, p in enumerate(params)]
     g.unit_of_param = {id(p): u for p, u in zip(params, g.units)}
     g.dp, g.grad_dtype, g.device, g.overlap = _Dp(), torch.float32, torch.device("cpu"), True
+    g.dtype = torch.float32
     g._build_grad_buckets(4)  # one unit per bucket
     g.zero_grad()
     held = []

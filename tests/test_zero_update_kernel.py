@@ -94,7 +94,7 @@ def test_kernel_follows_the_masters_device_and_the_optimizer():
     meta = [{"params": [torch.zeros(3, device="meta", requires_grad=True)]}]
     assert update_kernel(torch.optim.AdamW, cpu) == "fused"
     assert update_kernel(torch.optim.Adam, cpu) == "fused"
-    assert update_kernel(torch.optim.AdamW, meta) == "foreach"  # masters on an accelerator
+    assert update_kernel(torch.optim.AdamW, meta) == "foreach"  # masters on another device
     assert update_kernel(torch.optim.SGD, cpu) == "foreach"
     sgd = OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.9)
     engine = build_zero_optimizer([_tiny()], sgd, ZeroConfig(stage=1), PrecisionConfig(),

@@ -25,9 +25,9 @@ from estimate_memory import gb, run_argv, tool_parser, world_size  # noqa: E402
 from megazero.config import ConfigError  # noqa: E402
 from megazero.planner.cluster import load_cluster  # noqa: E402
 from megazero.planner.search import (  # noqa: E402
+    assumptions,
     deepspeed_json,
     search,
-    assumptions,
     why_slower,
     winner_flags,
 )

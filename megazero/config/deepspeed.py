@@ -61,6 +61,8 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "wall_clock_breakdown": _k(BOOL, False, "logging.wall_clock_breakdown"),
     "gradient_clipping": _k(FLOAT, 0.0, "optimizer.clip_grad"),
     "communication_data_type": _k(STR, None, "precision.communication_data_type"),
+    "data_types": _k(BLOCK),
+    "data_types.grad_accum_dtype": _k(STR, None, "precision.grad_accum_dtype"),
     "memory_breakdown": _k(BOOL, False, None, TODO),
     "dump_state": _k(BOOL, False, None, TODO),
     "prescale_gradients": _k(BOOL, False, None, TODO),
@@ -227,7 +229,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     **{name: _k(OPEN, None, None, TODO) for name in (
         "autotuning", "elasticity", "compression_training", "data_efficiency",
         "curriculum_learning", "pipeline", "sparse_attention", "hybrid_engine", "nebula",
-        "data_types", "eigenvalue", "progressive_layer_drop", "quantize_training", "compile",
+        "eigenvalue", "progressive_layer_drop", "quantize_training", "compile",
         "timers", "weight_quantization", "torch_autocast", "tensor_parallel")},
 }
 # fmt: on

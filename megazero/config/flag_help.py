@@ -132,11 +132,26 @@ HELP = {
     "--min-loss-scale": "smallest dynamic loss scale; overflowing there stops the run",
     "--loss-scale-window": "clean steps before the dynamic scale doubles",
     "--hysteresis": "overflows tolerated before the dynamic scale halves",
+    "--accumulate-allreduce-grads-in-fp32":
+        "accumulate gradients over micro-batches and reduce them over data-parallel ranks in "
+        "fp32 (default: on with --bf16, where data_types.grad_accum_dtype \"bf16\" in the "
+        "JSON turns it off; off with --fp16)",
     # ZeRO and DeepSpeed
     "--zero-stage": "ZeRO stage; the same as zero_optimization.stage in the JSON",
     "--deepspeed_config": "DeepSpeed JSON config (comments, trailing commas allowed; \"auto\" "
                           "takes the flags)",
     "--deepspeed": "accepted for Megatron-DeepSpeed scripts; no effect",
+    "--overlap-grad-reduce": "reduce each gradient bucket as soon as it is full, behind the rest "
+                             "of backward (default: on with NCCL, off on gloo; "
+                             "zero_optimization.overlap_comm)",
+    "--no-overlap-grad-reduce": "reduce the gradient buckets after backward (default on gloo)",
+    "--overlap-param-gather": "ZeRO 1-2: all-gather the updated parameters per bucket in the "
+                              "background; the next forward waits for each bucket where it "
+                              "first uses it (default: on with NCCL, off on gloo)",
+    "--no-overlap-param-gather": "ZeRO 1-2: all-gather the parameters inside the step (default "
+                                 "on gloo)",
+    "--ddp-bucket-size": "elements per gradient bucket (default: max(40M, 1M x dp) with NCCL, "
+                         "5e8 on gloo; zero_optimization.reduce_bucket_size)",
     # data
     "--data-path": '"PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights for blending)',
     "--split": "train,valid,test proportions of --data-path",

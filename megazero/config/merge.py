@@ -45,6 +45,7 @@ from megazero.config.optim_schema import (
     OptimizerConfig,
     PrecisionConfig,
     ZeroConfig,
+    nccl_zero_defaults,
 )
 from megazero.config.rules import num_microbatches
 from megazero.config.schema import (
@@ -248,6 +249,20 @@ def _fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dic
     return out
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _backend(parallel: ParallelConfig) -> str:
+    """The backend the run will use: the flag, else NCCL where CUDA is available (the rule of
+    :func:`megazero.dist_init.choose_backend`)."""
+    if parallel.distributed_backend is not None:
+        return parallel.distributed_backend
+    return "nccl" if _cuda_available() else "gloo"
+
+
 def _get(cfg: Any, path: str) -> Any:
     for part in path.split("."):
         cfg = getattr(cfg, part)
@@ -338,6 +353,8 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                                    global_batch_size=gbs, gradient_accumulation_steps=gas))
 
     zero_kw = _section("zero", merged)
+    if _backend(parallel) == "nccl":  # Megatron's GPU settings where nothing set them
+        zero_kw = {**nccl_zero_defaults(parallel.dp), **zero_kw}
     for path, fn in _AUTO_FROM_HIDDEN.items():
         if get_path(ds_checked, path) == "auto":
             zero_kw[path.split(".")[-1]] = fn(model.hidden_size)
@@ -345,6 +362,10 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                        ("aio", AioConfig)):
         sub = {f.rsplit(".", 1)[1]: v for f, (_, v) in merged.items()
                if f.startswith(f"zero.{block}.")}
+        if sub and block != "aio" and "pin_memory" not in sub and _cuda_available():
+            # pinned host buffers where there is a GPU to copy from: device-to-host copies
+            # then run without stalling the host (DeepSpeed's JSON default is false)
+            sub["pin_memory"] = True
         if sub:
             zero_kw[block] = cls(**sub)
     top = {name: merged[name][1] for name in ("deepspeed", "deepspeed_config") if name in merged}

@@ -19,7 +19,9 @@ class OffloadConfig:
     """``offload_optimizer`` / ``offload_param``. With ``device: nvme`` the states live in files
     under ``nvme_path`` and stream through ``buffer_count`` host buffers (checked in
     :func:`megazero.zero.offload.check_offload`). ``buffer_count`` None: DeepSpeed's default
-    for the block (4 for the optimizer, 5 for parameters)."""
+    for the block (4 for the optimizer, 5 for parameters). ``pin_memory``: DeepSpeed's default
+    (false) here; a config whose block leaves it unset gets true on a machine with CUDA (the
+    config merge), where pinned buffers make the device-host copies asynchronous."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
     pin_memory: bool = False
@@ -56,7 +58,9 @@ class AioConfig:
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """DeepSpeed's ``zero_optimization`` block (same key names and defaults)."""
+    """DeepSpeed's ``zero_optimization`` block (same key names and defaults), plus Megatron's
+    ``--overlap-param-gather``. Runs on NCCL that leave them unset get Megatron's GPU settings
+    instead (:func:`nccl_zero_defaults`, applied by the config merge)."""
 
     stage: Literal[0, 1, 2, 3] = 0
     reduce_scatter: bool = True
@@ -64,6 +68,9 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = False
+    # stages 1-2: the parameters' all-gather after the step runs asynchronously per bucket and
+    # the first module of the next forward that uses a bucket waits for it
+    overlap_param_gather: bool = False
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
@@ -91,6 +98,17 @@ class ZeroConfig:
                    f"{getattr(self, name)}, expected an integer >= 0")
 
 
+def nccl_zero_defaults(dp: int) -> dict[str, Any]:
+    """Megatron's settings for GPU runs, for the ``zero`` fields a run on NCCL leaves unset:
+    gradient reduction overlapped with backward (``--overlap-grad-reduce``), the parameter
+    all-gather with the next forward (``--overlap-param-gather``), and buckets of
+    ``max(40M, 1M x dp)`` elements (megatron-core's ``--ddp-bucket-size`` default). On gloo the
+    dataclass defaults (DeepSpeed's) stay: on one host stages 0-2 reduce and gather through
+    shared memory, whose collectives run inside their wait, so overlap buys nothing there."""
+    return {"overlap_comm": True, "overlap_param_gather": True,
+            "reduce_bucket_size": max(40_000_000, 1_000_000 * dp)}
+
+
 @dataclass(frozen=True)
 class PrecisionConfig:
     """``fp16`` / ``bf16`` blocks. fp32 master weights are kept in both mixed modes."""
@@ -103,7 +121,10 @@ class PrecisionConfig:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
-    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None  # None: params' dtype
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None  # None: see grad_dtype
+    # DeepSpeed's data_types.grad_accum_dtype; Megatron's --accumulate-allreduce-grads-in-fp32
+    # sets "fp32". None: fp32 for bf16 (Megatron's default), the params' dtype otherwise.
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
 
     def __post_init__(self) -> None:
         _check(not (self.fp16 and self.bf16),
@@ -116,6 +137,32 @@ class PrecisionConfig:
         _check(self.communication_data_type in (None, "fp32", "fp16", "bf16"),
                f"communication_data_type: got {self.communication_data_type!r}, expected fp32, "
                f"fp16 or bf16")
+        _check(self.grad_accum_dtype in (None, "fp32", "fp16", "bf16"),
+               f"data_types.grad_accum_dtype: got {self.grad_accum_dtype!r}, expected fp32, "
+               f"fp16 or bf16")
+        _check(None in (self.grad_accum_dtype, self.communication_data_type)
+               or self.grad_accum_dtype == self.communication_data_type,
+               f"data_types.grad_accum_dtype {self.grad_accum_dtype!r} and "
+               f"communication_data_type {self.communication_data_type!r} differ: megazero "
+               f"accumulates and reduces gradients in one dtype; set them equal or drop one")
+
+    @property
+    def grad_dtype_name(self) -> str:
+        """The dtype gradients accumulate over micro-batches and are reduced over data-parallel
+        ranks in. bf16 defaults to fp32, as Megatron's ``main_grad`` (bf16 sums of many
+        micro-batches, and a bf16 reduction over many ranks, lose the small contributions);
+        fp16 and fp32 keep the parameters' dtype, as Megatron and DeepSpeed do."""
+        name = self.grad_accum_dtype or self.communication_data_type
+        if name is not None:
+            return name
+        return "fp32" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        import torch
+
+        return {"fp32": torch.float32, "fp16": torch.float16,
+                "bf16": torch.bfloat16}[self.grad_dtype_name]
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -131,20 +131,24 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash,
                                                       sdpa_math)
     ps = cfg.precision.params_dtype.itemsize
-    gs = ps
+    gs = cfg.precision.grad_dtype.itemsize  # 4 for bf16 by default (fp32 accumulation)
+    accumulate = gs != ps  # every backward adds param.grad into the wider ZeRO buffers
     # the last micro-batch's backward: its own activations (a schedule of one micro-batch)
     layers = cfg.model.num_layers // (p.pp * (cfg.vpp or 1))
     out.sync["activations (last micro-batch)"] = sum(
         chunk_saved_bytes(cfg, pp_rank, flash=flash, sdpa_math=sdpa_math)) + segment_peak_bytes(
         cfg, cfg.train.micro_batch_size, p.tp, layers, flash, sdpa_math)
-    if z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
+    if z.stage == 2 and accumulate:
+        pass  # the staging buffers are the accumulating gradients counted below
+    elif z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
         out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
             2 if z.overlap_comm else 1)
     elif z.stage == 1:  # reduce-scatter outputs
         out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs / dp
-    if z.stage == 2 or (z.stage < 2 and not z.contiguous_gradients):
+    if z.stage == 2 or (z.stage < 2 and not z.contiguous_gradients and not accumulate):
         # gradients live in autograd's own tensors until the last micro-batch's backward
-        # copies them into the buckets (no views into a flat buffer)
+        # copies them into the buckets (no views into a flat buffer); in accumulate mode at
+        # stage 2 they are summed in the buckets' full-size staging buffers instead
         out.items["autograd gradients (accumulating)"] = out.numel * gs
         out.sync["autograd gradients (accumulating)"] = out.numel * gs
     elif z.stage == 3:
@@ -162,10 +166,14 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
         out.items["ZeRO gathered params + prefetch"] = gathered * ps
         out.sync["ZeRO-3 gradient buckets being reduced"] = (
             largest + bucket * (1 + int(device_is_cpu) + int(z.overlap_comm and many))) * gs
+        if num_microbatches > 1:
+            # inside no_sync every unit's gradients stay full-size until the last micro-batch
+            # (in the buckets' inputs in accumulate mode, else in autograd's tensors)
+            out.items["ZeRO-3 gradients accumulating"] = out.numel * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
-    # gradients to fp32; AdamW's foreach update keeps one fp32 temporary of the sub-group's
-    # size (sqrt of the second moment, divided and shifted in place). Adam on host masters
-    # runs the fused CPU kernel (megazero.zero.optimizers.update_kernel): no temporary.
+    # gradients to fp32; a foreach update (SGD, Lion) keeps one fp32 temporary of the
+    # sub-group's size (divided and shifted in place). Adam runs torch's fused
+    # kernel on host and CUDA masters (megazero.zero.optimizers.update_kernel): no temporary.
     shard = out.numel / (dp if z.stage else 1)
     sub = min(shard, z.sub_group_size) * 4
     on_host = z.offload_optimizer.enabled or device_is_cpu
@@ -175,7 +183,7 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             (out.host if z.offload_optimizer.enabled else out.items)[GRAD_STAGING_ITEM] = sub
         else:
             step["fp32 grad sub-group"] = sub
-    if not (on_host and cfg.optimizer.optimizer in ("adam", "adamw")):
+    if cfg.optimizer.optimizer not in ("adam", "adamw"):  # Adam: fused on the host and CUDA
         step["optimizer update temporary"] = sub
     # Not counted: buffers the collective library allocates for itself (NCCL's channels,
     # gloo's flat staging copy of an all-gather's output), which CUDA's allocator statistics

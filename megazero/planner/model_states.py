@@ -21,7 +21,6 @@ from torch import nn
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.zero.accounting import MemoryReport
-from megazero.zero.optimizer import _DTYPES
 from megazero.zero.units import unit_param_groups
 
 STEP_BYTES = 4  # torch Adam/AdamW keep a float32 scalar ``step`` tensor per parameter
@@ -110,8 +109,7 @@ def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: Pre
     moments, has_step = state_layout(optimizer or OptimizerConfig())
 
     dtype = precision.params_dtype
-    grad_dtype = (_DTYPES[precision.communication_data_type]
-                  if precision.communication_data_type else dtype)
+    grad_dtype = precision.grad_dtype  # fp32 for bf16 by default, as the engine
     ps, gs = _size(dtype), _size(grad_dtype)
     report = MemoryReport(device_type="cpu")
     b = report.bytes

@@ -10,6 +10,13 @@ Where the data-parallel group can use shared memory (one host, gloo), the gradie
 stages 0-1 and the parameter buffer of stages 1-2 live there, and their reductions and the
 parameters' all-gather run in it (:meth:`megazero.zero.comm.GroupComm.shared_buffer`).
 
+Gradients accumulate over micro-batches in the buffer's dtype (``grad_dtype``, fp32 for bf16
+parameters by default: :attr:`megazero.config.PrecisionConfig.grad_dtype`). Where it is wider
+than the parameters (*accumulate* mode, Megatron's ``main_grad``) every backward's
+``param.grad`` is added into the bucket in that dtype, already divided by dp, and freed, inside
+``no_sync`` too; a bf16 ``param.grad`` never holds more than one micro-batch's gradient, and the
+reduction runs on the wide sums.
+
 Gradients by stage:
 
 * stage 0 / 1: a persistent flat gradient buffer. With ``contiguous_gradients`` (and the
@@ -32,6 +39,7 @@ offsets on different pipeline stages, so the other sum has to happen on full gra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +71,7 @@ class Bucket:
     filled: set[int] = field(default_factory=set)  # slots copied into ``grad`` this step
     launched: bool = False
     handle: Handle | None = None
+    gather: Handle | None = None  # the parameters' all-gather in flight after the step
     grad: torch.Tensor | None = None  # full-size gradients (a view, or stage-2 staging)
     # this bucket's range of the flat parameter buffer (GradBuffer sets it)
     param_data: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -90,6 +99,8 @@ class GradBuffer:
         dtype = params[0].dtype
         device = params[0].device
         self.view_mode = stage < 2 and contiguous_gradients and grad_dtype == dtype
+        # add each micro-batch's gradient into the (wider) buffer: see the module docstring
+        self.accumulate = grad_dtype != dtype
         self.buckets = self._make_buckets(params, bucket_numel, deferred_kind)
         self.numel = sum(b.numel for b in self.buckets)
         self.padding = sum(b.padding for b in self.buckets)
@@ -112,6 +123,7 @@ class GradBuffer:
         shard_total = sum(b.numel // dp.size for b in self.buckets)
         self.shard_grad_flat = (torch.zeros(shard_total, dtype=grad_dtype, device=device)
                                 if stage == 2 else None)
+        self.gather_hooks: list[Any] = []  # overlap_param_gather's forward pre-hooks
         self.zero_grad()
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_numel: int,
@@ -163,12 +175,7 @@ class GradBuffer:
 
     def grad_ready(self, param: nn.Parameter) -> None:
         """A parameter's gradient for this step is complete (called from its hook)."""
-        b, s = self.slot_of[id(param)]
-        if b.launched:
-            raise RuntimeError(
-                "a gradient arrived after its bucket was already reduced this step; run the "
-                "backward of every micro-batch but the last inside engine.no_sync() and call "
-                "engine.zero_grad() before the next step")
+        b, s = self._unreduced_slot(param)
         self._absorb(b, s)
         b.pending.discard(id(param))
         if not b.pending and b.kind is None:
@@ -187,9 +194,14 @@ class GradBuffer:
                 s.param.grad = view.view_as(s.param)
             return
         if b.grad is None:  # stage 2: staging buffer, every slot written before the reduction
-            b.grad = torch.empty(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+            alloc = torch.zeros if self.accumulate else torch.empty
+            b.grad = alloc(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
         g = s.param.grad
-        if g is not None:
+        if g is not None and self.accumulate:
+            # added in grad_dtype (the bf16 gradient is widened first), pre-divided like below
+            b.grad[s.start:s.start + s.numel].add_(g.reshape(-1), alpha=1.0 / self.dp.size)
+            b.filled.add(s.start)
+        elif g is not None:
             # The 1/dp of the average is applied in this copy rather than in a separate pass.
             view = b.grad[s.start:s.start + s.numel]
             torch.mul(g.reshape(-1), 1.0 / self.dp.size, out=view)
@@ -200,6 +212,12 @@ class GradBuffer:
         """Average the bucket over data-parallel ranks: summed, then divided (the all-reduce
         does the division, before its sum or after it); slots copied in were divided then."""
         b.launched = True
+        if self.stage == 2 and async_op:
+            # a stage-2 bucket whose reduce-scatter finished frees its staging buffer now,
+            # not when backward ends (only the buckets still in flight keep theirs)
+            for o in self.buckets:
+                if o.handle is not None and o.handle.ready():
+                    o.handle.wait()
         average = False  # whether the sum still has to be divided by dp
         if b.grad is None:
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
@@ -261,7 +279,19 @@ class GradBuffer:
         return [b.full_grad() for b in self.buckets if b.kind == kind]
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
-        """Inside ``no_sync``: the gradient stays where autograd accumulates it."""
+        """Inside ``no_sync``: the gradient stays where autograd accumulates it, or in
+        accumulate mode is added into the wider buffer now (and ``param.grad`` freed)."""
+        if self.accumulate:
+            self._absorb(*self._unreduced_slot(param))
+
+    def _unreduced_slot(self, param: nn.Parameter) -> tuple[Bucket, Slot]:
+        b, s = self.slot_of[id(param)]
+        if b.launched:
+            raise RuntimeError(
+                "a gradient arrived after its bucket was already reduced this step; run the "
+                "backward of every micro-batch but the last inside engine.no_sync() and call "
+                "engine.zero_grad() before the next step")
+        return b, s
 
     def params(self) -> list[nn.Parameter]:
         return [s.param for b in self.buckets for s in b.slots]
@@ -286,7 +316,8 @@ class GradBuffer:
 
     def unused_params(self) -> list[nn.Parameter]:
         return [s.param for b in self.buckets for s in b.slots
-                if id(s.param) in b.pending and s.param.grad is None and not self.view_mode]
+                if id(s.param) in b.pending and s.param.grad is None and not self.view_mode
+                and s.start not in b.filled]
 
     # --- views used by the optimizer ----------------------------------------------------------
 
@@ -306,20 +337,33 @@ class GradBuffer:
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
         """Refresh every rank's full parameters from the owners' updated shards."""
+        self.start_param_gather(chunk, use_broadcast)
+        self.wait_param_gather()
+
+    def start_param_gather(self, chunk: int | None, use_broadcast: bool) -> None:
+        """Issue every bucket's all-gather (all in flight at once) without waiting: each
+        bucket's handle waits in :meth:`wait_param_gather`, which the forward pre-hooks of
+        :func:`megazero.zero.param_gather.register_param_gather_hooks` call
+        (``overlap_param_gather``)."""
+        self.wait_param_gather()  # a gather still in flight must not land after this one
         if self.stage == 0 or self.dp.size == 1:
             return
-        handles = []
-        for b in self.buckets:  # every bucket in flight at once, then wait
+        for b in self.buckets:
             if self.shared_params:  # straight from the owners' buffers
-                handles.append(self.dp.all_gather_in_place(b.param_data, async_op=True))
+                b.gather = self.dp.all_gather_in_place(b.param_data, async_op=True)
                 continue
             shard = b.param_data[b.own_lo:b.own_hi]
             if not self.dp.inplace_all_gather:
                 shard = shard.clone()
-            handles.append(self.dp.all_gather(b.param_data, shard, async_op=True, chunk=chunk,
-                                              use_broadcast=use_broadcast))
-        for h in handles:
-            h.wait()
+            b.gather = self.dp.all_gather(b.param_data, shard, async_op=True, chunk=chunk,
+                                          use_broadcast=use_broadcast)
+
+    def wait_param_gather(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Wait for the all-gather of these buckets (default: all) if one is in flight."""
+        for b in self.buckets if buckets is None else (self.buckets[i] for i in buckets):
+            if b.gather is not None:
+                h, b.gather = b.gather, None
+                h.wait()
 
     def held_grads(self) -> list[torch.Tensor]:
         out = [self.grad_flat, self.shard_grad_flat]

@@ -16,8 +16,9 @@ from megazero.topology import ParallelTopology
 from megazero.zero.buffers import GradBuffer
 from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
-from megazero.zero.optimizer import _DTYPES, Comms, ZeroOptimizer
+from megazero.zero.optimizer import Comms, ZeroOptimizer
 from megazero.zero.optimizers import OptimizerFactory
+from megazero.zero.param_gather import register_param_gather_hooks
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off"). The
 # DeepSpeed key table marks them TODO and warns once when a config sets them, so the engine does
@@ -29,6 +30,7 @@ IMPLEMENTED_KEYS: dict[str, tuple[int, ...]] = {
     "stage": (0, 1, 2, 3),
     "reduce_bucket_size": (0, 1, 2, 3),
     "overlap_comm": (0, 1, 2, 3),
+    "overlap_param_gather": (1, 2),  # Megatron's flag; no JSON key
     "contiguous_gradients": (0, 1),
     "reduce_scatter": (1, 2),
     "allgather_partitions": (1, 2),
@@ -109,8 +111,9 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
             if p.dtype != dtype:
                 p.data = p.data.to(dtype)
     comms = Comms.from_topology(topo, reduce_scatter_impl, shared_memory)
-    grad_dtype = _DTYPES[precision_config.communication_data_type] if (
-        precision_config.communication_data_type) else dtype
+    # bf16 gradients accumulate and reduce in fp32 unless the config says otherwise
+    # (PrecisionConfig.grad_dtype); the buffers add each micro-batch's gradient into it
+    grad_dtype = precision_config.grad_dtype
     stores: list[ParamStore] = []
     for chunk in chunks:
         params = [p for p in chunk.parameters() if p.requires_grad]
@@ -122,12 +125,15 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
 
             stores.append(Stage3Params(chunk, zero_config, comms, grad_dtype, kinds, param_init))
         else:
-            stores.append(GradBuffer(
+            buffer = GradBuffer(
                 params, stage=zero_config.stage, dp=comms.dp,
                 bucket_numel=max(1, int(zero_config.reduce_bucket_size)), grad_dtype=grad_dtype,
                 contiguous_gradients=zero_config.contiguous_gradients,
                 reduce_scatter=zero_config.reduce_scatter, overlap=zero_config.overlap_comm,
-                deferred_kind=kinds))
+                deferred_kind=kinds)
+            if zero_config.overlap_param_gather and zero_config.stage in (1, 2):
+                buffer.gather_hooks = register_param_gather_hooks(chunk, buffer)
+            stores.append(buffer)
     pieces = [piece for store in stores for piece in store.pieces()]
     plan = OffloadPlan.from_config(zero_config)
     swapper = None

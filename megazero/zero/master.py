@@ -27,6 +27,7 @@ from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
 from megazero.host_resident import host_empty
+from megazero.zero.host_step import copy_to_host, host_threads, step_threads
 from megazero.zero.optimizers import (
     OptimizerFactory,
     OptimizerKind,
@@ -229,7 +230,16 @@ class MasterParams:
             self._resident = False
 
     def step(self, factor: float) -> None:
-        """One optimizer step with every gradient multiplied by ``factor`` (unscale * clip)."""
+        """One optimizer step with every gradient multiplied by ``factor`` (unscale * clip).
+        Offloaded, the host update runs on this rank's share of the node's cores
+        (:mod:`megazero.zero.host_step`)."""
+        if not self.offload:
+            self._step(factor)
+            return
+        with host_threads(step_threads()):
+            self._step(factor)
+
+    def _step(self, factor: float) -> None:
         if self.swap is not None:
             def update(g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
                 self._bind(g, master, m, v)
@@ -254,12 +264,8 @@ class MasterParams:
         if self._grad_stage is None:
             width = max(sum(p.model.numel() for p in g) for g in self.sub_groups)
             self._grad_stage = host_empty(width, torch.float32, self.pin_memory)
-        out, pos = [], 0
-        for p in group:
-            n = p.model.numel()
-            out.append(self._grad_stage[pos:pos + n].copy_(p.grad))
-            pos += n
-        return out
+        # pinned: non-blocking device-to-host copies, one synchronisation for the sub-group
+        return copy_to_host([p.grad for p in group], self._grad_stage)
 
     def _step_group(self, group: list[Piece], factor: float) -> None:
         grads = self._staged(group) if self.copy else [p.grad for p in group]

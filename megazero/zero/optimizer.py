@@ -33,6 +33,7 @@ from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import ParallelTopology
 from megazero.zero import clip_grads
 from megazero.zero.accounting import MemoryReport, StorageCounter
+from megazero.zero.buffers import GradBuffer
 from megazero.zero.comm import CommLog, GroupComm
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.master import MasterParams, Piece
@@ -213,6 +214,7 @@ class ZeroOptimizer:
         traffic; the result's ``sums`` holds them (float64).
         """
         self.finish_grad_sync()
+        self.wait_for_params()  # a step with no forward since the last one
         pieces = self.masters.pieces
         scale = self.scaler.scale if self.precision.fp16 else 1.0
         # One blocking collective per step: the squared gradient norm, the non-finite loss
@@ -252,10 +254,21 @@ class ZeroOptimizer:
         self.masters.step(coef / scale)
         chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
         for store in self.stores:
-            store.after_step(chunk, not self.zero.allgather_partitions)
+            if self.zero.overlap_param_gather and isinstance(store, GradBuffer):
+                # left in flight: the next forward waits per bucket (megazero.zero.param_gather)
+                store.start_param_gather(chunk, not self.zero.allgather_partitions)
+            else:
+                store.after_step(chunk, not self.zero.allgather_partitions)
         self._end_step()
         self.scaler.update(overflow=False)
         return StepResult(True, norm, scale, False, sums=tuple(sums), num_zeros=counted)
+
+    def wait_for_params(self) -> None:
+        """Complete the parameters' all-gathers left in flight by the last step
+        (``overlap_param_gather``): call before reading the parameters outside a forward."""
+        for store in self.stores:
+            if isinstance(store, GradBuffer):
+                store.wait_param_gather()
 
     def _end_step(self) -> None:
         self._last_comm = self.comms.log.report()
@@ -266,6 +279,7 @@ class ZeroOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: fp32 masters, torch optimizer state, loss scaler, layout."""
+        self.wait_for_params()
         return {"zero_stage": self.zero.stage, "dp_rank": self.topo.dp_rank,
                 "dp_size": self.topo.dp_size, "master": self.masters.state_dict(),
                 "loss_scaler": self.scaler.state_dict()}
@@ -275,6 +289,7 @@ class ZeroOptimizer:
             raise ValueError(f"checkpoint shard is for ZeRO stage {sd['zero_stage']} at dp "
                              f"{sd['dp_size']}; this run is stage {self.zero.stage} at dp "
                              f"{self.topo.dp_size}")
+        self.wait_for_params()
         self.masters.load_state_dict(sd["master"])
         self.scaler.load_state_dict(sd["loss_scaler"])
         chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
@@ -291,6 +306,7 @@ class ZeroOptimizer:
         This is how a layout-independent checkpoint loads, whatever the buckets, dp size or ZeRO
         stage; each piece's range is read straight into the state that keeps it, so loading
         allocates no more than this rank's own moments."""
+        self.wait_for_params()
         with self.masters.resident():
             self._load_param_states(read, step)
         chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
@@ -354,6 +370,7 @@ class ZeroOptimizer:
         ``write_back=True``: weights assigned inside (``model.load_state_dict``) are kept: the
         stage-3 shards and the fp32 masters are refreshed from them on exit.
         """
+        self.wait_for_params()
         for store in self.stores:
             store.gather_all()
         try:
@@ -372,6 +389,7 @@ class ZeroOptimizer:
     def full_parameters(self) -> dict[int, torch.Tensor]:
         """A full copy of every parameter keyed by ``id(param)`` (collective over dp at
         stage 3: every dp rank must call it); the stage-3 checkpoint writer saves these."""
+        self.wait_for_params()
         out: dict[int, torch.Tensor] = {}
         for store in self.stores:
             out.update(store.gathered_state())

@@ -104,34 +104,43 @@ def state_layout(cfg: OptimizerConfig) -> tuple[int, bool]:
 
 #: Optimizers whose update runs as torch's fused CPU kernel when their masters are on the host.
 FUSED_ON_CPU: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+#: Optimizers whose update runs as torch's fused CUDA kernel when their masters are on a GPU
+#: (Megatron's and PyTorch's choice for Adam on GPUs).
+FUSED_ON_CUDA: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def update_kernel(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> str:
     """``"fused"`` where every master is a CPU tensor and ``cls`` is in :data:`FUSED_ON_CPU`,
-    else ``"foreach"``.
+    or every master is a CUDA tensor and ``cls`` is in :data:`FUSED_ON_CUDA`; else
+    ``"foreach"``.
 
-    Why: torch's foreach Adam on CPU makes one pass over memory per elementwise op and allocates
-    fp32 temporaries the size of the sub-group (a page-faulting allocation on the host each
-    step); the fused CPU kernel reads p, grad, exp_avg, exp_avg_sq once, vectorised, with no
-    temporaries. The two differ in rounding by a few ulps, so the choice depends only on where
-    the masters are: CPU offload, NVMe offload and a CPU-only run all use the same kernel and
-    train bitwise alike; masters on an accelerator keep the foreach update."""
-    if cls not in FUSED_ON_CPU:
-        return "foreach"
+    Why: torch's foreach Adam makes one pass over memory per elementwise op and allocates fp32
+    temporaries the size of the sub-group (on the host, a page-faulting allocation each step);
+    the fused kernels read p, grad, exp_avg, exp_avg_sq once, with no temporaries (on CUDA one
+    launch per group instead of one per op). The kernels differ in rounding by a few ulps, so
+    the choice depends only on where the masters are: CPU offload, NVMe offload and a CPU-only
+    run all use the same kernel and train bitwise alike, and so do all GPU runs."""
     params = [p for g in groups for p in g["params"]]
-    return "fused" if params and all(p.device.type == "cpu" for p in params) else "foreach"
+    if not params:
+        return "foreach"
+    kinds = {p.device.type for p in params}
+    if kinds == {"cpu"} and cls in FUSED_ON_CPU:
+        return "fused"
+    if kinds == {"cuda"} and cls in FUSED_ON_CUDA:
+        return "fused"
+    return "foreach"
 
 
 def class_factory(cls: type[torch.optim.Optimizer], **defaults: Any) -> OptimizerFactory:
     """``groups -> cls(groups, **defaults)`` with the update kernel :func:`update_kernel`
-    picks; a torch without the fused CPU kernel falls back to the foreach one."""
+    picks; a torch (or device) without that fused kernel falls back to the foreach one."""
     kind_of(cls)
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         if update_kernel(cls, groups) == "fused":
             try:
                 return cls(groups, **{"fused": True, **defaults})
-            except (RuntimeError, TypeError):  # older torch: fused only on accelerators
+            except (RuntimeError, TypeError):  # a torch without the fused kernel here
                 pass
         return cls(groups, **{"foreach": True, **defaults})
 

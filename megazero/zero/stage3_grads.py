@@ -9,6 +9,11 @@ is rank-major: row ``r`` holds every unit's chunk ``r`` side by side, so row ``r
 ``r`` receives summed, and the units' gradient shards are consecutive views of one flat buffer.
 Small units (LayerNorms, biases) thus share a collective instead of paying one each.
 
+Where the gradient dtype is wider than the parameters' (fp32 for bf16 by default), every
+backward's gradients are added into the bucket's input in that dtype, inside ``no_sync`` too
+(Megatron's ``main_grad``): the input then lives from a unit's first gradient of the step until
+its bucket is reduced, and ``param.grad`` never holds more than one micro-batch's gradient.
+
 Units holding sequence-parallel or tied-embedding parameters (``Unit.kind`` set) wait, each in
 a bucket of its own: the engine first sums their ``deferred_grads`` over the tensor-parallel or
 embedding group, then ``reduce_deferred`` scatters them. :class:`Stage3Grads` is the base of
@@ -51,11 +56,13 @@ class GradBucket:
     def numel(self) -> int:
         return self.dp * self.width
 
-    def rows(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def rows(self, dtype: torch.dtype, device: torch.device, zeroed: bool = False
+             ) -> torch.Tensor:
         """The ``dp x width`` input, allocated on first use (every column is written or
-        zeroed before the launch)."""
+        zeroed before the launch; ``zeroed``: filled with zeros, to add gradients into)."""
         if self.full is None:
-            self.full = torch.empty(self.numel(), dtype=dtype, device=device)
+            alloc = torch.zeros if zeroed else torch.empty
+            self.full = alloc(self.numel(), dtype=dtype, device=device)
         return self.full.view(self.dp, self.width)
 
     def free(self) -> None:
@@ -103,6 +110,7 @@ class Stage3Grads:
     unit_of_param: dict[int, Unit]
     dp: GroupComm
     grad_dtype: torch.dtype
+    dtype: torch.dtype
     device: torch.device
     overlap: bool
 
@@ -131,20 +139,30 @@ class Stage3Grads:
             for p in u.params:
                 p.grad = None
 
+    def _accumulating(self) -> bool:
+        """Whether gradients are added into a wider buffer at every backward (module
+        docstring)."""
+        return self.grad_dtype != self.dtype
+
     def _slot(self, u: Unit) -> torch.Tensor:
         """The bucket's ``dp x width`` input, where the unit owns columns ``[column, column +
         shard_size)``; :func:`segments` addresses them."""
-        return u.bucket.rows(self.grad_dtype, self.device)
+        return u.bucket.rows(self.grad_dtype, self.device, zeroed=self._accumulating())
 
     def _absorb(self, u: Unit) -> None:
-        """Copy the unit's gradients into its bucket slot, applying the 1/dp of the average in
-        the same pass; slots never filled are zeroed before the reduction."""
+        """Copy (or in accumulate mode add) the unit's gradients into its bucket slot,
+        applying the 1/dp of the average in the same pass; slots never filled are zeroed
+        before the reduction."""
         rows = self._slot(u)
+        add = self._accumulating()
         for i, (p, s, shape) in enumerate(zip(u.params, u.starts, u.shapes)):
             if p.grad is not None:
                 g = p.grad.reshape(-1)
                 for r, c0, c1, a in segments(u, s, shape.numel()):
-                    torch.mul(g[a:a + c1 - c0], 1.0 / self.dp.size, out=rows[r, c0:c1])
+                    if add:  # widened, then scaled and summed in grad_dtype
+                        rows[r, c0:c1].add_(g[a:a + c1 - c0], alpha=1.0 / self.dp.size)
+                    else:
+                        torch.mul(g[a:a + c1 - c0], 1.0 / self.dp.size, out=rows[r, c0:c1])
                 u.filled.add(i)
                 p.grad = None
 
@@ -164,6 +182,8 @@ class Stage3Grads:
         u.pending.discard(id(param))
         if not u.pending:
             u.pending = {id(p) for p in u.params}
+            if self._accumulating():
+                self._absorb(u)
             self._release(u)
 
     def grad_ready(self, param: nn.Parameter) -> None:
@@ -234,8 +254,8 @@ class Stage3Grads:
                 self._launch(u.bucket, async_op=False)
 
     def unused_params(self) -> list[nn.Parameter]:
-        return [p for u in self.units if not u.reduced for p in u.params
-                if id(p) in u.pending and p.grad is None]
+        return [p for u in self.units if not u.reduced for i, p in enumerate(u.params)
+                if id(p) in u.pending and p.grad is None and i not in u.filled]
 
     def held_grads(self) -> list[torch.Tensor]:
         out = [b.shard for b in self.buckets]
