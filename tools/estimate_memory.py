@@ -27,7 +27,11 @@ from megazero.config import (
     ConfigError,  # noqa: E402
     load_config,  # noqa: E402
 )
-from megazero.planner.cluster import builtin_clusters, load_cluster  # noqa: E402
+from megazero.planner.cluster import (  # noqa: E402
+    builtin_clusters,
+    load_cluster,
+    planning_argv,
+)
 from megazero.planner.presets import MODEL_PRESETS, hf_config_argv, preset_argv  # noqa: E402
 
 
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_cluster(args.cluster)
         world = world_size(args, cluster)
-        cfg = load_config(run_argv(args, rest), world)
+        cfg = load_config(planning_argv(run_argv(args, rest), cluster), world)
         est = estimate(cfg, cluster)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -93,3 +93,13 @@ def load_cluster(name_or_path: str) -> Cluster:
         return Cluster(**data)
     except TypeError as exc:
         raise ConfigError(f"--cluster {path}: {exc}; expected keys {sorted(known)}") from exc
+
+
+def planning_argv(argv: list[str], cluster: Cluster) -> list[str]:
+    """``argv`` as the run would read it on ``cluster``: a GPU cluster's runs use NCCL, whose
+    defaults (Megatron's overlap and bucket sizes) differ from gloo's, so a plan made on a CPU
+    machine must not take this machine's backend."""
+    given = {a.split("=")[0] for a in argv}
+    if cluster.name == "cpu" or "--distributed-backend" in given:
+        return argv
+    return [*argv, "--distributed-backend", "nccl"]

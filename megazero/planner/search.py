@@ -75,13 +75,14 @@ def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
     return out
 
 
-def _config(base: list[str], flags: list[str], world: int):
+def _config(base: list[str], flags: list[str], world: int, cluster: Cluster):
     from dataclasses import replace
 
     from megazero.config import OffloadConfig
 
     off = "--offload-optimizer" in flags
-    cfg = load_config(base + [f for f in flags if f != "--offload-optimizer"], world)
+    cfg = load_config(planning_argv(base, cluster) + [f for f in flags
+                                                      if f != "--offload-optimizer"], world)
     # the user's overlap_comm (flags or JSON), as estimate_memory.py reads it: one step-time
     # model for both tools; the DeepSpeed JSON written for the winner says the same
     zero = cfg.zero
@@ -97,7 +98,7 @@ def search(base: list[str], world: int, cluster: Cluster, gbs: int,
     evaluated = []
     for flags in candidate_flags(num_layers, world, cluster.gpus_per_node, gbs, stages=stages):
         try:
-            cfg = _config(base, flags, world)
+            cfg = _config(base, flags, world, cluster)
             pp = cfg.parallel.pp
             est = estimate(cfg, cluster, stages=sorted({0, pp - 1}))
         except ConfigError:
