@@ -1,10 +1,12 @@
-"""Hugging Face <-> megazero weight and config mapping for two presets.
+"""Hugging Face <-> megazero weight and config mapping for three architectures.
 
 * GPT-2 (``GPT2LMHeadModel``): learned absolute positions, LayerNorm, biases, GELU (HF's
   ``gelu_new`` is megazero's ``--openai-gelu``), tied head. HF stores its linears as ``Conv1D``
   (weight ``[in, out]``), so every weight is transposed.
 * Llama (``LlamaForCausalLM``): RoPE (rotate-half, as megazero), RMSNorm, SwiGLU, no biases,
   grouped-query attention, tied or untied head.
+* GPT-NeoX (``GPTNeoXForCausalLM``): RoPE, LayerNorm, GELU, biases, sequential residual; the
+  megazero default block with ``--position-embedding-type rope`` (:mod:`megazero.convert.hf_neox`).
 
 Both directions are pure functions on in-memory state dicts. The megazero side is the *global*
 state: the ``state_dict`` names of the model built at tp=1, pp=1 (one ``GPTModel``), fp32, with
@@ -29,10 +31,11 @@ import torch
 
 from megazero.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 # Buffers some transformers versions keep in the state dict; they are derived, not weights.
-_DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
+                     ".attention.bias", ".attention.masked_bias")
 
 
 class ConversionError(ValueError):
@@ -99,6 +102,10 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
     """A megazero :class:`ModelConfig` computing the same function as HF config ``c``."""
     _check_common(c)
     tie = bool(c.get("tie_word_embeddings", True))
+    if c["model_type"] == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        return hf_neox.config_to_megazero(c, _rope_theta(c), _refuse)
     if c["model_type"] == "gpt2":
         act = c.get("activation_function", "gelu_new")
         if act not in _GPT2_ACTIVATIONS:
@@ -145,7 +152,15 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
 
 
 def megazero_preset(m: ModelConfig) -> str:
-    """``gpt2`` or ``llama``: the HF architecture that computes exactly what ``m`` computes."""
+    """``gpt2``, ``llama`` or ``gpt_neox``: the HF architecture that computes exactly what ``m``
+    computes."""
+    from megazero.convert import hf_neox
+
+    if hf_neox.matches(m):
+        if m.query_groups != m.num_attention_heads:
+            _refuse(f"--num-query-groups {m.query_groups}", "GPT-NeoX has no grouped-query "
+                    "attention")
+        return "gpt_neox"
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm",
                 swiglu=False, add_bias_linear=True)
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -156,18 +171,26 @@ def megazero_preset(m: ModelConfig) -> str:
                 _refuse(f"--num-query-groups {m.query_groups}", "GPT-2 has no grouped-query "
                         "attention")
             return name
-    target = "llama" if m.position_embedding_type == "rope" else "gpt2"
-    want = llama if target == "llama" else gpt2
-    diff = ", ".join(f"{k}={getattr(m, k)!r} (needs {v!r})" for k, v in want.items()
-                     if getattr(m, k) != v)
-    _refuse(f"model settings {diff}", f"no HF architecture matches; closest is {target}")
+    neox = dict(position_embedding_type="rope", normalization="LayerNorm", swiglu=False,
+                add_bias_linear=True)
+    options = {"gpt2": gpt2, "llama": llama, "gpt_neox": neox}
+    misses = {name: [f"{k}={getattr(m, k)!r} (needs {v!r})" for k, v in want.items()
+                     if getattr(m, k) != v] for name, want in options.items()}
+    target = min(misses, key=lambda name: len(misses[name]))
+    _refuse(f"model settings {', '.join(misses[target])}",
+            f"no HF architecture matches; closest is {target}")
     raise AssertionError  # unreachable
 
 
 def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
     """The HF config dict (``model_type`` included) of the architecture equal to ``m``."""
     tie = not m.untie_embeddings_and_output_weights
-    if megazero_preset(m) == "gpt2":
+    preset = megazero_preset(m)
+    if preset == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        return hf_neox.config_from_megazero(m)
+    if preset == "gpt2":
         return dict(
             model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=m.vocab_size,
             n_positions=m.max_positions, n_embd=m.hidden_size, n_layer=m.num_layers,
@@ -223,7 +246,13 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
     src = _Source(hf_state)
     heads, groups = m.num_attention_heads, m.query_groups
     out: dict[str, torch.Tensor] = {}
-    if m.model_preset == "gpt2":
+    if hf_config["model_type"] == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        out = hf_neox.state_to_megazero(m, src)
+        embed = hf_neox.EMBED
+        head = next((h for h in hf_neox.HEAD_NAMES if h in hf_state), hf_neox.HEAD_NAMES[0])
+    elif m.model_preset == "gpt2":
         out["embedding.word_embeddings.weight"] = src("transformer.wte.weight")
         out["embedding.position_embeddings.weight"] = src("transformer.wpe.weight")
         for i in range(m.num_layers):
@@ -291,6 +320,11 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
     vocab = m.vocab_size
     embed = get("embedding.word_embeddings.weight")[:vocab]
     head = get("output_layer.weight")[:vocab] if m.untie_embeddings_and_output_weights else embed
+    if cfg["model_type"] == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        out = hf_neox.state_from_megazero(m, get, embed, head)
+        return cfg, {k: v.contiguous() for k, v in out.items()}
     if cfg["model_type"] == "gpt2":
         out["transformer.wte.weight"] = embed
         out["transformer.wpe.weight"] = get("embedding.position_embeddings.weight")
