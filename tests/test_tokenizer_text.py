@@ -22,7 +22,8 @@ UNICODE = ["def f(x):\n    return x\n", "café ½ ﬁ", "naïve Ångström Stra�
            "日本語のテキスト、中文",
            "emoji 😀🎉👩‍💻", "tab\tseparated\tvalues", "windows\r\nline\r\nends\r\n",
            "runs   of    spaces  ", "   leading spaces", "\n\nblank lines\n\n\n", " ", "",
-           "digits 1234567 3.14159", "literal </s> and <s> and <0x0A>"]
+           "digits 1234567 3.14159", "literal </s> and <s> and <0x0A>", "x²³ a½b ①② Ⅻ",
+           "separators\x1c\x1d a\u3000b\xa0c"]
 WORDS = ["river", "stone", "bright", "quiet", "morning", "forest", "signal", "paper"]
 TEST_CORPUS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(30)) for i in range(60)]
 TEST_CORPUS += [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7}"
@@ -151,6 +152,20 @@ def test_exported_gpt2_bpe_and_tokenizer_json_give_training_ids(tmp_path, sample
             "tokenizer_model": str(tmp_path / "gpt2" / "tokenizer.json")}
     export(info, tmp_path / "json")
     assert_same_ids(tmp_path / "json", build_tokenizer(**info), samples)
+
+
+def test_gpt2_words_are_hugging_faces(samples):
+    """megazero's GPT-2 BPE splits text into the words GPT-2 and HF's ByteLevel split it into,
+    so a real GPT-2 vocabulary (whose merges cross no word) gives the same ids in both."""
+    from tokenizers import pre_tokenizers
+
+    from megazero.data.gpt2_bpe import _SPLIT, bytes_to_unicode
+
+    hf = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    table = bytes_to_unicode()
+    for text in samples:
+        mine = ["".join(table[b] for b in w.encode()) for w in _SPLIT.findall(text)]
+        assert mine == [w for w, _ in hf.pre_tokenize_str(text)], repr(text[:60])
 
 
 def test_weights_alone_name_no_special_ids(tmp_path):
