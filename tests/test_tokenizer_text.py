@@ -148,8 +148,16 @@ def test_exported_gpt2_bpe_and_tokenizer_json_give_training_ids(tmp_path, sample
     cfg = json.loads((tmp_path / "gpt2" / "config.json").read_text())
     assert cfg["bos_token_id"] == cfg["eos_token_id"] == mz.eod == n - 1 != 50256
 
-    info = {"tokenizer_type": "HuggingFaceTokenizer",
-            "tokenizer_model": str(tmp_path / "gpt2" / "tokenizer.json")}
+    # a tokenizer.json whose post-processor adds a BOS: megazero trained without it
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(tmp_path / "gpt2" / "tokenizer.json"))
+    eod = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{eod} $A",
+                                                       special_tokens=[(eod, mz.eod)])
+    os.makedirs(tmp_path / "src")
+    tok.save(str(tmp_path / "src" / "tokenizer.json"))
+    info = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tmp_path / "src")}
     export(info, tmp_path / "json")
     assert_same_ids(tmp_path / "json", build_tokenizer(**info), samples)
 
