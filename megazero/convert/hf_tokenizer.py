@@ -25,8 +25,10 @@ model's own ``normalizer_spec`` and ``trainer_spec``:
   no post-processor, so nothing is added around the text.
 
 ``tokenizer.model`` is shipped beside it for sentencepiece users and for ``--loader hf``.
-GPT-2 BPE files and Hugging Face ``tokenizer.json`` files are exported as they are (a
-``tokenizer.json`` whose post-processor adds special tokens loses it: megazero never added them).
+GPT-2 BPE files are copied as they are, with the byte-level ``tokenizer.json`` of the same
+vocabulary and merges (``<|endoftext|>`` in text is read as text, as megazero's tokenizer reads
+it). A Hugging Face ``tokenizer.json`` is copied as it is, except that a post-processor adding
+special tokens is dropped: megazero never added them.
 """
 
 from __future__ import annotations
@@ -167,8 +169,8 @@ def _export_hf_json(src: str, path: str) -> TokenizerExport:
 
     eod_tok = HuggingFaceTokenizer(src)
     tok = Tokenizer.from_file(eod_tok.model_file)
-    if tok.encode("a", add_special_tokens=True).ids != tok.encode("a").ids or \
-            tok.encode("a").ids != tok.encode("a", add_special_tokens=False).ids:
+    plain = tok.encode("a", add_special_tokens=False).ids
+    if tok.encode("a", add_special_tokens=True).ids != plain:
         data = json.loads(tok.to_str())
         data["post_processor"] = None
         tok = Tokenizer.from_str(json.dumps(data))
