@@ -3,8 +3,9 @@
 * GPT-2 (``GPT2LMHeadModel``): learned absolute positions, LayerNorm, biases, GELU (HF's
   ``gelu_new`` is megazero's ``--openai-gelu``), tied head. HF stores its linears as ``Conv1D``
   (weight ``[in, out]``), so every weight is transposed.
-* Llama (``LlamaForCausalLM``): RoPE (rotate-half, as megazero), RMSNorm, SwiGLU, no biases,
-  grouped-query attention, tied or untied head.
+* Llama (``LlamaForCausalLM``): RoPE (rotate-half, as megazero), RMSNorm, SwiGLU, no biases
+  (or biases on every linear: ``attention_bias`` and ``mlp_bias``, megazero's
+  ``--add-bias-linear``), grouped-query attention, tied or untied head.
 * GPT-NeoX (``GPTNeoXForCausalLM``): RoPE, LayerNorm, GELU, biases, sequential residual; the
   megazero default block with ``--position-embedding-type rope`` (:mod:`megazero.convert.hf_neox`).
 
@@ -129,9 +130,10 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
             hidden_dropout=float(c.get("resid_pdrop", 0.1)),
             init_method_std=float(c.get("initializer_range", 0.02)), model_preset="gpt2")
     # llama
-    for key in ("attention_bias", "mlp_bias"):
-        if c.get(key):
-            _refuse(f"{key}=True", "the llama preset has no linear biases")
+    bias = bool(c.get("attention_bias", False))
+    if bool(c.get("mlp_bias", False)) != bias:
+        _refuse(f"attention_bias={bias} with mlp_bias={not bias}", "megazero's linear biases are "
+                "on all linears or none")
     if c.get("hidden_act", "silu") != "silu":
         _refuse(f"hidden_act={c['hidden_act']!r}", "the llama preset uses SwiGLU (silu)")
     h, heads = c["hidden_size"], c["num_attention_heads"]
@@ -145,7 +147,7 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
         group_query_attention=groups != heads, ffn_hidden_size=c["intermediate_size"],
         seq_length=positions, max_position_embeddings=positions, vocab_size=c["vocab_size"],
         position_embedding_type="rope", rotary_base=_rope_theta(c), normalization="RMSNorm",
-        norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), swiglu=True, add_bias_linear=False,
+        norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), swiglu=True, add_bias_linear=bias,
         untie_embeddings_and_output_weights=not tie,
         attention_dropout=float(c.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(c.get("initializer_range", 0.02)), model_preset="llama")
@@ -164,7 +166,7 @@ def megazero_preset(m: ModelConfig) -> str:
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm",
                 swiglu=False, add_bias_linear=True)
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                 add_bias_linear=False, openai_gelu=False)
+                 openai_gelu=False)
     for name, want in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(m, k) == v for k, v in want.items()):
             if name == "gpt2" and m.query_groups != m.num_attention_heads:
@@ -206,7 +208,8 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
         head_dim=m.head_dim, max_position_embeddings=m.max_positions, hidden_act="silu",
         rms_norm_eps=m.norm_epsilon, rope_theta=m.rotary_base,
         rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
-        attention_bias=False, mlp_bias=False, attention_dropout=m.attention_dropout,
+        attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
+        attention_dropout=m.attention_dropout,
         initializer_range=m.init_method_std, tie_word_embeddings=tie)
 
 
@@ -279,13 +282,14 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
             p = f"model.layers.{i}."
             out[_layer(i, "input_layernorm.weight")] = src(p + "input_layernorm.weight")
             out[_layer(i, "pre_mlp_layernorm.weight")] = src(p + "post_attention_layernorm.weight")
-            out[_layer(i, "self_attention.linear_qkv.weight")] = fuse_qkv(
-                src(p + "self_attn.q_proj.weight"), src(p + "self_attn.k_proj.weight"),
-                src(p + "self_attn.v_proj.weight"), heads, groups)
-            out[_layer(i, "self_attention.linear_proj.weight")] = src(p + "self_attn.o_proj.weight")
-            out[_layer(i, "mlp.linear_fc1.weight")] = torch.cat(
-                [src(p + "mlp.gate_proj.weight"), src(p + "mlp.up_proj.weight")], dim=0)
-            out[_layer(i, "mlp.linear_fc2.weight")] = src(p + "mlp.down_proj.weight")
+            for x in ("weight", "bias") if m.add_bias_linear else ("weight",):
+                out[_layer(i, f"self_attention.linear_qkv.{x}")] = fuse_qkv(
+                    src(f"{p}self_attn.q_proj.{x}"), src(f"{p}self_attn.k_proj.{x}"),
+                    src(f"{p}self_attn.v_proj.{x}"), heads, groups)
+                out[_layer(i, f"self_attention.linear_proj.{x}")] = src(f"{p}self_attn.o_proj.{x}")
+                out[_layer(i, f"mlp.linear_fc1.{x}")] = torch.cat(
+                    [src(f"{p}mlp.gate_proj.{x}"), src(f"{p}mlp.up_proj.{x}")], dim=0)
+                out[_layer(i, f"mlp.linear_fc2.{x}")] = src(f"{p}mlp.down_proj.{x}")
         out["decoder.final_layernorm.weight"] = src("model.norm.weight")
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
     if m.untie_embeddings_and_output_weights:
@@ -349,16 +353,17 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
             p = f"model.layers.{i}."
             out[p + "input_layernorm.weight"] = get(_layer(i, "input_layernorm.weight"))
             out[p + "post_attention_layernorm.weight"] = get(_layer(i, "pre_mlp_layernorm.weight"))
-            q, k, v = split_qkv(get(_layer(i, "self_attention.linear_qkv.weight")), heads,
-                                groups, d)
-            out[p + "self_attn.q_proj.weight"] = q
-            out[p + "self_attn.k_proj.weight"] = k
-            out[p + "self_attn.v_proj.weight"] = v
-            out[p + "self_attn.o_proj.weight"] = get(_layer(i, "self_attention.linear_proj.weight"))
-            gate, up = get(_layer(i, "mlp.linear_fc1.weight")).chunk(2, dim=0)
-            out[p + "mlp.gate_proj.weight"] = gate.contiguous()
-            out[p + "mlp.up_proj.weight"] = up.contiguous()
-            out[p + "mlp.down_proj.weight"] = get(_layer(i, "mlp.linear_fc2.weight"))
+            for x in ("weight", "bias") if m.add_bias_linear else ("weight",):
+                q, k, v = split_qkv(get(_layer(i, f"self_attention.linear_qkv.{x}")), heads,
+                                    groups, d)
+                out[f"{p}self_attn.q_proj.{x}"] = q
+                out[f"{p}self_attn.k_proj.{x}"] = k
+                out[f"{p}self_attn.v_proj.{x}"] = v
+                out[f"{p}self_attn.o_proj.{x}"] = get(_layer(i, f"self_attention.linear_proj.{x}"))
+                gate, up = get(_layer(i, f"mlp.linear_fc1.{x}")).chunk(2, dim=0)
+                out[f"{p}mlp.gate_proj.{x}"] = gate.contiguous()
+                out[f"{p}mlp.up_proj.{x}"] = up.contiguous()
+                out[f"{p}mlp.down_proj.{x}"] = get(_layer(i, f"mlp.linear_fc2.{x}"))
         out["model.norm.weight"] = get("decoder.final_layernorm.weight")
     out["lm_head.weight"] = head
     return cfg, {k: v.contiguous() for k, v in out.items()}
