@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+HF = ["transformers>=4.40", "safetensors", "tokenizers>=0.19", "protobuf"]
+
 setup(
     name="megazero",
     version="0.1.0",
@@ -13,6 +15,11 @@ setup(
     packages=find_packages(include=["megazero", "megazero.*"]),
     py_modules=["pretrain_gpt"],
     install_requires=["torch>=2.11", "numpy", "sentencepiece", "tensorboard", "hjson"],
-    extras_require={"dev": ["pytest>=7", "ruff", "mypy", "transformers>=4.40", "safetensors"]},
+    # hf: tools/checkpoint/convert.py --loader/--saver hf and examples/finetune_engine.py
+    # (protobuf reads SentencePiece models' settings for the tokenizer export)
+    extras_require={
+        "hf": HF,
+        "dev": ["pytest>=7", "ruff", "mypy", *HF],
+    },
     license="Apache-2.0",
 )

@@ -31,7 +31,10 @@ def byte_windows(path: str, seq_len: int) -> torch.Tensor:
 
 
 def build_model(seq_len: int) -> torch.nn.Module:
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("finetune_engine.py needs transformers: pip install -e '.[hf]'") from None
 
     config = transformers.GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=64, n_layer=2,
                                      n_head=4, bos_token_id=0, eos_token_id=0)

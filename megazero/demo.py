@@ -6,9 +6,13 @@ fixed, sorted list of pure-Python modules of the running interpreter's standard 
 MB; modules missing from a Python version are skipped). A SentencePiece BPE tokenizer is trained
 on part of it and the whole corpus is written as a Megatron ``.bin``/``.idx`` dataset.
 
-Everything lands in a cache directory keyed by the Python version, the file list and the
-vocabulary size, so the second run starts at once. The directory is built under a temporary
-name and renamed into place, so concurrent launchers (one per node) never see half a cache.
+The tokenizer keeps every character (:func:`megazero.data.tokenizers.sentencepiece_text_options`:
+newlines, indentation and runs of spaces survive, so the model can write code that runs).
+Everything lands in a cache directory keyed by the Python version, the file list, the vocabulary
+size and the tokenizer's text options, so the second run starts at once and a change of
+tokenizer settings builds a new corpus instead of reusing ids made by the old tokenizer. The
+directory is built under a temporary name and renamed into place, so concurrent launchers (one
+per node) never see half a cache.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ DEMO_MODULES: tuple[str, ...] = (
 )
 DEFAULT_VOCAB_SIZE = 2048
 TOKENIZER_TRAIN_BYTES = 1_500_000  # enough text for a 2k BPE vocabulary, trained in seconds
-_FORMAT = 1  # bump when the cache contents change
+_FORMAT = 2  # bump when the cache contents change (2: whitespace-keeping tokenizer)
 
 
 @dataclass(frozen=True)
@@ -67,26 +71,27 @@ def default_cache_dir() -> str:
 
 
 def _cache_key(files: list[str], vocab_size: int) -> str:
+    from megazero.data.tokenizers import sentencepiece_text_options
+
     h = hashlib.sha256()
-    h.update(json.dumps([_FORMAT, sys.version_info[:2], vocab_size]).encode())
+    h.update(json.dumps([_FORMAT, sys.version_info[:2], vocab_size,
+                         sentencepiece_text_options()], sort_keys=True).encode())
     for f in files:
         h.update(os.path.basename(f).encode())
         h.update(str(os.path.getsize(f)).encode())
     return f"py{sys.version_info[0]}{sys.version_info[1]}-v{vocab_size}-{h.hexdigest()[:12]}"
 
 
-def _tokenizer_lines(files: list[str], budget: int) -> Iterator[str]:
-    """Blocks of at most ~40 lines: SentencePiece trains on lines and skips very long ones, so
-    whole files (one line each after whitespace folding) would mostly be ignored."""
+def _tokenizer_texts(files: list[str], budget: int) -> Iterator[str]:
+    """The first files of the corpus, about ``budget`` characters (the trainer cuts them into
+    lines itself)."""
     used = 0
     for path in files:
-        lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
-        for i in range(0, len(lines), 40):
-            block = "\n".join(lines[i:i + 40])
-            used += len(block)
-            yield block
-            if used >= budget:
-                return
+        text = open(path, encoding="utf-8", errors="replace").read()
+        used += len(text)
+        yield text
+        if used >= budget:
+            return
 
 
 def _paths(directory: str) -> DemoData:
@@ -115,7 +120,7 @@ def prepare_demo_data(cache_dir: str | None = None, vocab_size: int = DEFAULT_VO
         nbytes = sum(os.path.getsize(f) for f in files)
         log(f"> building the demo corpus: {len(files)} standard-library modules "
             f"({nbytes / 1e6:.1f} MB) -> {final}")
-        model = train_sentencepiece(_tokenizer_lines(files, TOKENIZER_TRAIN_BYTES),
+        model = train_sentencepiece(_tokenizer_texts(files, TOKENIZER_TRAIN_BYTES),
                                     os.path.join(work, "tokenizer"), vocab_size,
                                     max_sentence_length=8192)
         stats = preprocess(files, os.path.join(work, "stdlib"),

@@ -150,7 +150,7 @@ def test_import_logits_match_at_tp2_pp2():
 
 
 @pytest.mark.parametrize("kind,override,needle", [
-    ("llama", dict(attention_bias=True), "attention_bias"),
+    ("llama", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling"),
     ("llama", dict(sliding_window=8), "sliding_window"),
     ("llama", dict(num_local_experts=4), "num_local_experts"),
@@ -181,3 +181,19 @@ def test_megazero_model_without_hf_twin_is_refused():
     mc = ModelConfig.preset("llama", normalization="LayerNorm")
     with pytest.raises(ConversionError, match="normalization='LayerNorm'"):
         megazero_to_hf(mc, {})
+
+
+def test_llama_with_biases_on_every_linear():
+    """attention_bias and mlp_bias together are megazero's --add-bias-linear with the llama
+    block: imported logits match, the round trip is bitwise and the export names both."""
+    hf = build("llama", attention_bias=True, mlp_bias=True, initializer_range=0.1)
+    mc, state = hf_to_megazero(hf.config.to_dict(), hf.state_dict())
+    assert mc.add_bias_linear and mc.swiglu
+    toks = tokens()
+    with torch.no_grad():
+        ref = hf(toks).logits
+    assert_close(megazero_logits(mc, state, toks), ref, "llama with biases")
+    cfg, back = megazero_to_hf(mc, state)
+    assert cfg["attention_bias"] and cfg["mlp_bias"]
+    assert set(back) == set(hf.state_dict())
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())

@@ -95,7 +95,7 @@ def test_directory_without_tokenizer_converts_weights_alone(tmp_path, capsys):
     model_config, state, tok = plugin("loader_hf").load(SimpleNamespace(load_dir=str(src)))
     assert tok is None and "weights alone" in capsys.readouterr().err
     files = plugin("saver_hf").save(SimpleNamespace(save_dir=str(out)), model_config, state, tok)
-    assert sorted(files) == ["config.json", "model.safetensors"]
+    assert sorted(files) == ["config.json", "generation_config.json", "model.safetensors"]
     assert "weights alone" in capsys.readouterr().err
 
 

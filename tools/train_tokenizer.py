@@ -6,6 +6,12 @@ Example::
 
 writes ``tok.model`` and ``tok.vocab``. Inputs are read like ``tools/preprocess_data.py`` reads
 them (JSON lines with ``--json-keys``, plain text files, directories).
+
+Every character survives ``decode(encode(text))`` by default (Llama's settings): no Unicode
+normalisation (``--normalization identity``), newlines, tabs and runs of spaces kept, digits split,
+whitespace-only pieces allowed, and byte fallback for characters outside the vocabulary.
+SentencePiece's own default, which folds whitespace and applies NFKC (lossy: code loses its line
+breaks), is ``--normalization nmt_nfkc --remove-extra-whitespaces``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from megazero.data.preprocess import (  # noqa: E402
     list_input_files,
     record_texts,
 )
-from megazero.data.tokenizers import train_sentencepiece  # noqa: E402
+from megazero.data.tokenizers import (  # noqa: E402
+    NORMALIZATION_RULES,
+    train_sentencepiece,
+)
 
 
 def iter_texts(inputs: Sequence[str], json_keys: Sequence[str], text_mode: str,
@@ -39,7 +48,8 @@ def iter_texts(inputs: Sequence[str], json_keys: Sequence[str], text_mode: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0], epilog=doc[-1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", required=True, nargs="+",
                    help="JSON lines files (.json/.jsonl), plain text files, or directories")
@@ -53,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="SentencePiece model type")
     p.add_argument("--character-coverage", type=float, default=1.0,
                    help="share of characters covered by the vocabulary (rest: byte fallback)")
+    p.add_argument("--normalization", choices=NORMALIZATION_RULES, default="identity",
+                   help="SentencePiece normalization rule: identity keeps every character as "
+                   "written; nmt_nfkc/nfkc apply NFKC ('½' -> '1⁄2', 'ﬁ' -> 'fi'), the nmt_ "
+                   "rules also turn tabs and newlines into spaces")
+    p.add_argument("--remove-extra-whitespaces", action="store_true",
+                   help="fold newlines, tabs and runs of spaces into one space and strip "
+                   "leading/trailing spaces (SentencePiece's default, lossy; off: kept)")
     p.add_argument("--max-documents", type=int, default=None,
                    help="train on the first N documents only")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -62,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         model = train_sentencepiece(
             iter_texts(args.input, args.json_keys, args.text_mode, args.max_documents),
             args.output_prefix, args.vocab_size, model_type=args.model_type,
-            character_coverage=args.character_coverage, num_threads=args.threads)
+            character_coverage=args.character_coverage, num_threads=args.threads,
+            normalization=args.normalization,
+            remove_extra_whitespaces=args.remove_extra_whitespaces)
     except (PreprocessError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,10 +1,13 @@
-"""Hugging Face <-> megazero weight and config mapping for two presets.
+"""Hugging Face <-> megazero weight and config mapping for three architectures.
 
 * GPT-2 (``GPT2LMHeadModel``): learned absolute positions, LayerNorm, biases, GELU (HF's
   ``gelu_new`` is megazero's ``--openai-gelu``), tied head. HF stores its linears as ``Conv1D``
   (weight ``[in, out]``), so every weight is transposed.
-* Llama (``LlamaForCausalLM``): RoPE (rotate-half, as megazero), RMSNorm, SwiGLU, no biases,
-  grouped-query attention, tied or untied head.
+* Llama (``LlamaForCausalLM``): RoPE (rotate-half, as megazero), RMSNorm, SwiGLU, no biases
+  (or biases on every linear: ``attention_bias`` and ``mlp_bias``, megazero's
+  ``--add-bias-linear``), grouped-query attention, tied or untied head.
+* GPT-NeoX (``GPTNeoXForCausalLM``): RoPE, LayerNorm, GELU, biases, sequential residual; the
+  megazero default block with ``--position-embedding-type rope`` (:mod:`megazero.convert.hf_neox`).
 
 Both directions are pure functions on in-memory state dicts. The megazero side is the *global*
 state: the ``state_dict`` names of the model built at tp=1, pp=1 (one ``GPTModel``), fp32, with
@@ -29,10 +32,11 @@ import torch
 
 from megazero.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 # Buffers some transformers versions keep in the state dict; they are derived, not weights.
-_DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
+                     ".attention.bias", ".attention.masked_bias")
 
 
 class ConversionError(ValueError):
@@ -99,6 +103,10 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
     """A megazero :class:`ModelConfig` computing the same function as HF config ``c``."""
     _check_common(c)
     tie = bool(c.get("tie_word_embeddings", True))
+    if c["model_type"] == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        return hf_neox.config_to_megazero(c, _rope_theta(c), _refuse)
     if c["model_type"] == "gpt2":
         act = c.get("activation_function", "gelu_new")
         if act not in _GPT2_ACTIVATIONS:
@@ -122,9 +130,10 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
             hidden_dropout=float(c.get("resid_pdrop", 0.1)),
             init_method_std=float(c.get("initializer_range", 0.02)), model_preset="gpt2")
     # llama
-    for key in ("attention_bias", "mlp_bias"):
-        if c.get(key):
-            _refuse(f"{key}=True", "the llama preset has no linear biases")
+    bias = bool(c.get("attention_bias", False))
+    if bool(c.get("mlp_bias", False)) != bias:
+        _refuse(f"attention_bias={bias} with mlp_bias={not bias}", "megazero's linear biases are "
+                "on all linears or none")
     if c.get("hidden_act", "silu") != "silu":
         _refuse(f"hidden_act={c['hidden_act']!r}", "the llama preset uses SwiGLU (silu)")
     h, heads = c["hidden_size"], c["num_attention_heads"]
@@ -138,36 +147,52 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
         group_query_attention=groups != heads, ffn_hidden_size=c["intermediate_size"],
         seq_length=positions, max_position_embeddings=positions, vocab_size=c["vocab_size"],
         position_embedding_type="rope", rotary_base=_rope_theta(c), normalization="RMSNorm",
-        norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), swiglu=True, add_bias_linear=False,
+        norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), swiglu=True, add_bias_linear=bias,
         untie_embeddings_and_output_weights=not tie,
         attention_dropout=float(c.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(c.get("initializer_range", 0.02)), model_preset="llama")
 
 
 def megazero_preset(m: ModelConfig) -> str:
-    """``gpt2`` or ``llama``: the HF architecture that computes exactly what ``m`` computes."""
+    """``gpt2``, ``llama`` or ``gpt_neox``: the HF architecture that computes exactly what ``m``
+    computes."""
+    from megazero.convert import hf_neox
+
+    if hf_neox.matches(m):
+        if m.query_groups != m.num_attention_heads:
+            _refuse(f"--num-query-groups {m.query_groups}", "GPT-NeoX has no grouped-query "
+                    "attention")
+        return "gpt_neox"
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm",
                 swiglu=False, add_bias_linear=True)
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                 add_bias_linear=False, openai_gelu=False, rotary_percent=1.0)
+                 openai_gelu=False, rotary_percent=1.0)
     for name, want in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(m, k) == v for k, v in want.items()):
             if name == "gpt2" and m.query_groups != m.num_attention_heads:
                 _refuse(f"--num-query-groups {m.query_groups}", "GPT-2 has no grouped-query "
                         "attention")
             return name
-    target = "llama" if m.position_embedding_type == "rope" else "gpt2"
-    want = llama if target == "llama" else gpt2
-    diff = ", ".join(f"{k}={getattr(m, k)!r} (needs {v!r})" for k, v in want.items()
-                     if getattr(m, k) != v)
-    _refuse(f"model settings {diff}", f"no HF architecture matches; closest is {target}")
+    neox = dict(position_embedding_type="rope", normalization="LayerNorm", swiglu=False,
+                add_bias_linear=True)
+    options = {"gpt2": gpt2, "llama": llama, "gpt_neox": neox}
+    misses = {name: [f"{k}={getattr(m, k)!r} (needs {v!r})" for k, v in want.items()
+                     if getattr(m, k) != v] for name, want in options.items()}
+    target = min(misses, key=lambda name: len(misses[name]))
+    _refuse(f"model settings {', '.join(misses[target])}",
+            f"no HF architecture matches; closest is {target}")
     raise AssertionError  # unreachable
 
 
 def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
     """The HF config dict (``model_type`` included) of the architecture equal to ``m``."""
     tie = not m.untie_embeddings_and_output_weights
-    if megazero_preset(m) == "gpt2":
+    preset = megazero_preset(m)
+    if preset == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        return hf_neox.config_from_megazero(m)
+    if preset == "gpt2":
         return dict(
             model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=m.vocab_size,
             n_positions=m.max_positions, n_embd=m.hidden_size, n_layer=m.num_layers,
@@ -183,7 +208,8 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
         head_dim=m.head_dim, max_position_embeddings=m.max_positions, hidden_act="silu",
         rms_norm_eps=m.norm_epsilon, rope_theta=m.rotary_base,
         rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
-        attention_bias=False, mlp_bias=False, attention_dropout=m.attention_dropout,
+        attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
+        attention_dropout=m.attention_dropout,
         initializer_range=m.init_method_std, tie_word_embeddings=tie)
 
 
@@ -223,7 +249,13 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
     src = _Source(hf_state)
     heads, groups = m.num_attention_heads, m.query_groups
     out: dict[str, torch.Tensor] = {}
-    if m.model_preset == "gpt2":
+    if hf_config["model_type"] == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        out = hf_neox.state_to_megazero(m, src)
+        embed = hf_neox.EMBED
+        head = next((h for h in hf_neox.HEAD_NAMES if h in hf_state), hf_neox.HEAD_NAMES[0])
+    elif m.model_preset == "gpt2":
         out["embedding.word_embeddings.weight"] = src("transformer.wte.weight")
         out["embedding.position_embeddings.weight"] = src("transformer.wpe.weight")
         for i in range(m.num_layers):
@@ -250,13 +282,14 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
             p = f"model.layers.{i}."
             out[_layer(i, "input_layernorm.weight")] = src(p + "input_layernorm.weight")
             out[_layer(i, "pre_mlp_layernorm.weight")] = src(p + "post_attention_layernorm.weight")
-            out[_layer(i, "self_attention.linear_qkv.weight")] = fuse_qkv(
-                src(p + "self_attn.q_proj.weight"), src(p + "self_attn.k_proj.weight"),
-                src(p + "self_attn.v_proj.weight"), heads, groups)
-            out[_layer(i, "self_attention.linear_proj.weight")] = src(p + "self_attn.o_proj.weight")
-            out[_layer(i, "mlp.linear_fc1.weight")] = torch.cat(
-                [src(p + "mlp.gate_proj.weight"), src(p + "mlp.up_proj.weight")], dim=0)
-            out[_layer(i, "mlp.linear_fc2.weight")] = src(p + "mlp.down_proj.weight")
+            for x in ("weight", "bias") if m.add_bias_linear else ("weight",):
+                out[_layer(i, f"self_attention.linear_qkv.{x}")] = fuse_qkv(
+                    src(f"{p}self_attn.q_proj.{x}"), src(f"{p}self_attn.k_proj.{x}"),
+                    src(f"{p}self_attn.v_proj.{x}"), heads, groups)
+                out[_layer(i, f"self_attention.linear_proj.{x}")] = src(f"{p}self_attn.o_proj.{x}")
+                out[_layer(i, f"mlp.linear_fc1.{x}")] = torch.cat(
+                    [src(f"{p}mlp.gate_proj.{x}"), src(f"{p}mlp.up_proj.{x}")], dim=0)
+                out[_layer(i, f"mlp.linear_fc2.{x}")] = src(f"{p}mlp.down_proj.{x}")
         out["decoder.final_layernorm.weight"] = src("model.norm.weight")
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
     if m.untie_embeddings_and_output_weights:
@@ -291,6 +324,11 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
     vocab = m.vocab_size
     embed = get("embedding.word_embeddings.weight")[:vocab]
     head = get("output_layer.weight")[:vocab] if m.untie_embeddings_and_output_weights else embed
+    if cfg["model_type"] == "gpt_neox":
+        from megazero.convert import hf_neox
+
+        out = hf_neox.state_from_megazero(m, get, embed, head)
+        return cfg, {k: v.contiguous() for k, v in out.items()}
     if cfg["model_type"] == "gpt2":
         out["transformer.wte.weight"] = embed
         out["transformer.wpe.weight"] = get("embedding.position_embeddings.weight")
@@ -315,16 +353,17 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
             p = f"model.layers.{i}."
             out[p + "input_layernorm.weight"] = get(_layer(i, "input_layernorm.weight"))
             out[p + "post_attention_layernorm.weight"] = get(_layer(i, "pre_mlp_layernorm.weight"))
-            q, k, v = split_qkv(get(_layer(i, "self_attention.linear_qkv.weight")), heads,
-                                groups, d)
-            out[p + "self_attn.q_proj.weight"] = q
-            out[p + "self_attn.k_proj.weight"] = k
-            out[p + "self_attn.v_proj.weight"] = v
-            out[p + "self_attn.o_proj.weight"] = get(_layer(i, "self_attention.linear_proj.weight"))
-            gate, up = get(_layer(i, "mlp.linear_fc1.weight")).chunk(2, dim=0)
-            out[p + "mlp.gate_proj.weight"] = gate.contiguous()
-            out[p + "mlp.up_proj.weight"] = up.contiguous()
-            out[p + "mlp.down_proj.weight"] = get(_layer(i, "mlp.linear_fc2.weight"))
+            for x in ("weight", "bias") if m.add_bias_linear else ("weight",):
+                q, k, v = split_qkv(get(_layer(i, f"self_attention.linear_qkv.{x}")), heads,
+                                    groups, d)
+                out[f"{p}self_attn.q_proj.{x}"] = q
+                out[f"{p}self_attn.k_proj.{x}"] = k
+                out[f"{p}self_attn.v_proj.{x}"] = v
+                out[f"{p}self_attn.o_proj.{x}"] = get(_layer(i, f"self_attention.linear_proj.{x}"))
+                gate, up = get(_layer(i, f"mlp.linear_fc1.{x}")).chunk(2, dim=0)
+                out[f"{p}mlp.gate_proj.{x}"] = gate.contiguous()
+                out[f"{p}mlp.up_proj.{x}"] = up.contiguous()
+                out[f"{p}mlp.down_proj.{x}"] = get(_layer(i, f"mlp.linear_fc2.{x}"))
         out["model.norm.weight"] = get("decoder.final_layernorm.weight")
     out["lm_head.weight"] = head
     return cfg, {k: v.contiguous() for k, v in out.items()}

@@ -5,22 +5,21 @@ Weights are read from ``model.safetensors``, sharded ``model-*.safetensors`` (th
 ``weights_only=True`` (files are data, never code). They are written as one
 ``model.safetensors``; a tied head is not written twice (HF re-ties it on load).
 
-Tokenizers: a SentencePiece model becomes a Llama tokenizer (``tokenizer.model`` plus the files
-transformers' ``save_pretrained`` adds), GPT-2 byte-level BPE files are HF's own ``vocab.json``
-and ``merges.txt``. In the other direction a directory holding those files yields megazero's
-tokenizer settings (the ``data`` block of a run config).
+Files are written with the permissions of any new file (0644 under the usual umask), not the
+0600 of a temporary file. Tokenizers: :mod:`megazero.convert.hf_tokenizer`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
 
-SP_MODEL, GPT2_VOCAB, GPT2_MERGES = "tokenizer.model", "vocab.json", "merges.txt"
+from megazero.convert.hf_tokenizer import find_tokenizer
+
+__all__ = ["read_hf_dir", "write_hf_dir", "write_generation_config", "find_tokenizer"]
 
 
 def read_hf_dir(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -57,7 +56,9 @@ def write_hf_dir(path: str, config: dict[str, Any], state: dict[str, torch.Tenso
     tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
     if config.get("tie_word_embeddings", True):
         tensors.pop("lm_head.weight", None)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(path, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    _normal_mode(weights)
     try:  # the full config with transformers' defaults, when transformers is installed
         from transformers import AutoConfig
 
@@ -69,47 +70,19 @@ def write_hf_dir(path: str, config: dict[str, Any], state: dict[str, torch.Tenso
     return ["config.json", "model.safetensors"]
 
 
-def find_tokenizer(path: str) -> dict[str, str] | None:
-    """megazero tokenizer settings for the tokenizer files in ``path``, or None if it has none
-    megazero can use (``tokenizer.json`` alone is not read)."""
-    sp = os.path.join(path, SP_MODEL)
-    if os.path.isfile(sp):
-        return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.abspath(sp)}
-    vocab, merges = os.path.join(path, GPT2_VOCAB), os.path.join(path, GPT2_MERGES)
-    if os.path.isfile(vocab) and os.path.isfile(merges):
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.abspath(vocab),
-                "merge_file": os.path.abspath(merges)}
-    return None
+def write_generation_config(path: str, bos: int | None, eos: int | None, pad: int | None) -> str:
+    """``generation_config.json`` with the tokenizer's special ids. A vocabulary without a pad
+    token pads finished sequences with eos, as megazero's generation does."""
+    cfg = {"bos_token_id": bos, "eos_token_id": eos,
+           "pad_token_id": pad if pad is not None else eos}
+    with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({k: v for k, v in cfg.items() if v is not None}, f, indent=2)
+    return "generation_config.json"
 
 
-def export_tokenizer(info: dict[str, Any] | None, path: str) -> list[str]:
-    """Write an HF tokenizer for megazero tokenizer settings ``info`` into ``path``; returns the
-    files written (empty when ``info`` names no tokenizer files)."""
-    info = info or {}
-    kind = info.get("tokenizer_type")
-    os.makedirs(path, exist_ok=True)
-    before = set(os.listdir(path))
-    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        src = info.get("tokenizer_model")
-        _need_file(src, "tokenizer_model (--tokenizer-model)")
-        shutil.copyfile(src, os.path.join(path, SP_MODEL))
-        from transformers import LlamaTokenizer
-
-        LlamaTokenizer.from_pretrained(path).save_pretrained(path)
-    elif kind == "GPT2BPETokenizer":
-        for key, name in (("vocab_file", GPT2_VOCAB), ("merge_file", GPT2_MERGES)):
-            _need_file(info.get(key), f"{key} (--{key.replace('_', '-')})")
-            shutil.copyfile(info[key], os.path.join(path, name))
-        from transformers import GPT2Tokenizer
-
-        GPT2Tokenizer.from_pretrained(path).save_pretrained(path)
-    else:
-        return []
-    return sorted(f for f in os.listdir(path)
-                  if f not in before or f in (SP_MODEL, GPT2_VOCAB, GPT2_MERGES))
-
-
-def _need_file(path: str | None, what: str) -> None:
-    if not path or not os.path.isfile(path):
-        raise FileNotFoundError(f"tokenizer file {path!r} ({what}) not found; point it at the "
-                                "file or convert the weights alone")
+def _normal_mode(file: str) -> None:
+    """Give ``file`` the mode a newly created file gets (0666 minus the umask): writers that go
+    through a temporary file leave 0600, which other users and containers cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(file, 0o666 & ~mask)

@@ -22,6 +22,8 @@ __all__ = [
     "NullTokenizer",
     "build_tokenizer",
     "train_sentencepiece",
+    "sentencepiece_text_options",
+    "NORMALIZATION_RULES",
     "TOKENIZER_TYPES",
 ]
 
@@ -171,26 +173,63 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of {TOKENIZER_TYPES}")
 
 
+#: SentencePiece normalisation rules (``normalization_rule_name``); ``identity`` keeps text as is.
+NORMALIZATION_RULES = ("identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf")
+
+
+def sentencepiece_text_options(normalization: str = "identity",
+                               remove_extra_whitespaces: bool = False) -> dict[str, object]:
+    """The trainer options that decide what text survives ``decode(encode(text))``.
+
+    The default is Llama's: ``identity`` normalisation (no NFKC: ``'½'`` stays ``'½'``), runs of
+    spaces and leading/trailing spaces kept (``remove_extra_whitespaces=False``), whitespace-only
+    pieces allowed (indentation becomes a few tokens), digits split one per piece, a dummy
+    ``▁`` prefix, and byte fallback: a character outside the vocabulary (a newline, an emoji)
+    becomes its UTF-8 bytes ``<0x..>`` instead of ``<unk>``. Then every string round-trips.
+    SentencePiece's own default (``nmt_nfkc`` plus ``remove_extra_whitespaces``) folds newlines,
+    tabs and runs of spaces into one space and applies NFKC; it is available only on request.
+    """
+    if normalization not in NORMALIZATION_RULES:
+        raise ValueError(f"unknown SentencePiece normalization {normalization!r}; choose one of "
+                         f"{', '.join(NORMALIZATION_RULES)}")
+    return dict(normalization_rule_name=normalization,
+                remove_extra_whitespaces=bool(remove_extra_whitespaces), add_dummy_prefix=True,
+                split_digits=True, allow_whitespace_only_pieces=True, byte_fallback=True)
+
+
+def _training_lines(text: str, keep_whitespace: bool) -> Iterable[str]:
+    """SentencePiece trains on lines: a document is cut at its newlines (the newline itself is
+    encoded by byte fallback), keeping each line's spaces and tabs. With ``keep_whitespace``
+    off (the old, lossy setting) the document becomes one line with whitespace folded."""
+    if not keep_whitespace:
+        line = " ".join(text.split())
+        return [line] if line else []
+    return [line for line in text.split("\n") if line.strip()]
+
+
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,
                         model_type: str = "bpe", character_coverage: float = 1.0,
                         max_sentence_length: int = 16384, num_threads: int = 1,
-                        seed_sentencepiece_size: int = 100_000) -> str:
+                        seed_sentencepiece_size: int = 100_000, normalization: str = "identity",
+                        remove_extra_whitespaces: bool = False) -> str:
     """Train a SentencePiece model on an iterable of documents; returns the ``.model`` path.
 
-    Documents are written one line each to a temporary file (SentencePiece trains on lines);
-    newlines inside a document become spaces. Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>`` (the
-    end-of-document token), no padding id. ``byte_fallback`` keeps every byte encodable.
+    Text options: :func:`sentencepiece_text_options` (by default every character survives
+    ``decode(encode(text))``: newlines, tabs, runs of spaces, accents, emoji). Documents are
+    written to a temporary file one line per line (SentencePiece trains on lines; lines longer
+    than ``max_sentence_length`` bytes are skipped by it). Ids: 0 ``<unk>``, 1 ``<s>``, 2
+    ``</s>`` (the end-of-document token), no padding id.
     """
     import sentencepiece as spm
 
+    options = sentencepiece_text_options(normalization, remove_extra_whitespaces)
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     fd, tmp_path = tempfile.mkstemp(prefix="spm-train-", suffix=".txt")
     n_lines = 0
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for text in texts:
-                line = " ".join(text.split())
-                if line:
+                for line in _training_lines(text, not remove_extra_whitespaces):
                     f.write(line + "\n")
                     n_lines += 1
         if n_lines == 0:
@@ -198,10 +237,10 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
         spm.SentencePieceTrainer.train(
             input=tmp_path, model_prefix=model_prefix, vocab_size=vocab_size,
             model_type=model_type, character_coverage=character_coverage,
-            byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             max_sentence_length=max_sentence_length, num_threads=num_threads,
             seed_sentencepiece_size=seed_sentencepiece_size, hard_vocab_limit=True,
-            minloglevel=2,
+            minloglevel=2, **options,
         )
     finally:
         os.remove(tmp_path)

@@ -16,7 +16,7 @@ from typing import Any
 
 from megazero.config import ConfigError, load_config, valid_microbatch_group_sizes
 from megazero.config.rules import divisors, sequence_parallel_active
-from megazero.planner.cluster import Cluster
+from megazero.planner.cluster import Cluster, planning_argv
 from megazero.planner.estimate import Estimate, estimate
 
 

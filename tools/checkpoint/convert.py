@@ -10,8 +10,8 @@ into the global fp32 state dict (tp=1 names, unpadded vocabulary; fp32 masters w
 DeepSpeed's ``zero_to_fp32`` job). ``--saver torch`` writes it as one ``model.pt``
 (``torch.save`` of ``{name: tensor}``) plus ``config.json``; ``--saver megazero`` writes a
 weights-only megazero checkpoint that ``pretrain_gpt.py --load OUT --finetune`` loads at any
-layout. ``--loader hf`` reads a local Hugging Face directory (GPT-2 or Llama, config.json plus
-safetensors or ``pytorch_model.bin``, sharded or not; tokenizer files when present) and
+layout. ``--loader hf`` reads a local Hugging Face directory (GPT-2, Llama or GPT-NeoX, config.json
+plus safetensors or ``pytorch_model.bin``, sharded or not; tokenizer files when present) and
 ``--saver hf`` writes one that ``transformers.AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load (:mod:`megazero.convert`)::
 
@@ -127,12 +127,21 @@ def convert(args: argparse.Namespace) -> str:
     return args.save_dir
 
 
+HF_EXTRA = ("safetensors", "transformers", "tokenizers", "google", "sentencepiece")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         out = convert(args)
-    except CheckpointError as e:
-        print(f"convert.py: error: {e}", file=sys.stderr)
+    except ImportError as e:
+        name = (e.name or "").split(".")[0]
+        hint = (" (pip install -e '.[hf]' installs what --loader/--saver hf need)"
+                if name in HF_EXTRA else "")
+        print(f"convert.py: error: {e}{hint}", file=sys.stderr)
+        return 2
+    except (CheckpointError, ValueError, OSError, KeyError) as e:  # ConversionError is a ValueError
+        print(f"convert.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"wrote {args.saver} checkpoint to {out}")
     return 0

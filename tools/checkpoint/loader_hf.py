@@ -30,6 +30,7 @@ def load(args: Any) -> tuple[dict[str, Any], dict, dict[str, str] | None]:
     model_config, global_state = hf_to_megazero(config, state)
     tokenizer = find_tokenizer(args.load_dir)
     if tokenizer is None:
-        print(f"loader_hf: {args.load_dir} has no tokenizer.model or vocab.json + merges.txt; "
+        print(f"loader_hf: {args.load_dir} has no tokenizer.model, vocab.json + merges.txt or "
+              "tokenizer.json; "
               "converting the weights alone", file=sys.stderr)
     return dataclasses.asdict(model_config), global_state, tokenizer
