@@ -59,14 +59,15 @@ class BucketFiles:
         """The most elements of one range that fit a bucket."""
         return max(1, self.bucket // max(1, bytes_per_element))
 
-    def add(self, name: str, lo: int, values: dict[str, torch.Tensor]) -> None:
-        """``values``: 1-D host tensors of one range ``[lo, lo + n)`` (marked host buffers the
-        caller allocated; kept until the file is written), plus 0-d scalars."""
-        nbytes = sum(t.numel() * t.element_size() for t in values.values())
+    def add(self, name: str, lo: int, n: int, nbytes: int,
+            copy: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Range ``[lo, lo + n)`` of ``name``: ``copy()`` returns its values as 1-D host tensors
+        (marked host buffers, kept until the file is written) plus 0-d scalars, ``nbytes`` in
+        all. A full bucket is written before ``copy`` allocates, so at most one bucket is
+        held."""
         if self.pending and self.held + nbytes > self.bucket:
             self.flush()
-        n = next(t.numel() for t in values.values() if t.dim() == 1)
-        self.pending[range_key(name, lo)] = values
+        self.pending[range_key(name, lo)] = copy()
         self.ranges.setdefault(name, []).append([self.rel(), lo, lo + n])
         self.held += nbytes
 
@@ -91,7 +92,11 @@ def write_whole(files: BucketFiles, info: ParamInfo, values: torch.Tensor) -> No
     step = files.chunk(flat.element_size())
     for a in range(0, flat.numel(), step):
         b = min(flat.numel(), a + step)
-        files.add(info.name, a, {"weight": to_host(flat[a:b])})
+
+        def copy(a: int = a, b: int = b) -> dict[str, torch.Tensor]:
+            return {"weight": to_host(flat[a:b])}
+
+        files.add(info.name, a, b - a, (b - a) * flat.element_size(), copy)
 
 
 def write_piece_weights(files: BucketFiles, info: ParamInfo, pc: Any) -> None:
@@ -101,12 +106,14 @@ def write_piece_weights(files: BucketFiles, info: ParamInfo, pc: Any) -> None:
     step = files.chunk(pc.model.element_size())
     for a in range(0, n, step):
         b = min(n, a + step)
-        if pc.swapped is not None:
-            swap, start = pc.swapped
-            values = mark(swap.read_range(start + a, b - a))  # a fresh host buffer
-        else:
-            values = to_host(pc.model[a:b])
-        files.add(info.name, pc.offset + a, {"weight": values})
+
+        def copy(a: int = a, b: int = b) -> dict[str, torch.Tensor]:
+            if pc.swapped is not None:
+                swap, start = pc.swapped
+                return {"weight": mark(swap.read_range(start + a, b - a))}  # a fresh buffer
+            return {"weight": to_host(pc.model[a:b])}
+
+        files.add(info.name, pc.offset + a, b - a, (b - a) * pc.model.element_size(), copy)
 
 
 def step_count(engine: Any, infos: list[ParamInfo]) -> float | None:
@@ -151,15 +158,20 @@ def write_optimizer_ranges(files: BucketFiles, engine: Any, infos: dict[int, Par
         width = 4 * (1 + len(names))
         for a in range(0, n, files.chunk(width)):
             b = min(n, a + files.chunk(width))
-            out = {"master": to_host(states["master"].detach().reshape(-1)[a:b],
-                                     torch.float32)}
-            for name in names:  # absent before the first step: zeros, as torch would start
-                t = states.get(name)
-                out[name] = (to_host(t.reshape(-1)[a:b], torch.float32) if t is not None
-                             else host_empty(b - a, torch.float32).zero_())
-            if step is not None:
-                out["step"] = torch.tensor(step, dtype=torch.float32)
-            files.add(info.name, pc.offset + a, out)
+
+            def copy(a: int = a, b: int = b) -> dict[str, torch.Tensor]:
+                master = states["master"]
+                assert master is not None
+                out = {"master": to_host(master.detach().reshape(-1)[a:b], torch.float32)}
+                for name in names:  # absent before the first step: zeros, as torch starts
+                    t = states.get(name)
+                    out[name] = (to_host(t.reshape(-1)[a:b], torch.float32) if t is not None
+                                 else host_empty(b - a, torch.float32).zero_())
+                if step is not None:
+                    out["step"] = torch.tensor(step, dtype=torch.float32)
+                return out
+
+            files.add(info.name, pc.offset + a, b - a, (b - a) * width, copy)
 
     masters.stream_states(visit)
 
