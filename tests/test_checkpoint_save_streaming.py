@@ -168,7 +168,7 @@ def _world(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_streaming_save_equals_version_2_and_reduces_no_host_buffer(tmp_path):
-    per_rank = run_distributed(_world, 2, str(tmp_path), timeout=300)
+    per_rank = run_distributed(_world, 2, str(tmp_path), timeout=600)
     cases = _cases(str(tmp_path))
     for rank, results in enumerate(per_rank):
         assert list(results) == [c[0] for c in cases]
