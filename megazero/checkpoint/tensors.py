@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megazero.checkpoint.ranged import as_tensor
+from megazero.checkpoint.ranged import as_tensor, copy_to
 from megazero.tensor_parallel.utils import shard_tensor, unshard_tensor
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -173,7 +173,7 @@ def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
     shape = list(local_shape)
     shape[0] = r1 - r0
     if into is None and len(copies) == 1 and list(copies[0][1].shape) == shape:
-        return copies[0][1]  # exactly one saved piece's rows: a view, no copy
+        return as_tensor(copies[0][1])  # exactly one saved piece's rows: a view, no copy
     if into is None:
         out = torch.zeros(shape, dtype=first.dtype)
     else:
@@ -181,7 +181,7 @@ def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
         if real is not None:  # rows past the real vocabulary stay zero
             out.zero_()
     for o, view in copies:
-        out.narrow(dim, o, view.shape[dim]).copy_(view)
+        copy_to(out.narrow(dim, o, view.shape[dim]), view)
     return out
 
 
