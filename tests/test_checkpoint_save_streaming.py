@@ -41,9 +41,12 @@ def _cases(tmp: str) -> list[tuple[str, int, dict]]:
     out += [(f"zero{s} cpu offload", s, {"offload_optimizer": cpu}) for s in (1, 2, 3)]
     out += [(f"zero{s} nvme offload", s, {"offload_optimizer": nvme(buffer_count=6)})
             for s in (1, 2)]
+    # no gather prefetch: where it stops at a shard whose NVMe read has not finished depends
+    # on the rank, and the gathers would no longer pair up (not what this test is about)
     out.append(("zero3 nvme optimizer + params", 3,
                 {"offload_optimizer": nvme(buffer_count=6),
-                 "offload_param": nvme(buffer_count=3, buffer_size=4096, max_in_cpu=0)}))
+                 "offload_param": nvme(buffer_count=3, buffer_size=4096, max_in_cpu=0),
+                 "stage3_prefetch_bucket_size": 0}))
     return out
 
 
