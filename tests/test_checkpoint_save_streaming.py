@@ -120,11 +120,11 @@ def _save(engine, root: str, tag: str) -> str:
 
 
 def _world(rank: int, world: int, tmp: str) -> dict:
-    import torch.distributed as dist
-
     from megazero import host_resident
+    from megazero.checkpointing import load_checkpoint, save_checkpoint
     from megazero.testing.engine_runs import batches, ds_config, train_steps
     from megazero.testing.legacy_checkpoint import save_v2
+    from megazero.testing.training_runs import TINY, train_in_rank
 
     host_resident.track()  # before the engines exist: their host buffers get marked
     data = batches(2, 8)
@@ -136,45 +136,76 @@ def _world(rank: int, world: int, tmp: str) -> dict:
         engine = _engine(cfg, 0)
         train_steps(engine, "plain", data, 0, 2, rank)
         root = os.path.join(tmp, f"c{i}")
-        rec = Recorder()
-        try:
-            _save(engine, root, "new")
-            new_calls = rec.calls
-            rec.calls = []
-            save_v2(root, engine.topo, models=[engine.module], engine=engine.optimizer,
-                    config=engine.config, zero_stage=stage, tag="old")
-            old_calls = rec.calls
-        finally:
-            rec.close()
-        again = _engine(cfg, 5)
-        again.load_checkpoint(root, tag="old")  # format version 2
-        _save(again, root, "reloaded")
-        dist.barrier()
-        res = {"new_host": [c for c in new_calls if any(c[1])],
-               "new_ops": sorted({c[0] for c in new_calls}),
-               "old_host": [c for c in old_calls if any(c[1])]}
-        if rank == 0:
-            new, meta_new = _tensors(os.path.join(root, "new"))
-            old, meta_old = _tensors(os.path.join(root, "old"))
-            reloaded, _ = _tensors(os.path.join(root, "reloaded"))
-            res["versions"] = (meta_new["version"], meta_old["version"])
-            res["files"] = sorted(meta_new["files"])
-            res["names"] = (sorted(new), sorted(old), sorted(reloaded))
-            res["differ"] = [k for k in new if not torch.equal(new[k], old[k])]
-            res["differ_reloaded"] = [k for k in new if not torch.equal(new[k], reloaded[k])]
-            res["dtypes"] = [(k, new[k].dtype, old[k].dtype) for k in new
-                             if new[k].dtype != old[k].dtype]
-            res["steps"] = sorted({float(v) for k, v in new.items() if k.endswith("/step")})
-        out[name] = res
+
+        def reload(root: str, cfg: dict = cfg) -> None:
+            again = _engine(cfg, 5)
+            again.load_checkpoint(root, tag="old")  # format version 2
+            _save(again, root, "reloaded")
+
+        out[name] = _both(rank, root, lambda root, e=engine: _save(e, root, "new"),
+                          lambda root, e=engine, s=stage: save_v2(
+                              root, e.topo, models=[e.module], engine=e.optimizer,
+                              config=e.config, zero_stage=s, tag="old"), reload)
+    # megazero's GPT (tied embedding, vocabulary padded to 128 rows) at ZeRO-3 through the
+    # trainer; the version-2 checkpoint reloads into the same run
+    _, run = train_in_rank(rank, world, [*TINY, "--num-layers", "2", "--zero-stage", "3",
+                                         "--global-batch-size", "4", "--train-iters", "2"],
+                           keep_run=True)
+    kw = dict(models=run.chunks, config=run.cfg, zero_stage=3)
+
+    def reload_gpt(root: str) -> None:
+        load_checkpoint(root, run.topo, optimizer=run.engine, scheduler=None,
+                        no_load_rng=True, tag="old", **{k: kw[k] for k in ("models", "config")})
+        save_checkpoint(root, 2, run.topo, optimizer=run.engine, scheduler=None,
+                        consumed_samples=0, tag="reloaded", bucket_bytes=BUCKET, **kw)
+
+    out["gpt zero3 device"] = _both(
+        rank, os.path.join(tmp, "gpt"),
+        lambda root: save_checkpoint(root, 2, run.topo, optimizer=run.engine, scheduler=None,
+                                     consumed_samples=0, tag="new", bucket_bytes=BUCKET, **kw),
+        lambda root: save_v2(root, run.topo, engine=run.engine, tag="old", **kw), reload_gpt)
     host_resident.track(False)
     return out
+
+
+def _both(rank: int, root: str, save_new, save_old, reload) -> dict:
+    """Save with both writers (collectives recorded), reload the old save and save it again;
+    rank 0 compares the three checkpoints."""
+    import torch.distributed as dist
+
+    rec = Recorder()
+    try:
+        save_new(root)
+        new_calls, rec.calls = rec.calls, []
+        save_old(root)
+        old_calls = rec.calls
+    finally:
+        rec.close()
+    reload(root)
+    dist.barrier()
+    res = {"new_host": [c for c in new_calls if any(c[1])],
+           "new_ops": sorted({c[0] for c in new_calls}),
+           "old_host": [c for c in old_calls if any(c[1])]}
+    if rank == 0:
+        new, meta_new = _tensors(os.path.join(root, "new"))
+        old, meta_old = _tensors(os.path.join(root, "old"))
+        reloaded, _ = _tensors(os.path.join(root, "reloaded"))
+        res["versions"] = (meta_new["version"], meta_old["version"])
+        res["files"] = sorted(meta_new["files"])
+        res["names"] = (sorted(new), sorted(old), sorted(reloaded))
+        res["differ"] = [k for k in new if not torch.equal(new[k], old[k])]
+        res["differ_reloaded"] = [k for k in new if not torch.equal(new[k], reloaded[k])]
+        res["dtypes"] = [(k, new[k].dtype, old[k].dtype) for k in new
+                         if new[k].dtype != old[k].dtype]
+        res["steps"] = sorted({float(v) for k, v in new.items() if k.endswith("/step")})
+    return res
 
 
 def test_streaming_save_equals_version_2_and_reduces_no_host_buffer(tmp_path):
     per_rank = run_distributed(_world, 2, str(tmp_path), timeout=600)
     cases = _cases(str(tmp_path))
     for rank, results in enumerate(per_rank):
-        assert list(results) == [c[0] for c in cases]
+        assert list(results) == [c[0] for c in cases] + ["gpt zero3 device"]
         for name, res in results.items():
             assert res["new_host"] == [], f"rank {rank} {name}: {res['new_host']}"
             assert set(res["new_ops"]) <= {"all_reduce", "all_gather", "barrier"}, res
