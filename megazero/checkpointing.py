@@ -9,9 +9,12 @@
                                                run id that wrote it; written
                                                last, so its presence means "complete"
     SAVE/iter_0000010/config.json              the run's configuration
-    SAVE/iter_0000010/mp_rank_TT_PPP/model.pt  {global name: TP shard} of the weights this
-                                               (tp, pp) pair holds (written by its dp rank 0)
-    SAVE/iter_0000010/mp_rank_TT_PPP/optim.pt  {global name: {master, exp_avg, exp_avg_sq, step}}
+    SAVE/iter_0000010/mp_rank_TT_PPP_DDD/model_NNN.pt
+                                               {"<global name>@<lo>": {"weight": 1-D range}}:
+                                               the ranges of the weights' TP shards this rank
+                                               owns, one file per I/O bucket
+    SAVE/iter_0000010/mp_rank_TT_PPP_DDD/optim_NNN.pt
+                                               the same for {master, exp_avg, exp_avg_sq, step}
                                                (Adam; SGD: {master, momentum_buffer}; Lion:
                                                {master, exp_avg})
     SAVE/iter_0000010/mp_rank_TT_PPP_DDD/optim_rng.pt
@@ -26,12 +29,18 @@ With ``tag`` (the DeepSpeed-style engine) the directory is ``SAVE/<tag>`` and th
 
 **Portable.** Every tensor is saved under its global name (its key in the tp=1, pp=1 model)
 with the index recording its global shape (vocabulary padding stripped), TP split dim and
-stride; see :mod:`megazero.checkpoint.tensors`. ZeRO's flat, bucketed optimizer ranges are
-gathered at save into per-parameter tensors, so nothing in the files depends on dp, the ZeRO
-stage, bucket sizes or offload. A loading rank computes the tensors it needs and reads only
-those (``torch.load(mmap=True)``), range by range, straight into the parameters, ZeRO-3
-partitions and optimizer pieces that keep them (:mod:`megazero.checkpoint.restore`): no rank
-builds the model, and its memory rises by little more than the Adam moments it creates.
+stride; see :mod:`megazero.checkpoint.tensors`. Each rank writes the flat ranges of each
+parameter's TP shard that it owns (its ZeRO pieces: fp32 masters, moments and, at stages 1-3,
+the weights of those ranges), from where they live, one I/O bucket at a time, and the index
+lists every range (:mod:`megazero.checkpoint.save_ranges`); a save adds one bucket of host
+memory and reduces nothing over dp but the step count. The ranges are cut by dp, the stage
+and the buckets, but the index describes each as elements ``[lo, hi)`` of a named TP shard, so
+nothing a reader needs depends on them. A loading rank computes the tensors it needs and
+reads only those (``torch.load(mmap=True)``), range by range, straight into the parameters,
+ZeRO-3 partitions and optimizer pieces that keep them (:mod:`megazero.checkpoint.restore`): no
+rank builds the model, and its memory rises by little more than the Adam moments it creates.
+Format version 2 (one whole TP piece per ``mp_rank_TT_PPP/model.pt`` / ``optim.pt``, written
+by dp rank 0) still loads.
 Weights, masters, Adam moments and step, the loss scaler, the scheduler and consumed samples
 load at any tp / pp / vpp / dp / ZeRO stage / offload.
 Random states are saved per rank and restored at the same tp, pp and vpp, whatever dp or the
@@ -93,11 +102,13 @@ from megazero.checkpoint.reader import (
 )
 from megazero.checkpoint.restore import load_optimizer_states, load_weights
 from megazero.checkpoint.rng import get_rng_state, set_rng_state
-from megazero.checkpoint.tensors import (
-    ParamInfo,
-    optimizer_state_per_param,
-    param_infos,
+from megazero.checkpoint.save_ranges import (
+    DEFAULT_BUCKET_BYTES,
+    merge_index,
+    step_count,
+    write_rank_tensors,
 )
+from megazero.checkpoint.tensors import ParamInfo, param_infos
 from megazero.save_check import explain_write_error
 
 if TYPE_CHECKING:
@@ -194,23 +205,20 @@ def _raise_first(problems: list[str | None]) -> None:
 def _write_index(w: Writer, root: str, directory: str, iteration: int, gathered: list[Any],
                  config: Any, consumed_samples: int, topo: ParallelTopology, zero_stage: int,
                  scheduler: Any, engine: Any, has_optimizer: bool, tag: str | None = None,
-                 run_id: str | None = None) -> None:
+                 version: int = VERSION, run_id: str | None = None) -> None:
     """Rank 0, once every rank's files are on disk: config.json, metadata.json (the index and
     checksums; its presence means "complete"), then the ``latest`` pointer (the iteration
-    tracker, or with ``tag`` DeepSpeed's ``latest`` tag file)."""
-    tensors: dict[str, Any] = {}
+    tracker, or with ``tag`` DeepSpeed's ``latest`` tag file). ``version``: the format version
+    the entries follow (an older one only for the test reference of an older writer)."""
+    tensors = merge_index([idx for idx, _, _, _ in gathered])
     all_files: dict[str, Any] = {}
-    for idx, fl, _, _ in gathered:
+    for _, fl, _, _ in gathered:
         all_files.update(fl)
-        for name, e in idx.items():
-            t = tensors.setdefault(name, {k: v for k, v in e.items()
-                                          if k not in ("tp_rank", "dir")})
-            t.setdefault("dirs", [None] * e["tp"])[e["tp_rank"]] = e["dir"]
     config_path = os.path.join(directory, "config.json")
     w.text(json.dumps(config_dict(config), indent=1), config_path)
     all_files["config.json"] = {"sha256": sha256(config_path),
                                 "bytes": os.path.getsize(config_path)}
-    meta = {"format": FORMAT, "version": VERSION, "iteration": iteration,
+    meta = {"format": FORMAT, "version": version, "iteration": iteration,
             "consumed_samples": consumed_samples, "layout": layout_of(topo, zero_stage),
             "world_size": topo.world_size,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -234,12 +242,15 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
                     barrier: Callable[[], None] = _barrier,
                     gather: Callable[[Any], list[Any]] = _gather,
                     writer: Writer | None = None, tag: str | None = None,
-                    extra_state: Any = None, run_id: str | None = None) -> str:
+                    extra_state: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    run_id: str | None = None) -> str:
     """Collective: every rank calls it. Returns the iteration directory.
 
     ``tag``: save under ``root/<tag>`` and point ``root/latest`` at it (DeepSpeed's layout)
     instead of ``iter_<iteration>`` and the iteration tracker. ``extra_state``: rank 0's
     tensors / numbers / strings / lists / dicts, saved beside (loadable with weights_only).
+    ``bucket_bytes``: the most tensor bytes a rank copies to the host before writing them as
+    one file (the host memory a save adds; see :mod:`megazero.checkpoint.save_ranges`).
     ``run_id``: the run that writes it (:mod:`megazero.checkpoint.ownership`), recorded in
     ``metadata.json``."""
     w = writer if writer is not None else Writer()
@@ -249,17 +260,8 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
     if engine is not None:
         engine.wait_for_params()  # the weights are read below, outside any forward
     infos = [i for i in param_infos(list(models), c.pp, topo.pp_size) if not i.duplicate]
-    if engine is not None and engine.zero.stage == 3:
-        full = engine.full_parameters()  # collective over dp: every dp rank takes part
-        weights = {id(i.param): full[id(i.param)] for i in infos}
-    else:
-        weights = {id(i.param): i.param.detach() for i in infos}
-    shapes = {k: v.shape for k, v in weights.items()}
-    # frozen parameters (requires_grad False) have weights but no optimizer state
-    optim = optimizer_state_per_param(engine, [i for i in infos if i.param.requires_grad],
-                                      shapes) if engine is not None else None
-    writes_pair = c.dp == 0
-    mine = [i for i in infos if i.dim is not None or c.tp == 0]
+    shapes = _local_shapes(infos, engine)
+    step = step_count(engine, infos) if engine is not None else None  # collective over dp
     index: dict[str, Any] = {}
     files: dict[str, Any] = {}
 
@@ -270,20 +272,9 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
 
     problem = None  # why this rank's files could not be written (a full disk, a quota...)
     try:
-        if writes_pair:
-            pair = _pair_dir(c.tp, c.pp)
-            put({i.name: weights[id(i.param)].clone() for i in mine}, f"{pair}/model.pt")
-            if optim is not None:
-                put({i.name: optim[id(i.param)] for i in mine if id(i.param) in optim},
-                    f"{pair}/optim.pt")
-            for i in mine:
-                index[i.name] = {
-                    "shape": i.global_shape(tuple(shapes[id(i.param)]), topo.tp_size),
-                    "dim": i.dim, "stride": i.stride,
-                    "tp": topo.tp_size if i.dim is not None else 1,
-                    "vocab": i.vocab, "dtype": str(weights[id(i.param)].dtype),
-                    "tp_rank": c.tp if i.dim is not None else 0, "dir": pair,
-                    "optim": optim is not None and id(i.param) in optim}
+        # each rank writes the ranges it owns, from where they live, a bucket at a time
+        index = write_rank_tensors(infos, shapes, engine, step, c.tp, topo.tp_size, c.dp,
+                                   _rank_dir(c.tp, c.pp, c.dp), bucket_bytes, put)
         opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
         put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
             f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
@@ -300,7 +291,7 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
         try:
             _write_index(w, root, directory, iteration, gathered, config, consumed_samples,
                          topo, zero_stage, scheduler, engine, optimizer is not None, tag,
-                         run_id)
+                         run_id=run_id)
         except (OSError, RuntimeError) as e:  # as above
             problem = explain_write_error(root, iteration, e)
     _raise_first(gather(problem if topo.rank == 0 else None))

@@ -144,7 +144,7 @@ def remove_failed_saves(path: str) -> tuple[list[str], int]:
 
 
 _ITER_DIR = re.compile(r"iter_\d{7,}")
-_OUR_FILES = re.compile(r"(model|optim|optim_rng|extra_state)\.pt|config\.json|.*\.tmp\.\d+")
+_OUR_FILES = re.compile(r"(model|optim|optim_rng|extra_state)(_\d+)?\.pt|config\.json|.*\.tmp\.\d+")
 _OUR_DIRS = re.compile(r"mp_rank_\d{2}_\d{3}(_\d{3})?")
 
 

@@ -57,9 +57,13 @@ def test_save_layout_and_exact_restore(tmp_path):
     root = str(tmp_path / "ckpt")
     run_distributed(_save_run, 4, root, timeout=60)
     names = sorted(os.listdir(os.path.join(root, "iter_0000010")))
-    assert names == ["config.json", "metadata.json", "mp_rank_00_000", "mp_rank_00_000_000",
-                     "mp_rank_00_000_001", "mp_rank_01_000", "mp_rank_01_000_000",
-                     "mp_rank_01_000_001"]
+    assert names == ["config.json", "metadata.json", "mp_rank_00_000_000", "mp_rank_00_000_001",
+                     "mp_rank_01_000_000", "mp_rank_01_000_001"]
+    # without the ZeRO engine dp rank 0 writes the weights; every rank its RNG states
+    assert sorted(os.listdir(os.path.join(root, "iter_0000010", "mp_rank_01_000_000"))) == [
+        "model_000.pt", "optim_rng.pt"]
+    assert os.listdir(os.path.join(root, "iter_0000010", "mp_rank_01_000_001")) == [
+        "optim_rng.pt"]
     assert read_tracker(root) == 20
     meta = json.loads(open(os.path.join(root, "iter_0000020", "metadata.json")).read())
     assert meta["layout"] == {"tp": 2, "pp": 1, "dp": 2, "vpp": 1, "zero_stage": 0}

@@ -69,12 +69,12 @@ def test_consolidate_zero3_tp2(tmp_path):
                    "--save-dir", f"{tmp}/bf", "--dtype", "bf16")
     assert out.returncode == 0
     assert torch.load(f"{tmp}/bf/model.pt")["output_layer.weight"].dtype == torch.bfloat16
-    shard = os.path.join(tmp, "z3", "iter_0000002", "mp_rank_01_000", "model.pt")
+    shard = os.path.join(tmp, "z3", "iter_0000002", "mp_rank_01_000_000", "model_000.pt")
     data = open(shard, "rb").read()
     open(shard, "wb").write(data[:-7])
     out = _convert("--loader", "megazero", "--saver", "torch", "--load-dir", f"{tmp}/z3",
                    "--save-dir", f"{tmp}/bad")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
-    assert "mp_rank_01_000/model.pt" in out.stderr and "truncated" in out.stderr
+    assert "mp_rank_01_000_000/model_000.pt" in out.stderr and "truncated" in out.stderr
     assert not os.path.exists(f"{tmp}/bad")
     assert not [n for n in os.listdir(tmp) if n.startswith(".convert-")]

@@ -27,7 +27,7 @@ def test_crash_during_save_then_resume(tmp_path):
         run_distributed(_crash_in_second_save, 1, args, timeout=120)
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert (ck / "iter_0000003" / "metadata.json").is_file()
-    assert os.path.isfile(ck / "iter_0000006" / "mp_rank_00_000" / "model.pt")
+    assert os.path.isfile(ck / "iter_0000006" / "mp_rank_00_000_000" / "model_000.pt")
     assert not (ck / "iter_0000006" / "metadata.json").exists()
     # Resume: loads iteration 3, trains 4..6 and writes a complete iteration 6 over the debris.
     log = tmp_path / "m.jsonl"

@@ -12,7 +12,7 @@ from megazero.testing.faults import CrashingWriter, FailingWriter, SimulatedCras
 from megazero.testing.training_runs import TINY, train_in_rank
 
 # One process writes, in this order:
-SAVE_FILES = ["mp_rank_00_000/model.pt", "mp_rank_00_000/optim.pt",
+SAVE_FILES = ["mp_rank_00_000_000/model_000.pt", "mp_rank_00_000_000/optim_000.pt",
               "mp_rank_00_000_000/optim_rng.pt", "config.json", "metadata.json",
               "latest_checkpointed_iteration.txt"]
 FILES_PER_SAVE = len(SAVE_FILES)
@@ -59,8 +59,10 @@ def test_crash_at_every_file_then_resume(tmp_path):
         assert tmp_after == [], tmp_after  # the later complete saves removed the debris
 
 
-# dp=2, ZeRO-1: rank 0 writes the six files above, rank 1 only its mp_rank_00_000_001/optim_rng.pt.
-FULL_DISK = {"rank 1's shard": (1, 1 + 1), "metadata.json": (0, FILES_PER_SAVE + 5),
+# dp=2, ZeRO-1: rank 0 writes the six files above, rank 1 the three of mp_rank_00_000_001/ (the
+# weights and optimizer state of the ranges it owns, its RNG states).
+RANK1_FILES = 3
+FULL_DISK = {"rank 1's shard": (1, RANK1_FILES + 1), "metadata.json": (0, FILES_PER_SAVE + 5),
              "the tracker": (0, FILES_PER_SAVE + 6)}
 
 
@@ -93,7 +95,7 @@ def test_full_disk_during_a_save_is_one_error_and_resumes(tmp_path):
         (m0, latest0, resumed0), (m1, latest1, resumed1) = out0[what], out1[what]
         assert m0 == m1, (m0, m1)
         ck = tmp_path / what.replace(" ", "_")
-        file = {"rank 1's shard": "iter_0000004/mp_rank_00_000_001/optim_rng.pt",
+        file = {"rank 1's shard": "iter_0000004/mp_rank_00_000_001/model_000.pt",
                 "metadata.json": "iter_0000004/metadata.json",
                 "the tracker": "latest_checkpointed_iteration.txt"}[what]
         assert m0 == (f"writing the checkpoint of iteration 4 to {ck / file} failed: No space "

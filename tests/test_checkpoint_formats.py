@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from megazero.checkpoint.reader import VERSION
+from megazero.checkpoint.reader import MIN_VERSION, VERSION
 from megazero.checkpointing import CheckpointError, load_checkpoint
 from megazero.testing.checkpoint_state import build_state, save_single
 from megazero.testing.training_runs import TINY
@@ -39,7 +39,7 @@ def _edit_meta(directory, **changes):
 
 
 @pytest.mark.parametrize("version,words", [(VERSION + 1, "newer than the version"),
-                                           (VERSION - 1, "older than the version"),
+                                           (MIN_VERSION - 1, "older than the versions"),
                                            ("2", "not an integer")])
 def test_other_format_version_is_refused(tmp_path, version, words):
     root = str(tmp_path / "ck")

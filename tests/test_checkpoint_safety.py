@@ -49,10 +49,12 @@ def _rewrite_checksum(directory, rel):
 def test_pickle_payload_does_not_execute(tmp_path):
     directory = save_single(str(tmp_path / "ck"))
     marker = tmp_path / "pwned"
-    rel = "mp_rank_00_000/model.pt"
-    torch.save({"model0.weight": _Payload(str(marker))}, os.path.join(directory, rel))
+    rel = "mp_rank_00_000_000/model_000.pt"
+    torch.save({"model0.weight@0": {"weight": _Payload(str(marker))}},
+               os.path.join(directory, rel))
     _rewrite_checksum(directory, rel)  # a consistent, malicious checkpoint
-    with pytest.raises(CheckpointError, match=r"mp_rank_00_000/model\.pt cannot be read safely"):
+    with pytest.raises(CheckpointError,
+                       match=r"mp_rank_00_000_000/model_000\.pt cannot be read safely"):
         _load_single(str(tmp_path / "ck"))
     assert not marker.exists()
 
@@ -69,8 +71,8 @@ def _damage(path, damage):
 
 
 # Every kind of file a save writes (the tracker: see test_tracker_*), with the ZeRO engine.
-KINDS = ["mp_rank_00_000/model.pt", "mp_rank_00_000/optim.pt", "mp_rank_00_000_000/optim_rng.pt",
-         "config.json", "metadata.json"]
+KINDS = ["mp_rank_00_000_000/model_000.pt", "mp_rank_00_000_000/optim_000.pt",
+         "mp_rank_00_000_000/optim_rng.pt", "config.json", "metadata.json"]
 DAMAGES = ["truncate", "flip", "missing"]
 RUN = [*TINY, "--num-layers", "2", "--train-iters", "2", "--zero-stage", "1"]
 
@@ -225,13 +227,13 @@ def _load_tp2(rank, world, root):
 def test_all_ranks_agree_before_loading(tmp_path):
     root = str(tmp_path / "ck")
     run_distributed(_save_tp2, 2, root, timeout=60)
-    path = os.path.join(root, "iter_0000001", "mp_rank_01_000", "model.pt")
+    path = os.path.join(root, "iter_0000001", "mp_rank_01_000_000", "model_000.pt")
     data = open(path, "rb").read()
     open(path, "wb").write(data[:100])  # only tp rank 1 reads this shard
     out = run_distributed(_load_tp2, 2, root, timeout=60)
     assert len({msg for msg, _ in out}) == 1  # every rank raises the same message
     for msg, untouched in out:
-        assert "mp_rank_01_000/model.pt has 100 bytes" in msg and untouched
+        assert "mp_rank_01_000_000/model_000.pt has 100 bytes" in msg and untouched
     with pytest.raises(DistributedTestError):  # (a run that does not catch it stops)
         run_distributed(_load_and_raise, 2, root, timeout=60)
 

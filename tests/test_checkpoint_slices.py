@@ -6,12 +6,22 @@ import itertools
 
 import torch
 
+from megazero.checkpoint.ranged import RangedPiece
 from megazero.checkpoint.tensors import ParamInfo, read_flat, read_slice
 from megazero.tensor_parallel.layers import pad_vocab_size
 from megazero.tensor_parallel.utils import shard_tensor
 
 
-def _case(shape, dim, stride, vocab, saved_tp, tp):
+def _ranged(t):
+    """``t`` as format version 3 saves it: flat ranges cut anywhere (mid-row), one per file."""
+    flat = t.reshape(-1).clone()
+    n = flat.numel()
+    cuts = sorted({0, min(5, n), min(7, n), n // 2, max(n - 1, 0), n})
+    return RangedPiece(list(t.shape), t.dtype,
+                       [(a, b, lambda a=a, b=b: flat[a:b]) for a, b in zip(cuts, cuts[1:])])
+
+
+def _case(shape, dim, stride, vocab, saved_tp, tp, ranged=False):
     g = torch.Generator().manual_seed(0)
     full = torch.randn(shape, generator=g)  # the global (unpadded) tensor
 
@@ -24,6 +34,8 @@ def _case(shape, dim, stride, vocab, saved_tp, tp):
     # Saved padding rows may have drifted from zero in training; loading re-pads with zeros.
     pieces = [shard_tensor(padded(saved_tp, 7.0), dim, stride, r, saved_tp)
               for r in range(saved_tp)]
+    if ranged:
+        pieces = [_ranged(p) for p in pieces]
     entry = {"shape": list(shape), "dim": dim, "stride": stride, "tp": saved_tp,
              "vocab": vocab}
     info = ParamInfo("x", None, 0, False, dim, stride, vocab)
@@ -47,11 +59,13 @@ def _case(shape, dim, stride, vocab, saved_tp, tp):
 
 
 def test_every_tp_pair():
-    for saved_tp, tp in itertools.product((1, 2, 4), repeat=2):
-        _case((8, 6), 0, 1, None, saved_tp, tp)  # column parallel
-        _case((6, 8), 1, 1, None, saved_tp, tp)  # row parallel
-        _case((16, 3), 0, 2, None, saved_tp, tp)  # SwiGLU fc1: two halves, each split
-        _case((13, 5), 0, 1, 13, saved_tp, tp)  # vocabulary of 13 rows: 15, 18, 24 padded
+    for (saved_tp, tp), ranged in itertools.product(
+            itertools.product((1, 2, 4), repeat=2), (False, True)):
+        # ranged: each saved piece as flat ranges in several files (format version 3)
+        _case((8, 6), 0, 1, None, saved_tp, tp, ranged)  # column parallel
+        _case((6, 8), 1, 1, None, saved_tp, tp, ranged)  # row parallel
+        _case((16, 3), 0, 2, None, saved_tp, tp, ranged)  # SwiGLU fc1: two halves, each split
+        _case((13, 5), 0, 1, 13, saved_tp, tp, ranged)  # vocabulary of 13 rows: 15, 18, 24
 
 
 def test_saved_whole_tensor_loads_split():

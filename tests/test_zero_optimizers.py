@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.files import CheckpointError
-from megazero.checkpoint.tensors import optimizer_state_per_param, param_infos
+from megazero.checkpoint.tensors import param_infos
 from megazero.checkpointing import load_checkpoint, save_checkpoint
 from megazero.config import (
     ConfigError,
@@ -23,6 +23,7 @@ from megazero.config import (
     load_config,
 )
 from megazero.testing import run_distributed
+from megazero.testing.legacy_checkpoint import optimizer_state_per_param
 from megazero.testing.reference import TinyLM, engine_train_step, make_batches
 from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
@@ -121,8 +122,8 @@ def _train(model, engine, batches, topo):
 
 
 def _full_state(model, engine):
-    """Weights and per-element optimizer state by parameter name, gathered over dp (the
-    checkpoint's gather)."""
+    """Weights and per-element optimizer state by parameter name, gathered over dp (format
+    version 2's gather, kept as a test reference)."""
     names = {id(p): n for n, p in model.named_parameters()}
     full = engine.full_parameters()
     infos = param_infos([model], 0, 1)

@@ -7,19 +7,23 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from megazero.checkpoint.files import CheckpointError, verified_load, verify
+from megazero.checkpoint.ranged import RangedPiece, as_tensor
+from megazero.checkpoint.save_ranges import range_key
 from megazero.checkpoint.tensors import ParamInfo, assemble, read_flat, read_slice
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TAG_TRACKER = "latest"  # names the newest tagged checkpoint (DeepSpeed's layout)
 MARKER = "metadata.json"
 FORMAT = "megazero-portable"
-VERSION = 2
+VERSION = 3  # 3: a TP piece may be saved as flat ranges in the files of its owners
+MIN_VERSION = 2  # the oldest version this reader loads (2: one whole TP piece per pair file)
+_DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
 
 
@@ -148,10 +152,10 @@ def check_format(marker: str, meta: Any) -> None:
                               f"this megazero reads ({VERSION}); load it with a newer megazero "
                               "(or have that one export it with tools/checkpoint/convert.py "
                               "--saver torch)")
-    if version < VERSION:
-        raise CheckpointError(f"{marker} has format version {version}, older than the version "
-                              f"this megazero reads ({VERSION}); load it with the megazero "
-                              "version that wrote it and save it again with this one")
+    if version < MIN_VERSION:
+        raise CheckpointError(f"{marker} has format version {version}, older than the versions "
+                              f"this megazero reads ({MIN_VERSION}-{VERSION}); load it with the "
+                              "megazero version that wrote it and save it again with this one")
 
 
 def _refuse_megatron(directory: str) -> None:
@@ -249,17 +253,36 @@ class ShardReader:
         verify(path, self.meta["files"].get(rel))
         return read_json(path)
 
-    def piece(self, name: str, kind: str, r: int) -> torch.Tensor:
-        d = self.meta["tensors"][name]["dirs"][r]
+    def piece(self, name: str, kind: str, r: int) -> torch.Tensor | RangedPiece:
+        """Saved TP piece ``r`` of ``kind``: a tensor (an entry with ``dirs``: the piece whole in
+        its pair's file) or a :class:`RangedPiece` (an entry with ``ranges``, version 3)."""
+        e = self.meta["tensors"][name]
+        if "ranges" in e:
+            return self._ranged(name, kind, r)
+        d = e["dirs"][r]
         if kind == "weight":
             return self.file(f"{d}/model.pt")[name]
         return self.file(f"{d}/optim.pt")[name][kind]
 
+    def _ranged(self, name: str, kind: str, r: int) -> RangedPiece:
+        e = self.meta["tensors"][name]
+        group = "weight" if kind == "weight" else "optim"
+
+        def loader(rel: str, lo: int) -> Callable[[], torch.Tensor]:
+            return lambda: self.file(rel)[range_key(name, lo)][kind]
+
+        dtype = _DTYPES[e["dtype"]] if kind == "weight" else torch.float32
+        return RangedPiece(e["piece_shape"], dtype,
+                           [(lo, hi, loader(rel, lo)) for rel, lo, hi in e["ranges"][group][r]])
+
     def full(self, name: str, kind: str = "weight") -> torch.Tensor:
         e = self.meta["tensors"][name]
         if kind == "step":
-            return self.piece(name, kind, 0)
-        return assemble(e, [self.piece(name, kind, r) for r in range(e["tp"])])
+            if "ranges" in e:
+                rel, lo, _ = e["ranges"]["optim"][0][0]
+                return self.file(rel)[range_key(name, lo)]["step"]
+            return as_tensor(self.piece(name, kind, 0))
+        return assemble(e, [as_tensor(self.piece(name, kind, r)) for r in range(e["tp"])])
 
     def local(self, name: str, kind: str, info: ParamInfo, local_shape: tuple[int, ...],
               tp_rank: int, tp_size: int, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -280,8 +303,12 @@ class ShardReader:
 
     def files_of(self, name: str, kind: str) -> list[str]:
         """The files holding ``name``'s saved pieces of ``kind`` (weight, or optimizer state)."""
+        e = self.meta["tensors"][name]
+        if "ranges" in e:
+            group = "weight" if kind == "weight" else "optim"
+            return sorted({rel for piece in e["ranges"][group] for rel, _, _ in piece})
         rel = "model.pt" if kind == "weight" else "optim.pt"
-        return sorted({f"{d}/{rel}" for d in self.meta["tensors"][name]["dirs"]})
+        return sorted({f"{d}/{rel}" for d in e["dirs"]})
 
 
 def read_global_tensors(root: str, iteration: int | None = None,
@@ -316,6 +343,6 @@ def read_model_state(root: str, iteration: int | None = None
     kind = "master" if has_masters and meta["tensors"] else "weight"
     state = read_global_tensors(root, iteration, (kind,))[kind]
     reader = ShardReader(directory, meta)  # the weight files are checked too, even when unused
-    for d in sorted({d for e in meta["tensors"].values() for d in e["dirs"]}):
-        reader.file(f"{d}/model.pt")
+    for rel in sorted({f for name in meta["tensors"] for f in reader.files_of(name, "weight")}):
+        reader.file(rel)
     return config, {k: v.to(torch.float32) for k, v in state.items()}

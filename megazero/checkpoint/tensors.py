@@ -8,9 +8,10 @@ keys are global names; the one exception is the last stage's copy of a tied word
 Modules that are not GPT chunks keep their keys under ``model<i>.`` (plus ``pp<r>.`` when
 pp > 1), which is only layout-independent for the TP axis.
 
-A saved piece is one TP shard of one tensor as the saving rank held it, vocabulary padding
-included. The index records the global (unpadded) shape, the split dim, the stride (SwiGLU's
-fused fc1 holds its slice of both halves) and the TP size; :func:`assemble` rebuilds the global
+A saved piece is one TP shard of one tensor as the saving ranks held it, vocabulary padding
+included (since format version 3 spread as flat ranges over the files of the dp ranks that own
+them). The index records the global (unpadded) shape, the split dim, the stride (SwiGLU's fused
+fc1 holds its slice of both halves) and the TP size; :func:`assemble` rebuilds the global
 tensor from the pieces (``unshard_tensor``), drops the padding rows, and
 :func:`slice_for` cuts and re-pads the slice the loading rank holds. Loading reads with
 :func:`read_slice` / :func:`read_flat` through ``mmap`` loads: a rank touches only the pages of
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megazero.checkpoint.ranged import as_tensor, copy_to
 from megazero.tensor_parallel.utils import shard_tensor, unshard_tensor
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -100,9 +102,11 @@ def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
     """This rank's TP shard (or rows ``[r0, r1)`` of its dim 0), reading only the saved pieces
     that overlap it.
 
-    ``piece(r)`` returns saved TP piece ``r`` (an mmap-backed tensor: only the rows taken are
-    read from disk). Along the split dim, with stride k, the global tensor is k blocks; saved
-    piece r holds rows ``[r*n', (r+1)*n')`` of each block and this rank needs
+    ``piece(r)`` returns saved TP piece ``r`` (an mmap-backed tensor, or a
+    :class:`~megazero.checkpoint.ranged.RangedPiece` over the files of its ranges: either way
+    only the rows taken are read from disk). Along the split dim, with stride k, the global
+    tensor is k blocks; saved piece r holds rows ``[r*n', (r+1)*n')`` of each block and this
+    rank needs
     ``[t*n, (t+1)*n)``. Vocabulary padding sits after the real rows (at the end of the single
     block), so rows at or beyond the real vocabulary are zeros, whatever either side padded to.
     A tensor saved whole (``dim`` None, tp 1, as :func:`write_model_state` writes) is one piece
@@ -122,7 +126,7 @@ def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
     if not local_shape or (dim is None and entry["dim"] is not None) or (
             dim is not None and not whole and (entry["dim"] != dim or entry["stride"] != k)) or (
             info.vocab is not None and dim not in (None, 0)):
-        pieces = [piece(r) for r in range(entry["tp"])]
+        pieces = [as_tensor(piece(r)) for r in range(entry["tp"])]
         if tally is not None:
             tally(sum(p.numel() * p.element_size() for p in pieces))
         full = assemble(entry, pieces)
@@ -169,7 +173,7 @@ def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
     shape = list(local_shape)
     shape[0] = r1 - r0
     if into is None and len(copies) == 1 and list(copies[0][1].shape) == shape:
-        return copies[0][1]  # exactly one saved piece's rows: a view, no copy
+        return as_tensor(copies[0][1])  # exactly one saved piece's rows: a view, no copy
     if into is None:
         out = torch.zeros(shape, dtype=first.dtype)
     else:
@@ -177,7 +181,7 @@ def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
         if real is not None:  # rows past the real vocabulary stay zero
             out.zero_()
     for o, view in copies:
-        out.narrow(dim, o, view.shape[dim]).copy_(view)
+        copy_to(out.narrow(dim, o, view.shape[dim]), view)
     return out
 
 
@@ -215,77 +219,3 @@ def read_flat(entry: dict[str, Any], piece: Any, info: ParamInfo,
     if hi > b:
         into[b - lo:].copy_(rows(b // row, b // row + 1).reshape(-1)[:hi - b])
     return into
-
-
-def optimizer_state_per_param(engine: Any, infos: list[ParamInfo],
-                              shapes: dict[int, torch.Size]) -> dict[int, dict[str, Any]]:
-    """fp32 master, optimizer state (the kind's names: Adam's ``exp_avg``/``exp_avg_sq`` and
-    ``step``, SGD's ``momentum_buffer``) of every parameter this rank holds, each as a full TP
-    shard in the parameter's shape.
-
-    Why gather at save instead of storing ZeRO's flat ranges: the ranges depend on the bucket
-    sizes, dp size and ZeRO stage, so a reader at another layout would need the saving run's
-    bucketing to make sense of them. Each dp rank fills the ranges it owns into zero tensors and
-    one all-reduce (sum) over dp completes them (x + 0 is exact); stage 0 owns everything
-    already. The cost is a transient (1 + state tensors) x fp32 copy of the TP shard per rank
-    during the save.
-    """
-    import torch.distributed as dist
-
-    stage, comm = engine.zero.stage, engine.comms.dp
-    masters = engine.masters
-    names = masters.kind.state
-    rows = 1 + len(names)
-    keep = {id(i.param) for i in infos}
-    bufs: dict[int, torch.Tensor] = {}
-    cover: dict[int, torch.Tensor] = {}
-    step = 0.0
-    with masters.resident():  # NVMe offload: masters and moments read from the swap files
-        for pc in masters.pieces:
-            pid = id(pc.param)
-            if pid not in keep:
-                continue
-            n = shapes[pid].numel()
-            if pid not in bufs:
-                bufs[pid] = torch.zeros(rows, n, dtype=torch.float32, device=pc.master.device)
-                cover[pid] = torch.zeros(n, dtype=torch.float32, device=pc.master.device)
-            lo, hi = pc.offset, pc.offset + pc.model.numel()
-            bufs[pid][0, lo:hi] = pc.master.detach().float()
-            st = masters.optimizer.state.get(pc.master, {})
-            for r, name in enumerate(names, 1):  # absent before the first step: zeros
-                if st.get(name) is not None:
-                    bufs[pid][r, lo:hi] = st[name].reshape(-1)
-            if "step" in st:
-                step = max(step, float(st["step"]))
-            cover[pid][lo:hi] += 1
-    order = [id(i.param) for i in infos]
-    for pid in order:  # parameters with no piece on this rank contribute zeros
-        if pid not in bufs:
-            bufs[pid] = torch.zeros(rows, shapes[pid].numel(), dtype=torch.float32)
-            cover[pid] = torch.zeros(shapes[pid].numel(), dtype=torch.float32)
-    if stage > 0 and comm.size > 1 and order:
-        device = next(iter(bufs.values())).device
-        flat = torch.cat([torch.cat([bufs[p].reshape(-1).to(device), cover[p].to(device)])
-                          for p in order] + [torch.tensor([step], device=device)])
-        dist.all_reduce(flat, group=comm.group)
-        pos = 0
-        for p in order:
-            n = shapes[p].numel()
-            bufs[p] = flat[pos:pos + rows * n].view(rows, n)
-            cover[p] = flat[pos + rows * n:pos + (rows + 1) * n]
-            pos += (rows + 1) * n
-        step_t = torch.tensor([step], device=device)
-        dist.all_reduce(step_t, op=dist.ReduceOp.MAX, group=comm.group)
-        step = float(step_t.item())
-    out = {}
-    for p in order:
-        if not bool((cover[p] == 1).all()):
-            raise RuntimeError(f"ZeRO pieces cover a parameter of shape {tuple(shapes[p])} "
-                               f"{int(cover[p].min())}..{int(cover[p].max())} times, not once")
-        shape = shapes[p]
-        b = bufs[p].cpu()
-        out[p] = {"master": b[0].view(shape).clone(),
-                  **{name: b[r].view(shape).clone() for r, name in enumerate(names, 1)}}
-        if masters.kind.has_step:
-            out[p]["step"] = torch.tensor(step, dtype=torch.float32)
-    return out

@@ -2,8 +2,9 @@
 (:mod:`megazero.checkpointing`) in DeepSpeed's directory layout (``save_dir/<tag>/`` and a
 ``save_dir/latest`` file naming the newest tag).
 
-Weights, fp32 masters and Adam moments are stored per parameter name as full tensors, so a
-checkpoint loads at another data-parallel size or ZeRO stage. The engine's counters, the
+Weights, fp32 masters and Adam moments are stored per parameter name (as ranges of its
+flattened values, each written by the rank that owns it), so a checkpoint loads at another
+data-parallel size or ZeRO stage. The engine's counters, the
 schedule's state, each optimizer group's learning rate and the caller's ``client_state`` go to
 ``extra_state.pt``, written atomically by rank 0 and loaded with ``weights_only=True``: a
 ``client_state`` may hold tensors, numbers, strings, None and lists / tuples / dicts of them,

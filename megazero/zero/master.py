@@ -229,6 +229,30 @@ class MasterParams:
             self.swap.store_all(bufs)
             self._resident = False
 
+    def stream_states(self, fn: Callable[[Piece, dict[str, torch.Tensor | None]], None]) -> None:
+        """Call ``fn(piece, {"master": t, <state name>: t or None})`` for every piece, with the
+        tensors where they live: the masters and moments themselves (device or host), or with
+        NVMe offload views of the swap slot its sub-group was read into (read only: nothing is
+        written back). A state the optimizer has not created yet (before the first step) is
+        None. ``fn`` must copy what it keeps. The checkpoint writer's mirror of
+        :meth:`resident`: no more host memory than the swapper's own slots."""
+        names = self.kind.state
+        if self.swap is None or self._resident:
+            for p in self.pieces:
+                st = self.optimizer.state.get(p.master, {})
+                fn(p, {"master": p.master, **{n: st.get(n) for n in names}})
+            return
+
+        def visit(g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+            pos = 0
+            for p in self.sub_groups[g]:
+                n = p.model.numel()
+                fn(p, {"master": master[pos:pos + n], "exp_avg": m[pos:pos + n],
+                       "exp_avg_sq": v[pos:pos + n]})
+                pos += n
+
+        self.swap.stream(visit, read=True, write=False)
+
     def step(self, factor: float) -> None:
         """One optimizer step with every gradient multiplied by ``factor`` (unscale * clip).
         Offloaded, the host update runs on this rank's share of the node's cores
