@@ -71,3 +71,16 @@ def test_torchruns_failure_report_carries_the_error_line():
     assert ("traceback : pretrain_gpt.py: error: command line: unknown argument "
             "'--bogus-flag'") in root, proc.stderr[-3000:]
     assert "To enable traceback see" not in proc.stderr
+
+
+def test_convert_help_explains_loader_and_saver():
+    import os
+
+    from megazero.testing.launch import REPO
+
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint",
+                                                       "convert.py"), "--help"],
+                         env=env(), capture_output=True, text=True, timeout=120).stdout
+    text = " ".join(out.split())
+    assert "--loader {hf,megazero} what --load-dir holds" in text, text
+    assert "--saver {hf,megazero,torch} what to write" in text, text

@@ -97,10 +97,16 @@ SAVERS: dict[str, Saver] = {"torch": save_torch, "megazero": save_megazero, "hf"
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--loader", required=True, choices=sorted(LOADERS))
-    p.add_argument("--saver", required=True, choices=sorted(SAVERS))
-    p.add_argument("--load-dir", required=True)
-    p.add_argument("--save-dir", required=True)
+    p.add_argument("--loader", required=True, choices=sorted(LOADERS),
+                   help="what --load-dir holds: megazero (a checkpoint of any layout) or hf (a "
+                        "Hugging Face GPT-2, Llama or GPT-NeoX directory)")
+    p.add_argument("--saver", required=True, choices=sorted(SAVERS),
+                   help="what to write: torch (one model.pt + config.json), megazero (a "
+                        "checkpoint that loads at any layout, e.g. for --finetune) or hf (a "
+                        "directory transformers' from_pretrained loads, tokenizer included)")
+    p.add_argument("--load-dir", required=True, help="the directory to read")
+    p.add_argument("--save-dir", required=True,
+                   help="the directory to write (left as it was if the conversion fails)")
     p.add_argument("--iteration", type=int, default=None,
                    help="checkpoint iteration to read (default: the latest)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
