@@ -48,7 +48,7 @@ from torch import nn
 
 from megazero.config import ZeroConfig
 from megazero.errors import MegazeroError
-from megazero.host_resident import host_empty
+from megazero.host_resident import host_empty, to_device
 from megazero.model.init import ParamInitializer, workspace
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
@@ -170,7 +170,7 @@ class Stage3Params(Stage3Grads):
             src = buf.to(self.device, copy=True)
             self.swap.give_back(buf)
         else:
-            src = u.shard.to(self.device, non_blocking=True)
+            src = to_device(u.shard, self.device, non_blocking=True)
         u.full = torch.empty(u.padded, dtype=self.dtype, device=self.device)
         u.gather_handle = self.dp.all_gather(u.full, src, async_op=async_op)
         self.live += u.padded

@@ -1,0 +1,132 @@
+"""The NCCL-rules test mode (megazero/testing/nccl_rules.py) catches what gloo forgives: a host
+buffer handed to a collective, ranks whose collectives do not pair up, a collective waiting
+behind one rank's solo work. Each planted defect fails the mode."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero import collectives, host_resident
+from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.testing import DistributedTestError, run_distributed
+from megazero.testing.nccl_rules import NcclRuleError
+from megazero.testing.reference import TinyLM, engine_train_step, make_batches
+from megazero.topology import ParallelTopology
+from megazero.zero import build_zero_optimizer
+
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+       "reduce_scatter_tensor", "all_to_all_single", "batch_isend_irecv",
+       "megazero.collectives.reduce_scatter", "megazero.collectives.all_gather"]
+
+
+def _calls(rank, world, t, out):
+    """Each op of OPS with ``t`` (numel 2*world; its first two elements as a shard) as the
+    rank's own tensor and ``out`` (numel 2*world) as the other side."""
+    peer = (rank + 1) % world
+    g = dist.new_group(list(range(world)))
+    return {
+        "all_reduce": lambda: dist.all_reduce(t),
+        "broadcast": lambda: dist.broadcast(t, src=0),
+        "reduce": lambda: dist.reduce(t, dst=0),
+        "all_gather": lambda: dist.all_gather(list(out.chunk(world)), t[:2]),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, t[:2]),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(t[:2], out),
+        "all_to_all_single": lambda: dist.all_to_all_single(out, t),
+        "batch_isend_irecv": lambda: [w.wait() for w in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, out, peer)])],
+        "megazero.collectives.reduce_scatter": lambda: collectives.reduce_scatter(
+            t[:2], out, g, collectives.reduce_scatter_impl("auto", "gloo")),
+        "megazero.collectives.all_gather": lambda: collectives.all_gather(out, t[:2], g),
+    }
+
+
+def _host_buffers_world(rank, world):
+    n = 2 * world
+    refused = []
+    host = host_resident.host_empty(n, torch.float32).fill_(1.0)
+    for name, call in _calls(rank, world, host, torch.zeros(n)).items():
+        try:
+            call()
+        except NcclRuleError as e:  # raised before the call is issued, on every rank alike
+            refused.append((name, str(e)))
+    # the same calls on ordinary tensors (a host buffer's copy is one) all go through
+    for call in _calls(rank, world, host.clone(), torch.zeros(n)).values():
+        call()
+    return refused
+
+
+def test_a_host_resident_buffer_is_refused_by_every_collective():
+    for refused in run_distributed(_host_buffers_world, 2, nccl_rules=True):
+        assert [name for name, _ in refused] == OPS
+        for _, msg in refused:
+            assert "keeps on the host" in msg and "float32[" in msg, msg
+
+
+# --------------------------------------------------------------- (a) item 1 put back on purpose
+
+OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+VOCAB = 64
+
+
+def _offloaded_engine(stage):
+    """ZeRO ``stage`` with the optimizer offloaded to the CPU, after one training step."""
+    topo = ParallelTopology.build()
+    model = TinyLM(vocab=VOCAB)
+    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device="cpu"))
+    engine = build_zero_optimizer([model], OPT, zero, PrecisionConfig(), topo)
+    rows = 8 // topo.dp_size
+    for tokens, labels in make_batches(1, 8, 8, VOCAB):
+        engine_train_step(model, engine, tokens[topo.dp_rank * rows:(topo.dp_rank + 1) * rows],
+                          labels[topo.dp_rank * rows:(topo.dp_rank + 1) * rows], 1)
+    return topo, model, engine
+
+
+def _save_summing_masters_in_place(engine, topo):
+    """What the save did before it kept its sums on the device: all-reduce the masters and
+    moments where they live (item 1 restored)."""
+    with engine.masters.resident():
+        for pc in engine.masters.pieces:
+            summed = pc.master.detach()
+            dist.all_reduce(summed, group=topo.dp_group)
+
+
+def _item1_world(rank, world):
+    topo, model, engine = _offloaded_engine(2)
+    _save_summing_masters_in_place(engine, topo)
+
+
+def test_all_reducing_offloaded_masters_in_a_save_fails_the_mode():
+    """Without the planted save the same training passes the mode (tests/test_zero_*.py run
+    under it, CPU offload at every stage included)."""
+    with pytest.raises(DistributedTestError,
+                       match=r"all_reduce .*_save_summing_masters_in_place.*keeps on the host"):
+        run_distributed(_item1_world, 2, nccl_rules=True)
+
+
+# ------------------------------------ (c) an all-reduce over a host tensor in the engine
+
+def _engine_world(rank, world, planted):
+    import megazero
+    from megazero.engine.engine import MegazeroEngine
+    from megazero.testing import engine_runs as er
+
+    if planted:
+        report = MegazeroEngine._report
+
+        def report_summing_a_master(self):
+            """A report that sums an offloaded fp32 master over the ranks where it lives."""
+            dist.all_reduce(self.optimizer.masters.pieces[0].master)
+            report(self)
+
+        MegazeroEngine._report = report_summing_a_master
+    model = er.build("plain")
+    engine, _, _, _ = megazero.initialize(model=model, config=er.ds_config(2, offload=True))
+    return er.train_steps(engine, "plain", er.batches(2, er.MICRO * er.GAS * world), 0, 2, rank)
+
+
+def test_an_engine_all_reducing_a_host_tensor_fails_the_mode():
+    """The same run without the planted report passes the mode in tests/test_engine_api.py
+    (ZeRO-2 + CPU offload, equal to the one-process reference)."""
+    with pytest.raises(DistributedTestError, match=r"all_reduce .*report_summing_a_master.*"
+                                                   r"keeps on the host"):
+        run_distributed(_engine_world, 2, True, nccl_rules=True)
