@@ -1,6 +1,10 @@
 """The NCCL-rules test mode (megazero/testing/nccl_rules.py) catches what gloo forgives: a host
 buffer handed to a collective, ranks whose collectives do not pair up, a collective waiting
-behind one rank's solo work. Each planted defect fails the mode."""
+behind one rank's solo work. Each planted defect fails the mode; the same run without the
+defect passes it. ZeRO-3 with NVMe parameter offload and one slow disk issues the same
+collectives on every rank."""
+
+import time
 
 import pytest
 import torch
@@ -66,6 +70,7 @@ def test_a_host_resident_buffer_is_refused_by_every_collective():
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 VOCAB = 64
+MAX_LIVE = 1800
 
 
 def _offloaded_engine(stage):
@@ -101,6 +106,87 @@ def test_all_reducing_offloaded_masters_in_a_save_fails_the_mode():
     with pytest.raises(DistributedTestError,
                        match=r"all_reduce .*_save_summing_masters_in_place.*keeps on the host"):
         run_distributed(_item1_world, 2, nccl_rules=True)
+
+
+# ------------------------------------------- (b) ZeRO-3 + NVMe parameters, one rank's disk slow
+
+def _slow_disk():
+    """Every parameter-swap read on this rank completes 30 ms after it was issued."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megazero.zero.swap import Pending, SwapIO
+
+    pool = ThreadPoolExecutor(2)
+    read = SwapIO.read
+
+    def slow_read(self, fd, tensor, offset):
+        def late():
+            time.sleep(0.03)
+            read(self, fd, tensor, offset).wait()
+        return Pending([pool.submit(late)])
+
+    SwapIO.read = slow_read
+
+
+def _prefetch_stopping_at_unread_shards(self, pos, direction):
+    """The prefetch before the fix: it stopped at the first shard whose read had not finished."""
+    budget = self.zero.stage3_prefetch_bucket_size
+    i = pos + direction
+    while 0 <= i < len(self.order) and budget > 0:
+        u = self.order[i]
+        if u.full is None and not u.persistent:
+            if self.live + u.padded > self.zero.stage3_max_live_parameters:
+                break
+            if u.swap is not None and not self._swapper().ready(u.swap.slot):
+                break
+            self._gather(u, async_op=True)
+            budget -= u.padded
+        i += direction
+    if self.swap is not None:
+        self._read_ahead(i, direction)
+
+
+def _zero3_losses(rank, param_offload, steps=3):
+    topo = ParallelTopology.build()
+    model = TinyLM(vocab=VOCAB, hidden=16, layers=3)
+    # a live-parameter bound between one unit and all of them: how much a rank prefetched
+    # decides whether a unit stays gathered after its forward
+    zero = ZeroConfig(stage=3, offload_optimizer=OffloadConfig(device="cpu"),
+                      offload_param=param_offload, stage3_param_persistence_threshold=0,
+                      stage3_max_live_parameters=MAX_LIVE, stage3_prefetch_bucket_size=10_000,
+                      overlap_comm=True, reduce_bucket_size=600)
+    engine = build_zero_optimizer([model], OPT, zero, PrecisionConfig(), topo)
+    rows = 8 // topo.dp_size
+    losses = []
+    for tokens, labels in make_batches(steps, 8, 8, VOCAB):
+        loss, _ = engine_train_step(model, engine, tokens[rank * rows:(rank + 1) * rows],
+                                    labels[rank * rows:(rank + 1) * rows], 1)
+        losses.append(loss)
+    return losses
+
+
+def _nvme_params_world(rank, world, tmp, old_prefetch):
+    from megazero.zero.stage3 import Stage3Params
+
+    reference = None if old_prefetch else _zero3_losses(rank, OffloadConfig(device="cpu"))
+    if old_prefetch:
+        Stage3Params._prefetch = _prefetch_stopping_at_unread_shards
+    if rank == 1:
+        _slow_disk()
+    nvme = OffloadConfig(device="nvme", nvme_path=tmp, buffer_count=8, buffer_size=1024,
+                         max_in_cpu=0)
+    return reference, _zero3_losses(rank, nvme)
+
+
+def test_zero3_nvme_params_with_one_slow_disk_issue_the_same_collectives(tmp_path):
+    for reference, losses in run_distributed(_nvme_params_world, 2, str(tmp_path), False,
+                                             nccl_rules=True, timeout=60):
+        assert losses == reference and losses[-1] < losses[0]  # as with the shards in memory
+    (tmp_path / "old").mkdir()
+    with pytest.raises(DistributedTestError, match=r"NCCL rules: ranks \[0,1\] diverge") as e:
+        run_distributed(_nvme_params_world, 2, str(tmp_path / "old"), True, nccl_rules=True,
+                        timeout=30)
+    print(e.value)
 
 
 # ------------------------------------ (c) an all-reduce over a host tensor in the engine

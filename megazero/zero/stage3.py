@@ -32,7 +32,10 @@ stage run the same schedule, so they issue the same gathers in the same order.
 
 With ``offload_param.device: nvme`` a unit's shard lives in a swap file
 (:mod:`megazero.zero.param_swap`): the prefetch path also starts reading the next units' shards
-into host buffers, and a gather waits for that read before its all-gather.
+into host buffers, and a gather waits for that read before its all-gather. Every decision
+that issues or skips a collective (prefetch depth, release after forward) depends on the
+recorded order and the config only, never on whether a read has finished: ranks with disks of
+different speeds wait for their reads, but issue the same gathers in the same order.
 
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
 references held by autograd see the gathered storage again at backward time. Every gather
@@ -201,8 +204,11 @@ class Stage3Params(Stage3Grads):
             if u.full is None and not u.persistent:
                 if self.live + u.padded > self.zero.stage3_max_live_parameters:
                     break
-                if u.swap is not None and not self._swapper().ready(u.swap.slot):
-                    break  # its read is still on the way: gather it when it is needed
+                # Stop where no read was started (no spare buffer: the same on every rank); a
+                # read on the way is waited for. Stopping there too would tie the prefetch
+                # depth, ``live`` and the release decisions to this rank's disk (module doc).
+                if u.swap is not None and not self._swapper().requested(u.swap.slot):
+                    break
                 self._gather(u, async_op=True)
                 budget -= u.padded
             i += direction
