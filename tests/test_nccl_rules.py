@@ -88,24 +88,35 @@ def _offloaded_engine(stage):
 
 def _save_summing_masters_in_place(engine, topo):
     """What the save did before it kept its sums on the device: all-reduce the masters and
-    moments where they live (item 1 restored)."""
+    moments where they live (item 1 restored). Returns, per tensor, the mode's error."""
+    refused = {}
     with engine.masters.resident():
-        for pc in engine.masters.pieces:
-            summed = pc.master.detach()
-            dist.all_reduce(summed, group=topo.dp_group)
+        pc = engine.masters.pieces[0]
+        state = engine.masters.optimizer.state[pc.master]
+        for name, t in (("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]),
+                        ("master", pc.master.detach())):
+            try:
+                dist.all_reduce(t, group=topo.dp_group)
+            except NcclRuleError as e:  # raised before the call, on every rank alike
+                refused[name] = str(e)
+    return refused
 
 
-def _item1_world(rank, world):
-    topo, model, engine = _offloaded_engine(2)
-    _save_summing_masters_in_place(engine, topo)
+def _item1_world(rank, world, stage):
+    topo, model, engine = _offloaded_engine(stage)
+    return _save_summing_masters_in_place(engine, topo)
 
 
 def test_all_reducing_offloaded_masters_in_a_save_fails_the_mode():
-    """Without the planted save the same training passes the mode (tests/test_zero_*.py run
-    under it, CPU offload at every stage included)."""
-    with pytest.raises(DistributedTestError,
-                       match=r"all_reduce .*_save_summing_masters_in_place.*keeps on the host"):
-        run_distributed(_item1_world, 2, nccl_rules=True)
+    """Masters and both moments of a CPU-offloaded optimizer (stages 1 and 3) are refused by
+    the mode. Without the planted save the same training passes it (tests/test_zero_*.py run
+    under the mode, CPU offload at every stage included)."""
+    for stage in (1, 3):
+        for refused in run_distributed(_item1_world, 2, stage, nccl_rules=True):
+            assert sorted(refused) == ["exp_avg", "exp_avg_sq", "master"], (stage, refused)
+            for msg in refused.values():
+                assert msg.startswith("all_reduce over ranks [0,1] at test_nccl_rules.py")
+                assert "_save_summing_masters_in_place" in msg and "keeps on the host" in msg
 
 
 # ------------------------------------------- (b) ZeRO-3 + NVMe parameters, one rank's disk slow
