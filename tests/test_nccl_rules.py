@@ -227,3 +227,48 @@ def test_an_engine_all_reducing_a_host_tensor_fails_the_mode():
     with pytest.raises(DistributedTestError, match=r"all_reduce .*report_summing_a_master.*"
                                                    r"keeps on the host"):
         run_distributed(_engine_world, 2, True, nccl_rules=True)
+
+
+# ------------------------------------------------------------------ the log comparison itself
+
+def _write_logs(tmp_path, per_rank):
+    from megazero.testing import nccl_rules
+
+    for rank, lines in enumerate(per_rank):
+        with open(nccl_rules.log_path(str(tmp_path), rank), "w") as f:
+            f.writelines(f"{key}\t{entry}\tx.py:{i}\n" for i, (key, entry) in enumerate(lines))
+
+
+def test_logs_agree_or_name_the_first_divergence(tmp_path):
+    from megazero.testing.nccl_rules import LogReader, compare_logs
+
+    ar4, ar8 = ("0,1,2", "all_reduce float32[4]"), ("0,1,2", "all_reduce float32[8]")
+    p2p = ("0->2", "p2p bfloat16[6]")
+    sub = ("0,1", "broadcast float32[3] src=1")
+    # group [0,1,2]; a subgroup [0,1] interleaved differently on its ranks is fine
+    _write_logs(tmp_path, [[ar4, sub, p2p, ar8], [sub, ar4, ar8], [ar4, p2p, ar8]])
+    assert compare_logs(str(tmp_path), 3) is None
+    # rank 2 skips a collective: index 1 differs; the running check sees it too
+    _write_logs(tmp_path, [[ar4, ar8, ar4], [ar4, ar8, ar4], [ar4, ar4]])
+    msg = LogReader(str(tmp_path), 3).divergence(finished=False)
+    assert msg.startswith("ranks [0,1,2] diverge at call #1 of that group: rank 0 issued "
+                          "all_reduce float32[8] (at x.py:1), rank 2 issued all_reduce "
+                          "float32[4] (at x.py:1)"), msg
+    # a receive with no matching send: only a finished world calls that a divergence
+    _write_logs(tmp_path, [[ar4], [ar4], [ar4, p2p]])
+    assert LogReader(str(tmp_path), 3).divergence(finished=False) is None
+    assert "ranks [0->2] diverge at call #0 of that group: rank 0 issued nothing" in \
+        compare_logs(str(tmp_path), 3)
+
+
+def _waits_world(rank, world):
+    if rank == 0:
+        time.sleep(1.5)  # solo work while rank 1 sits in the barrier
+    dist.barrier()
+
+
+def test_a_collective_waiting_behind_solo_work_fails():
+    with pytest.raises(DistributedTestError, match=r"rank 1 of 2 failed:\nNcclRuleError: "
+                                                   r"barrier over ranks \[0,1\] .* waited"):
+        run_distributed(_waits_world, 2, nccl_rules=True, nccl_wait_limit=0.5)
+    run_distributed(_waits_world, 2, nccl_rules=True, nccl_wait_limit=5.0)
