@@ -2,7 +2,8 @@
 
 The ZeRO, offload, NVMe, checkpoint and engine suites always run their multi-rank worlds under
 the mode (once, not twice: the mode adds a log line per collective, not another run); every
-other suite runs under it with ``pytest --nccl-rules`` or ``MEGAZERO_NCCL_RULES=1``.
+other suite runs under it with ``pytest --nccl-rules`` or ``MEGAZERO_NCCL_RULES=1``;
+``MEGAZERO_NCCL_RULES=0`` turns it off everywhere (to measure what it costs).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def pytest_configure(config):
         os.environ[nccl_rules.ENV] = "1"
 
 
+# set before pytest starts: 0 turns the mode off everywhere, 1 on everywhere
+_ASKED = os.environ.get(nccl_rules.ENV)
+
+
 def under_nccl_rules(filename: str) -> bool:
     return any(fnmatch.fnmatch(filename, p) for p in NCCL_RULES_SUITES)
 
@@ -39,6 +44,6 @@ def under_nccl_rules(filename: str) -> bool:
 def _nccl_rules_for_suite(request, monkeypatch):
     if request.node.get_closest_marker("nccl_rules_off") is not None:
         monkeypatch.setenv(nccl_rules.ENV, "0")
-    elif under_nccl_rules(os.path.basename(str(request.node.fspath))):
+    elif _ASKED is None and under_nccl_rules(os.path.basename(str(request.node.fspath))):
         monkeypatch.setenv(nccl_rules.ENV, "1")
     yield

@@ -139,7 +139,6 @@ class _Recorder:
         self.rank, self.limit = rank, limit
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed by uninstall)
         self.keys: dict[int, tuple[str, list[int]]] = {}
-        self.originals: dict[str, Callable[..., Any]] = {}
         self.patched: list[tuple[Any, str, Any]] = []
         self.depth = 0
 
@@ -224,7 +223,6 @@ class _Recorder:
             if fn is None:
                 continue
             wrappers[id(fn)] = self.wrap(name, fn)
-            self.originals[name] = fn
         for modname, names in _OWN_WRAPPERS.items():
             own = sys.modules.get(modname)
             for name in names if own is not None else ():
