@@ -42,6 +42,7 @@ world starts), by ``run_distributed(..., nccl_rules=True)``, or by ``pytest --nc
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import sys
@@ -224,8 +225,8 @@ class _Recorder:
                 continue
             wrappers[id(fn)] = self.wrap(name, fn)
         for modname, names in _OWN_WRAPPERS.items():
-            own = sys.modules.get(modname)
-            for name in names if own is not None else ():
+            own = importlib.import_module(modname)
+            for name in names:
                 fn = getattr(own, name)
                 wrappers[id(fn)] = self.wrap(f"{modname}.{name}", fn)
         # torch's own namespaces, then every megazero module holding a copy of an original
