@@ -280,6 +280,7 @@ class LogReader:
         self.paths = [log_path(log_dir, r) for r in range(world_size)]
         self.offsets = [0] * world_size
         self.logs: list[dict[str, list[tuple[str, str]]]] = [{} for _ in range(world_size)]
+        self.agreed: dict[str, int] = {}  # key -> entries already found equal on every member
 
     def poll(self) -> None:
         for r, path in enumerate(self.paths):
@@ -309,7 +310,8 @@ class LogReader:
             members = [r for r in _members(key) if 0 <= r < len(logs)]
             seqs = {r: logs[r].get(key, []) for r in members}
             longest = max(len(s) for s in seqs.values())
-            for i in range(longest):
+            start = self.agreed.get(key, 0)
+            for i in range(start, longest):
                 ref_rank = members[0]
                 ref = seqs[ref_rank][i] if i < len(seqs[ref_rank]) else None
                 for r in members[1:]:
@@ -322,6 +324,7 @@ class LogReader:
                             f"{ref_rank} issued {_show(ref)}, rank {r} issued {_show(got)}; "
                             "under NCCL these calls do not pair up (a hang or corrupted data). "
                             "Every collective decision must be the same on every rank.")
+            self.agreed[key] = max(start, min(len(s) for s in seqs.values()))
         return None
 
 
