@@ -272,3 +272,26 @@ def test_a_collective_waiting_behind_solo_work_fails():
                                                    r"barrier over ranks \[0,1\] .* waited"):
         run_distributed(_waits_world, 2, nccl_rules=True, nccl_wait_limit=0.5)
     run_distributed(_waits_world, 2, nccl_rules=True, nccl_wait_limit=5.0)
+
+
+# ------------------------------------------ zero.Init(remote_device="cpu"): host-kept shards
+
+def _remote_cpu_world(rank, world):
+    from torch import nn
+
+    from megazero.zero import init_context
+
+    torch.manual_seed(0)
+    ref = nn.Linear(6, 5)
+    torch.manual_seed(0)
+    with init_context.Init(remote_device="cpu"):
+        lin = nn.Linear(6, 5)
+    full = init_context.gather_partitioned(lin.weight)
+    return torch.equal(full, ref.weight.detach()), tuple(lin.weight.mz_shard.shape)
+
+
+def test_init_with_remote_cpu_gathers_device_copies_of_its_host_shards():
+    """The shards zero.Init keeps on the host are host-resident; gathering one copies it to the
+    parameter's device first (under NCCL a host shard cannot be gathered), with the values of
+    the unpartitioned module."""
+    assert run_distributed(_remote_cpu_world, 2, nccl_rules=True) == [(True, (15,))] * 2
