@@ -17,6 +17,7 @@ import torch
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.rules import num_microbatches
 from megazero.errors import DataError, MegazeroError
+from megazero.host_resident import mark
 from megazero.topology import ParallelTopology
 
 
@@ -136,7 +137,7 @@ def get_batch(data_iterator: Iterator[dict],
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
-        tokens = tokens.pin_memory().to(device, non_blocking=True)
+        tokens = mark(tokens.pin_memory()).to(device, non_blocking=True)  # pinned staging
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
 
