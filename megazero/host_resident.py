@@ -53,3 +53,14 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tenso
     """A marked host buffer; pinned (page-locked, for asynchronous copies) only when CUDA exists."""
     return mark(torch.empty(numel, dtype=dtype, device="cpu",
                             pin_memory=pin and torch.cuda.is_available()))
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str,
+              non_blocking: bool = False) -> torch.Tensor:
+    """``tensor.to(device)``: on a GPU run a device copy of a host buffer. On a CPU run the
+    same call returns the host buffer itself; while tracking is on it returns an (unmarked)
+    copy instead, so that the tensor a collective then receives is what it would be on a GPU,
+    not the host-kept buffer."""
+    if _tracking and tensor.device == torch.device(device) and is_host_resident(tensor):
+        return tensor.clone()
+    return tensor.to(device, non_blocking=non_blocking)

@@ -17,6 +17,7 @@ import torch
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.rules import check_rampup, num_microbatches, rampup_batch_size
 from megazero.errors import DataError, MegazeroError
+from megazero.host_resident import mark
 from megazero.topology import ParallelTopology
 
 
@@ -181,7 +182,7 @@ def get_batch(data_iterator: Iterator[dict], device: torch.device | None = None,
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
-        tokens = tokens.pin_memory().to(device, non_blocking=True)
+        tokens = mark(tokens.pin_memory()).to(device, non_blocking=True)  # pinned staging
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eod_mask is not None:
         batch["loss_mask"] = (batch["tokens"] != eod_mask).float()

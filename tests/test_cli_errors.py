@@ -16,7 +16,7 @@ from megazero.testing.launch import run_training
 TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "4",
-        "--eval-iters", "0", "--log-interval", "1"]
+        "--eval-iters", "0", "--log-interval", "1", "--distributed-backend", "gloo"]
 RANKS = 4
 _RANK_LINE = re.compile(r"^\[default(\d+)\]:(.*)$")
 

@@ -73,8 +73,8 @@ def test_megatron_gpt3_175b_script_runs_in_one_launch(tmp_path):
         "--log-interval", "1", "--save-interval", "2", "--eval-interval", "1000",
         "--save", ck, "--load", ck, "--eval-iters", "1", "--tensorboard-dir", tb,
         # added by most users of the script
-        "--use-mcore-models", "--use-distributed-optimizer", "--cross-entropy-loss-fusion",
-        "--eod-mask-loss",
+        "--use-mcore-models", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--cross-entropy-loss-fusion", "--eod-mask-loss",
         "--ckpt-format", "torch_dist", "--manual-gc", "--manual-gc-interval", "2",
         "--log-num-zeros-in-grad", "--log-throughput", "--distributed-backend", "gloo",
     ]

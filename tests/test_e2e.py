@@ -121,7 +121,7 @@ def test_demo_corpus_trains(tmp_path):
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
             "--seq-length", "32", "--micro-batch-size", "4", "--train-iters", "8", "--lr",
             "5e-3", "--log-interval", "1", "--eval-interval", "8", "--eval-iters", "1",
-            "--data-cache-path", str(tmp_path / "cache")]
+            "--data-cache-path", str(tmp_path / "cache"), "--distributed-backend", "gloo"]
     t0 = time.time()
     out = check(run_training(args))
     assert "building the demo corpus" in out and "vocab 2048" in out

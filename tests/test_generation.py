@@ -185,7 +185,8 @@ def test_generate_text_under_torchrun_tp2(saved_run):
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--standalone", os.path.join(repo, "tools", "generate_text.py"), "--load", root,
-           "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "6", "--no-stop-at-eod", "--json"]
+           "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "6", "--no-stop-at-eod", "--json",
+           "--distributed-backend", "gloo"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

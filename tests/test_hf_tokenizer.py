@@ -62,7 +62,7 @@ def test_preprocess_and_train(hf_dir, tmp_path):
         "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir), "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--train-iters", "2", "--log-interval", "1",
-        "--eval-iters", "0", "--split", "100,0,0"]))
+        "--eval-iters", "0", "--split", "100,0,0", "--distributed-backend", "gloo"]))
     assert "iteration        2/       2" in out
     assert "HuggingFaceTokenizer" in out
 

@@ -240,11 +240,12 @@ def test_exploded_run_saves_nothing_and_names_a_checkpoint_that_resumes(run_dir,
 def test_failed_save_leftovers_are_removed_before_the_space_check(run_dir, tmp_path):
     ck = _copy(run_dir, tmp_path / "ck")
     partial = ck / "iter_0000010"
-    (partial / "mp_rank_00_000").mkdir(parents=True)
-    (partial / "mp_rank_00_000" / "model.pt").write_bytes(b"x" * 5000)
-    (partial / "mp_rank_00_000" / "optim.pt.tmp.4242").write_bytes(b"x" * 3000)
+    (partial / "mp_rank_00_000_000").mkdir(parents=True)
+    (partial / "mp_rank_00_000_000" / "model_000.pt").write_bytes(b"x" * 5000)
+    (partial / "mp_rank_00_000_000" / "optim_000.pt.tmp.4242").write_bytes(b"x" * 3000)
     (ck / f"{TRACKER}.tmp.4242").write_text("10")
-    (ck / "iter_0000008" / "mp_rank_00_000" / "model.pt.tmp.4242").write_bytes(b"x" * 100)
+    shard_dir = next(p for p in (ck / "iter_0000008").iterdir() if p.is_dir())
+    (shard_dir / "model_000.pt.tmp.4242").write_bytes(b"x" * 100)
     foreign = ck / "iter_0000012"  # not megazero's files only: left alone
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

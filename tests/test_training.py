@@ -85,7 +85,7 @@ def test_exit_duration_and_train_samples(tmp_path):
 
 def test_config_errors_are_reported_without_traceback(tmp_path):
     proc = run_training(["--tensor-model-parallel-size", "3", "--num-attention-heads", "4",
-                         *TINY[:2]])
+                         *TINY[:2], "--distributed-backend", "gloo"])
     assert proc.returncode == 2
     assert "pretrain_gpt.py: error:" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SentencePiece model to use instead of the saved path")
     p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json instead of the saved one")
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt instead of the saved one")
+    p.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="torch.distributed backend under torchrun (default: nccl with GPUs, "
+                        "gloo without)")
     p.add_argument("--device", default=None,
                    help="torch device; None: cuda when available, else cpu")
     p.add_argument("--json", action="store_true",
@@ -73,7 +76,7 @@ def _tokenizer(config: dict, args: argparse.Namespace, vocab_size: int):
                            vocab_size=vocab_size)
 
 
-def _topology():
+def _topology(backend: str | None = None):
     """Single process, or (under torchrun) every rank one tensor-parallel slice."""
     import torch
 
@@ -83,7 +86,7 @@ def _topology():
         return ParallelTopology.single(), "cuda" if torch.cuda.is_available() else "cpu"
     from megazero.dist_init import initialize_distributed
 
-    env = initialize_distributed()
+    env = initialize_distributed(backend)
     return ParallelTopology.build(tp=env.world_size), env.device
 
 
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     bad = [i for i in prompt if not 0 <= i < mc.vocab_size]
     if bad:
         raise SystemExit(f"prompt ids {bad} are outside the vocabulary of {mc.vocab_size}")
-    topo, device = _topology()
+    topo, device = _topology(args.distributed_backend)
     parallel = ParallelContext.from_topology(topo, attention_backend="sdpa")
     model = GPTModel(mc, topo, parallel=parallel).eval()
     load_global_state(model, state, topo)

@@ -89,12 +89,15 @@ class IndexCache:
 
     def get_or_build(self, build: Callable[[], dict[str, np.ndarray]], is_builder: bool = True,
                      barrier: Callable[[], None] | None = None, timeout_s: float = 3600.0,
-                     poll_s: float = 0.05) -> tuple[dict[str, np.ndarray], bool]:
+                     poll_s: float = 0.05, progress: Callable[[float], None] | None = None,
+                     progress_every_s: float = 60.0) -> tuple[dict[str, np.ndarray], bool]:
         """Load the arrays, building and saving them first if needed; returns ``(arrays, built)``.
 
         Only the builder builds. With a ``barrier`` (e.g. ``torch.distributed.barrier``) every
         rank calls it once after the builder has saved; without one, other ranks poll for the
-        finished files (atomic renames make that safe), up to ``timeout_s``.
+        finished files (atomic renames make that safe), up to ``timeout_s``, calling
+        ``progress(seconds waited)`` every ``progress_every_s``. Polling is the choice for a
+        build that may outlast a collective's timeout (NCCL's is 10 minutes by default).
         """
         built = False
         if is_builder and not self.complete():
@@ -103,11 +106,17 @@ class IndexCache:
         if barrier is not None:
             barrier()
         elif not is_builder:
-            deadline = time.monotonic() + timeout_s
+            start = time.monotonic()
+            next_report = start + progress_every_s
             while not self.complete():
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > start + timeout_s:
                     raise TimeoutError(f"waited {timeout_s:.0f}s for the index cache "
-                                       f"{self.description_path} built by another rank")
+                                       f"{self.description_path} built by another rank; is "
+                                       "the cache directory shared between the ranks?")
+                if progress is not None and now >= next_report:
+                    progress(now - start)
+                    next_report = now + progress_every_s
                 time.sleep(poll_s)
         if not self.complete():
             raise RuntimeError(f"index cache {self.description_path} is missing after the build "

@@ -15,11 +15,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megazero.data.index_cache import IndexCache, default_barrier, default_is_builder
+from megazero.data.index_cache import IndexCache, default_is_builder
 from megazero.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 
 _FORMAT = 2  # 2: the smallest id too (an int32 corpus written by another tool may hold -1)
 _CHUNK_TOKENS = 1 << 24  # bounded memory for the scan of a large .bin
+# how long the other ranks wait for the scan: a day (a corpus that takes longer is read at
+# under 10 MB/s); progress is printed every minute meanwhile
+POLL_TIMEOUT_S = 24 * 3600.0
 
 
 def _scan_range(ds: IndexedDataset) -> tuple[int, int]:
@@ -43,8 +46,13 @@ def max_token_id(ds: IndexedDataset, cache_dir: str, is_builder: bool | None = N
 def token_id_range(ds: IndexedDataset, cache_dir: str, is_builder: bool | None = None,
                    barrier: Callable[[], None] | None = None, group=None) -> tuple[int, int]:
     """The smallest (at most 0) and largest token id in ``ds``, from the index cache in
-    ``cache_dir`` when present. One rank builds (as for the sample indices); the others read
-    its result."""
+    ``cache_dir`` when present. One rank scans; the others read its result.
+
+    The scan reads the whole ``.bin``: on a first run over a large corpus that takes longer
+    than a collective's timeout (NCCL: 10 minutes by default), so by default the other ranks
+    do not wait in a barrier but poll for the result file, which the scanning rank writes
+    atomically, and say every minute what they wait for. A ``barrier`` given explicitly is
+    used instead."""
     prefix = ds.path_prefix
     files = {}
     for kind, path in (("bin", data_file_path(prefix)), ("idx", index_file_path(prefix))):
@@ -55,11 +63,18 @@ def token_id_range(ds: IndexedDataset, cache_dir: str, is_builder: bool | None =
                        ["token_id_range"])
     if is_builder is None:
         is_builder = default_is_builder(group)
-        if barrier is None:
-            barrier = default_barrier(group)
+
+    def waiting(seconds: float) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank(group) != 1:
+            return  # one waiting rank speaks for all
+        print(f"waiting for another rank to scan {data_file_path(prefix)} for its token ids "
+              f"({seconds:.0f}s so far; the result is cached in {cache_dir})", flush=True)
+
     arrays, _ = cache.get_or_build(
         lambda: {"token_id_range": np.array(_scan_range(ds), dtype=np.int64)}, is_builder,
-        barrier)
+        barrier, timeout_s=POLL_TIMEOUT_S, progress=waiting)
     lo, hi = arrays["token_id_range"]
     return int(lo), int(hi)
 

@@ -27,7 +27,8 @@ class DistributedTestError(RuntimeError):
     """A rank failed, died, or the world did not finish in time."""
 
 
-_PRELOAD = ["torch", "torch.distributed", "megazero.testing.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "megazero.testing.distributed",
+            "megazero.testing.nccl_rules"]
 
 
 def preload(*modules: str) -> None:
@@ -49,7 +50,8 @@ def _context():
     return _CTX
 
 
-def _rank_main(fn, rank, world_size, store_path, args, kwargs, results, backend, threads):
+def _rank_main(fn, rank, world_size, store_path, args, kwargs, results, backend, threads,
+               rules=None):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -58,6 +60,10 @@ def _rank_main(fn, rank, world_size, store_path, args, kwargs, results, backend,
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        if rules is not None:
+            from megazero.testing import nccl_rules
+
+            nccl_rules.install(rank, *rules)
         results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -77,6 +83,8 @@ def run_distributed(
     timeout: float = 120.0,
     backend: str = "gloo",
     threads_per_rank: int = 1,
+    nccl_rules: bool | None = None,
+    nccl_wait_limit: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results.
@@ -84,9 +92,19 @@ def run_distributed(
     ``fn`` must be importable (a module-level function) and its result picklable. Raises
     :class:`DistributedTestError` naming the first rank that failed (with its traceback), a
     rank that died without reporting, or the timeout; in every case no process is left behind.
+
+    ``nccl_rules`` (default: the ``MEGAZERO_NCCL_RULES`` environment variable) runs the ranks
+    under :mod:`megazero.testing.nccl_rules`: a collective given a host-resident tensor, or
+    blocked longer than ``nccl_wait_limit`` seconds, fails its rank, and after the run the
+    ranks' logs of collectives must agree group by group (a divergence is reported also when
+    the world failed or hung, since it is usually the cause).
     """
+    from megazero.testing import nccl_rules as rules_mod
+
     ctx = _context()
     tmp = tempfile.mkdtemp(prefix="megazero-dist-")
+    rules = ((tmp, rules_mod.wait_limit(nccl_wait_limit))
+             if rules_mod.requested(nccl_rules) else None)
     results = ctx.Queue()
     procs = []
     try:
@@ -94,21 +112,43 @@ def run_distributed(
             p = ctx.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, os.path.join(tmp, "store"), args, kwargs, results,
-                      backend, threads_per_rank),
+                      backend, threads_per_rank, rules),
                 daemon=True,
             )
             p.start()
             procs.append(p)
-        return _collect(procs, results, world_size, timeout, getattr(fn, "__name__", str(fn)))
+        name = getattr(fn, "__name__", str(fn))
+        logs = rules_mod.LogReader(tmp, world_size) if rules else None
+        try:
+            out = _collect(procs, results, world_size, timeout, name, logs)
+        except DistributedTestError as exc:
+            diverged = logs and logs.divergence()
+            if diverged and "NCCL rules" not in str(exc):
+                raise DistributedTestError(f"{exc}\nNCCL rules: {diverged}") from None
+            raise
+        diverged = logs and logs.divergence()
+        if diverged:
+            raise DistributedTestError(f"{name}: NCCL rules: {diverged}")
+        return out
     finally:
         _kill(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _collect(procs, results, world_size, timeout, name) -> list[Any]:
+def _collect(procs, results, world_size, timeout, name, logs=None) -> list[Any]:
+    """Every rank's result; ``logs`` (a :class:`~megazero.testing.nccl_rules.LogReader`), when
+    given, is checked once a second while the world runs, so that ranks whose collectives
+    diverged fail now rather than hang until the timeout."""
     outputs: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    next_check = time.monotonic() + 1.0
     while len(outputs) < world_size:
+        if logs is not None and time.monotonic() >= next_check:
+            next_check = time.monotonic() + 1.0
+            diverged = logs.divergence(finished=False)
+            if diverged:
+                raise DistributedTestError(f"{name}: NCCL rules: {diverged} (seen while the "
+                                           "world ran; all processes were killed)")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             missing = sorted(set(range(world_size)) - set(outputs))

@@ -38,6 +38,11 @@ def env() -> dict[str, str]:
 def run_training(args: list[str], nproc: int = 1, timeout: float = 240,
                  extra_env: dict[str, str] | None = None,
                  launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``pretrain_gpt.py`` with ``args``. The backend must be in ``args``: a GPU machine
+    defaults to NCCL, so a CPU test that left it out would start NCCL ranks there."""
+    if "--distributed-backend" not in args:
+        raise ValueError("run_training: pass --distributed-backend explicitly (gloo for a CPU "
+                         "test, nccl for a GPU one): without it a GPU machine starts NCCL ranks")
     if nproc == 1 and launcher is None:
         cmd = [sys.executable, SCRIPT, *args]
     else:

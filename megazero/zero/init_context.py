@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megazero import collectives
+from megazero.host_resident import mark, to_device
 from megazero.model.init import workspace
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ def partition_param(p: nn.Parameter, group: ProcessGroup | None, device: torch.d
     flat = data.reshape(-1)
     lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
     shard = torch.zeros(per, dtype=data.dtype, device=device or data.device)
+    if device is not None:  # remote_device: kept on the host on purpose
+        mark(shard)
     shard[:hi - lo].copy_(flat[lo:hi])
     q = cast("PartitionedParam", p)
     q.mz_shard, q.mz_shape, q.mz_group = shard, data.shape, group
@@ -90,17 +93,19 @@ def partition_param(p: nn.Parameter, group: ProcessGroup | None, device: torch.d
 
 
 def gather_partitioned(param: nn.Parameter) -> torch.Tensor:
-    """The full value of a partitioned parameter (collective over its group)."""
+    """The full value of a partitioned parameter (collective over its group), on the device
+    the parameter computes on: a shard kept on the host (``remote_device="cpu"``) is copied
+    there first, as NCCL gathers only device tensors."""
     p = cast("PartitionedParam", param)
-    group, shard = p.mz_group, p.mz_shard
+    group, device = p.mz_group, param.data.device  # partitioning left an empty tensor there
+    shard = to_device(p.mz_shard.contiguous(), device)
     size, _ = _group_info(group)
     if size == 1:
         full = shard
     else:
-        full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
+        full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=device)
         # None is the default (world) group here; in megazero.collectives it means "no group".
-        collectives.all_gather(full, shard.contiguous(),
-                               group if group is not None else dist.group.WORLD)
+        collectives.all_gather(full, shard, group if group is not None else dist.group.WORLD)
     n = torch.Size(p.mz_shape).numel()
     return full[:n].view(p.mz_shape).clone()
 

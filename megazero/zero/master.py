@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
-from megazero.host_resident import host_empty
+from megazero.host_resident import host_empty, mark, tracking
 from megazero.zero.host_step import copy_to_host, host_threads, step_threads
 from megazero.zero.optimizers import (
     OptimizerFactory,
@@ -298,6 +298,12 @@ class MasterParams:
         for p, g in zip(group, grads):
             p.master.grad = g
         self.optimizer.step()
+        if self.offload and tracking():
+            # The optimizer creates its moments beside the offloaded masters, on the host.
+            for p in group:
+                for t in self.optimizer.state.get(p.master, {}).values():
+                    if isinstance(t, torch.Tensor):
+                        mark(t)
         for p in group:
             p.master.grad = None
             if self.copy:

@@ -89,6 +89,11 @@ class ParamSwapper:
         self.reading[slot] = (buf, self.io.read(self.fd, buf, self.offsets[slot]))
         return True
 
+    def requested(self, slot: int) -> bool:
+        """Whether a read of ``slot`` was started. Unlike :meth:`ready` this follows from the
+        order of calls alone, not from the disk's speed, so collective decisions may use it."""
+        return slot in self.reading
+
     def ready(self, slot: int) -> bool:
         return slot in self.reading and self.reading[slot][1].done()
 

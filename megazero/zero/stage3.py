@@ -32,7 +32,10 @@ stage run the same schedule, so they issue the same gathers in the same order.
 
 With ``offload_param.device: nvme`` a unit's shard lives in a swap file
 (:mod:`megazero.zero.param_swap`): the prefetch path also starts reading the next units' shards
-into host buffers, and a gather waits for that read before its all-gather.
+into host buffers, and a gather waits for that read before its all-gather. Every decision
+that issues or skips a collective (prefetch depth, release after forward) depends on the
+recorded order and the config only, never on whether a read has finished: ranks with disks of
+different speeds wait for their reads, but issue the same gathers in the same order.
 
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
 references held by autograd see the gathered storage again at backward time. Every gather
@@ -48,7 +51,7 @@ from torch import nn
 
 from megazero.config import ZeroConfig
 from megazero.errors import MegazeroError
-from megazero.host_resident import host_empty
+from megazero.host_resident import host_empty, to_device
 from megazero.model.init import ParamInitializer, workspace
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
@@ -170,7 +173,7 @@ class Stage3Params(Stage3Grads):
             src = buf.to(self.device, copy=True)
             self.swap.give_back(buf)
         else:
-            src = u.shard.to(self.device, non_blocking=True)
+            src = to_device(u.shard, self.device, non_blocking=True)
         u.full = torch.empty(u.padded, dtype=self.dtype, device=self.device)
         u.gather_handle = self.dp.all_gather(u.full, src, async_op=async_op)
         self.live += u.padded
@@ -201,8 +204,11 @@ class Stage3Params(Stage3Grads):
             if u.full is None and not u.persistent:
                 if self.live + u.padded > self.zero.stage3_max_live_parameters:
                     break
-                if u.swap is not None and not self._swapper().ready(u.swap.slot):
-                    break  # its read is still on the way: gather it when it is needed
+                # Stop where no read was started (no spare buffer: the same on every rank); a
+                # read on the way is waited for. Stopping there too would tie the prefetch
+                # depth, ``live`` and the release decisions to this rank's disk (module doc).
+                if u.swap is not None and not self._swapper().requested(u.swap.slot):
+                    break
                 self._gather(u, async_op=True)
                 budget -= u.padded
             i += direction
