@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from megazero.testing.distributed import run_distributed
@@ -41,12 +42,11 @@ def _cases(tmp: str) -> list[tuple[str, int, dict]]:
     out += [(f"zero{s} cpu offload", s, {"offload_optimizer": cpu}) for s in (1, 2, 3)]
     out += [(f"zero{s} nvme offload", s, {"offload_optimizer": nvme(buffer_count=6)})
             for s in (1, 2)]
-    # no gather prefetch: where it stops at a shard whose NVMe read has not finished depends
-    # on the rank, and the gathers would no longer pair up (not what this test is about)
+    # with gather prefetch: how far it reads ahead is a function of the schedule, the same
+    # on every rank whatever its disk speed (the gathers pair up)
     out.append(("zero3 nvme optimizer + params", 3,
                 {"offload_optimizer": nvme(buffer_count=6),
-                 "offload_param": nvme(buffer_count=3, buffer_size=4096, max_in_cpu=0),
-                 "stage3_prefetch_bucket_size": 0}))
+                 "offload_param": nvme(buffer_count=3, buffer_size=4096, max_in_cpu=0)}))
     return out
 
 
@@ -201,6 +201,9 @@ def _both(rank: int, root: str, save_new, save_old, reload) -> dict:
     return res
 
 
+# The old writer runs here as the reference, and its all-reduce of host buffers is the defect
+# this test's own collective wrapper must see; the suite-wide NCCL-rules mode would stop it first.
+@pytest.mark.nccl_rules_off
 def test_streaming_save_equals_version_2_and_reduces_no_host_buffer(tmp_path):
     per_rank = run_distributed(_world, 2, str(tmp_path), timeout=600)
     cases = _cases(str(tmp_path))
