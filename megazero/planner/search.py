@@ -75,14 +75,14 @@ def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
     return out
 
 
-def _config(base: list[str], flags: list[str], world: int, cluster: Cluster):
+def _config(base: list[str], flags: list[str], world: int, cluster: Cluster | None = None):
     from dataclasses import replace
 
     from megazero.config import OffloadConfig
 
     off = "--offload-optimizer" in flags
-    cfg = load_config(planning_argv(base, cluster) + [f for f in flags
-                                                      if f != "--offload-optimizer"], world)
+    argv = planning_argv(base, cluster) if cluster is not None else base
+    cfg = load_config(argv + [f for f in flags if f != "--offload-optimizer"], world)
     # the user's overlap_comm (flags or JSON), as estimate_memory.py reads it: one step-time
     # model for both tools; the DeepSpeed JSON written for the winner says the same
     zero = cfg.zero
