@@ -215,7 +215,9 @@ class GPTModel(nn.Module):
         logits = self._logits(x)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group)
+        # in place: the logits are ours, and the output layer's backward does not read them
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
+                                            inplace=True)
         return loss.transpose(0, 1).contiguous()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
