@@ -1,6 +1,9 @@
 """Weights created on the rank's device one parameter at a time (ZeRO stages 0-2), bit for bit
 the single-process model's, and never a host copy of the rank's shard.
 
+* Today's weights: the single-process model's checksum (sha256 of names and fp32 bytes) at a
+  fixed seed, built on the host and built through the device path, equals the value the host
+  build gave before the device path existed.
 * Values: 4 gloo ranks build their chunks with ``train_setup.build_model_chunks_on`` (meta
   build, then each parameter created on the device and initialised in place) at tp x pp =
   1x1 (dp 4), 2x1, 1x2 and 2x2, for a GELU/LayerNorm/tied model and a SwiGLU/RoPE/RMSNorm/
@@ -24,6 +27,34 @@ ARGV = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 MODELS = {"gelu-tied": [], "swiglu-rope-untied": [
     "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
     "--untie-embeddings-and-output-weights"]}
+
+
+#: sha256 (first 16 hex digits) of the single-process model's parameters (names and fp32 bytes,
+#: in order) at seed 11, as the host build computed them before parameters were created on the
+#: device: the weights are today's, not only equal between the two paths
+CHECKSUMS = {"gelu-tied": "5c633c65790c4875", "swiglu-rope-untied": "feec8631808a4e11"}
+
+
+def _checksum(named_params) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in named_params:
+        h.update(name.encode())
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_device_build_keeps_the_weights_checksums():
+    from megazero.config import load_config
+    from megazero.topology import ParallelTopology
+    from megazero.train_setup import build_model_chunks_on
+
+    for name, extra in MODELS.items():
+        cfg = load_config(ARGV + extra, 1)
+        assert _checksum(_reference(cfg)[1].named_parameters()) == CHECKSUMS[name], name
+        chunks, _ = build_model_chunks_on(cfg, ParallelTopology.single(), torch.device("cpu"))
+        assert _checksum(chunks[0].named_parameters()) == CHECKSUMS[name], name
 
 
 def _reference(cfg):
