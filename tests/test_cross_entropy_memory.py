@@ -100,3 +100,30 @@ def test_planner_charges_the_loss_one_fp32_buffer():
         norm_and_head_inputs = 2 * elem * 32 * 2 * 64 + 2 * 4 * 32 * 2
         assert last_only - norm_and_head_inputs == 4 * local
         assert loss_transient_bytes(cfg, 2, 2) == (0 if elem == 4 else 2 * local)
+
+
+def test_inplace_loss_respects_the_autograd_version_counter():
+    """Working in the caller's fp32 logits bumps their version: a graph that also saved them
+    fails loudly instead of using the overwritten values. 16-bit logits are never modified."""
+    import pytest
+
+    from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    labels = torch.tensor([1, 5, 0, 7])
+    x = torch.randn(4, 8, requires_grad=True)
+    logits = x * 1.0
+    kept = logits.sin()  # sin saves its input (the logits) for backward
+    loss = vocab_parallel_cross_entropy(logits, labels, None, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss.sum() + kept.sum()).backward()
+    logits = x * 1.0
+    kept = logits.sin()
+    loss = vocab_parallel_cross_entropy(logits, labels, None)  # a copy: both gradients right
+    (loss.sum() + kept.sum()).backward()
+    ref = x.detach().clone().requires_grad_()
+    (F.cross_entropy(ref, labels, reduction="none").sum() + ref.sin().sum()).backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+    half = torch.randn(4, 8, dtype=torch.bfloat16)
+    before = half.clone()
+    vocab_parallel_cross_entropy(half, labels, None, inplace=True)
+    assert torch.equal(half, before)
