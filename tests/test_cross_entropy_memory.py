@@ -123,6 +123,10 @@ def test_inplace_loss_respects_the_autograd_version_counter():
     ref = x.detach().clone().requires_grad_()
     (F.cross_entropy(ref, labels, reduction="none").sum() + ref.sin().sum()).backward()
     torch.testing.assert_close(x.grad, ref.grad)
+    loss = vocab_parallel_cross_entropy(x * 1.0, labels, None, inplace=True)
+    loss.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.sum().backward()  # the softmax became the gradient: no silent second pass
     half = torch.randn(4, 8, dtype=torch.bfloat16)
     before = half.clone()
     vocab_parallel_cross_entropy(half, labels, None, inplace=True)

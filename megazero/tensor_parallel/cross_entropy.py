@@ -15,7 +15,8 @@ at most one fp32 copy of the logits, plus per-token vectors.
 
 In-place work on the caller's logits bumps their autograd version counter, so anything else
 that saved them for backward fails loudly ("modified by an inplace operation") instead of
-computing a wrong gradient.
+computing a wrong gradient. Backward consumes the saved softmax the same way: a second backward
+through one graph (``retain_graph=True``) raises that error too.
 """
 
 from __future__ import annotations
