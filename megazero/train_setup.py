@@ -6,7 +6,6 @@ validated :class:`~megazero.config.MegazeroConfig` and the topology explicitly.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -189,34 +188,44 @@ def get_batch(data_iterator: Iterator[dict], device: torch.device | None = None,
     return batch
 
 
-def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
-                              device: torch.device) -> tuple[list[torch.nn.Module], Any]:
-    """Model chunks for this rank (fp32 init, identical at every layout), then the ZeRO engine,
-    which casts them to the training dtype and keeps fp32 masters.
+def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: torch.device
+                          ) -> tuple[list[torch.nn.Module], Any]:
+    """This rank's model chunks, fp32, with the weights every layout shares; and, at ZeRO
+    stage 3, the initializer the engine materialises its partitions with (else ``None``).
 
-    With ZeRO stage 3 the chunks are built on the meta device and the engine materialises only
-    this rank's partition of each unit (the values the full build would have), so a model
-    larger than one rank's memory can start."""
+    The chunks are built on the meta device. At stages 0-2 each parameter is then created on
+    ``device`` and initialised there, one at a time (``GPTModel.materialize``): the host never
+    holds the rank's shard. At stage 3 the parameters stay on the meta device for the engine,
+    which materialises only this rank's partition of each unit."""
     from megazero.pipeline.partition import build_model_chunks
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.zero import build_zero_optimizer
 
     parallel = ParallelContext.from_topology(topo,
                                              sequence_parallel=cfg.parallel.sequence_parallel)
-    meta = cfg.zero.stage == 3
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    with torch.device("meta"):
         chunks = build_model_chunks(
             cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
             parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed)
-    param_init = None
-    if meta:
+    if cfg.zero.stage == 3:
         for c in chunks:
             c.materialize_buffers(device)
-        param_init = chunks[0].param_initializer(device)
-    else:
-        chunks = [c.to(device) for c in chunks]
+        return chunks, chunks[0].param_initializer(device)
+    for c in chunks:
+        c.materialize(device)
+    return chunks, None
+
+
+def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
+                              device: torch.device) -> tuple[list[torch.nn.Module], Any]:
+    """Model chunks for this rank (:func:`build_model_chunks_on`: fp32, identical at every
+    layout, created on ``device`` without a host copy of the shard), then the ZeRO engine,
+    which casts them to the training dtype and keeps fp32 masters. With ZeRO stage 3 a model
+    larger than one rank's memory can start: only this rank's partitions are materialised."""
+    from megazero.zero import build_zero_optimizer
+
+    chunks, param_init = build_model_chunks_on(cfg, topo, device)
     engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
-                                  sequence_parallel=parallel.sequence_parallel,
+                                  sequence_parallel=cfg.parallel.sequence_parallel_active,
                                   param_init=param_init)
     return chunks, engine
 

@@ -24,6 +24,7 @@ from megazero.config import ConfigError, ModelConfig, RecomputeConfig, check_ten
 from megazero.config.rules import check_sequence_split
 from megazero.model.dropout import dropout
 from megazero.model.init import ParamInitializer, declare, initialize_parameters, scope
+from megazero.model.materialize import materialize_parameters
 from megazero.model.positional import RotaryEmbedding
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TransformerBlock
@@ -164,11 +165,20 @@ class GPTModel(nn.Module):
 
     def materialize_buffers(self, device: torch.device) -> None:
         """Recompute buffers left on the meta device by a build under ``torch.device("meta")``
-        (the rotary tables; parameters are materialised by ZeRO stage 3)."""
+        (the rotary tables: computed on the host, as a host build computes them, then moved;
+        parameters are materialised by :meth:`materialize` or by ZeRO stage 3)."""
         if self.rotary is not None and self.rotary.cos.is_meta:
             c = self.config
-            with torch.device(device):
-                self.rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base)
+            with torch.device("cpu"):
+                rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base)
+            self.rotary = rotary.to(device)
+
+    def materialize(self, device: torch.device) -> None:
+        """Finish a build on the meta device on ``device``: buffers, then every parameter
+        created there and initialised in place, one at a time, never the whole model on the
+        host (:mod:`megazero.model.materialize`). Same values as a host build."""
+        self.materialize_buffers(device)
+        materialize_parameters(self, device, self.seed, self.topo.tp_rank, self.topo.tp_size)
 
     def param_initializer(self, device: torch.device) -> ParamInitializer:
         """What computes any element of this model's parameters (for ZeRO-3 to materialise
@@ -215,7 +225,9 @@ class GPTModel(nn.Module):
         logits = self._logits(x)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group)
+        # in place: the logits are ours, and the output layer's backward does not read them
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
+                                            inplace=True)
         return loss.transpose(0, 1).contiguous()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,11 @@
 
 Every element of every parameter's full (tp=1, unpadded) master tensor has a fixed value: a
 normal drawn from a counter-based generator addressed by ``(seed, the parameter's key, flat
-index of the element in the full tensor)``. The key (spelled like the tp=1 model's parameter
-name, e.g. ``decoder.layers.5.mlp.linear_fc1.weight``) uses global layer indices, so
-layer 5 is the same tensor whether it lives in the full model or in pipeline chunk ``[4, 8)``;
-a tp=4 model holds bitwise the slices of the tp=1 model. Because any element can be computed
-on its own, each rank computes only the elements of its shard (column-parallel rows,
-row-parallel columns, its vocab rows, its part of every block of a strided fused weight), in
-chunks, so init time and host memory scale with the shard, not with the full tensor.
+index in the full tensor)``. The key (the tp=1 model's parameter name with global layer
+indices, e.g. ``decoder.layers.5.mlp.linear_fc1.weight``) makes layer 5 the same tensor in the
+full model and in pipeline chunk ``[4, 8)``; a tp=4 model holds bitwise the slices of the
+tp=1 model. Each rank computes only its shard's elements (column-parallel rows, row-parallel
+columns, its vocab rows, its part of every block of a strided fused weight), in chunks.
 
 The rule for each parameter belongs to the layer that owns it: at construction the layer
 declares an :class:`InitSpec` on the parameter (``normal``, ``ones`` or ``zeros``; whether its
@@ -17,9 +15,10 @@ std is scaled by depth; its stream key). Keys are composed from names the layers
 submodule changes neither which rule applies nor the values drawn. A parameter without a spec
 is an error, never a silent default.
 
-Because any element can be computed alone, a flat range of a parameter can be filled too
-(:func:`fill_flat_range_`): ZeRO stage 3 builds the model on the meta device and materialises
-only its partition of each unit (:class:`ParamInitializer`).
+Values are drawn and rounded to fp32 on the host, a chunk at a time, and each chunk is copied
+into the destination wherever it lives: a model built on the meta device creates each
+parameter on its device and fills it there (:mod:`megazero.model.materialize`), and ZeRO stage 3
+fills only its partition of each unit (:func:`fill_flat_range_`, :class:`ParamInitializer`).
 
 The generator: ``splitmix64(key + index * GOLDEN)`` gives 64 random bits per element; the high
 and low 32 bits are two uniforms that Box-Muller turns into one N(0, 1) sample (computed in
@@ -42,6 +41,7 @@ from torch import nn
 
 from megazero.config import ModelConfig
 from megazero.errors import MegazeroError
+from megazero.host_resident import host_empty
 
 if TYPE_CHECKING:
     from megazero.topology import ParallelTopology
@@ -78,13 +78,11 @@ def splitmix64_reference(key: int, index: int) -> int:
 
 
 class _Workspace:
-    """The generator's scratch buffers, reused by every chunk of every parameter while
-    :func:`workspace` is held (a whole model's initialisation), freed when it is left.
-
-    Why not fresh temporaries per chunk: glibc raises its mmap threshold after the first
-    half-megabyte temporary is freed, so later ones come from the heap between the parameters
-    being filled, and the freed gaps stay resident (measured: ~24 MiB kept after initialising
-    a 68 MiB tp=8 shard, 1.34x the shard). Reused buffers leave no gaps."""
+    """The generator's host scratch buffers, reused by every chunk of every parameter while
+    :func:`workspace` is held (a whole model's initialisation), freed when it is left. Fresh
+    temporaries per chunk would leave resident heap gaps between the parameters (glibc raises
+    its mmap threshold after the first half-megabyte one is freed: ~24 MiB kept after a
+    68 MiB tp=8 shard, measured)."""
 
     def __init__(self) -> None:
         self.size = 0
@@ -104,10 +102,10 @@ class _Workspace:
     def get(self, n: int) -> dict[str, torch.Tensor]:
         if n > self.size:
             self.size = max(n, CHUNK_ELEMENTS)
-            self.bufs = {k: torch.empty(self.size, dtype=dt) for k, dt in (
-                ("z", torch.int64), ("t", torch.int64), ("a", torch.int64),
-                ("b", torch.int64), ("c", torch.int64), ("u", torch.float64), ("v", torch.float64))}
-            self.bufs["pad"] = torch.empty(self.size, dtype=torch.bool)
+            self.bufs = {k: host_empty(self.size, dt) for k, dt in (
+                ("z", torch.int64), ("t", torch.int64), ("a", torch.int64), ("b", torch.int64),
+                ("c", torch.int64), ("u", torch.float64), ("v", torch.float64),
+                ("f", torch.float32), ("pad", torch.bool))}
         return {k: v[:n] for k, v in self.bufs.items()}
 
 
@@ -178,7 +176,7 @@ def shard_indices(param: torch.Tensor, tp_rank: int, tp_size: int) -> list[torch
     parameter holds padded rows ``[r * local, (r + 1) * local)`` (rows past ``vocab_size`` are
     pad).
     """
-    idx = [torch.arange(n, dtype=torch.int64) for n in param.shape]
+    idx = [torch.arange(n, dtype=torch.int64, device="cpu") for n in param.shape]
     if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
         dim, local = param.partition_dim, param.shape[param.partition_dim]
         stride = 1 if getattr(param, "vocab_size", None) is not None else getattr(
@@ -265,13 +263,22 @@ def fill_normal_shard_(out: torch.Tensor, key: int, full: tuple[int, ...],
     strides = [1] * len(full)
     for d in range(len(full) - 2, -1, -1):
         strides[d] = strides[d + 1] * full[d + 1]
-    rest = torch.zeros((), dtype=torch.int64)  # flat offset of the trailing dims
+    rest = torch.zeros((), dtype=torch.int64, device="cpu")  # offset of the trailing dims
     for d in range(1, len(full)):
         shape = [1] * (len(full) - 1)
         shape[d - 1] = -1
         rest = rest + (idx[d] * strides[d]).view(shape)
     with _WS.held():
         _fill_rows(out, key, strides, idx, rest.reshape(-1), std, valid_rows)
+
+
+def _to_fp32(vals: torch.Tensor, ws: dict[str, torch.Tensor], dest: torch.Tensor
+             ) -> torch.Tensor:
+    """A chunk's fp64 values rounded to fp32 on the host whatever the destination (a device
+    parameter gets the host's rounding bit for bit), then copied there one chunk at a time."""
+    if dest.dtype == torch.float32 and dest.device.type == "cpu":
+        return vals  # the copy into ``dest`` rounds, here
+    return ws["f"][:vals.numel()].view(vals.shape).copy_(vals)
 
 
 def _fill_rows(out: torch.Tensor, key: int, strides: list[int], idx: list[torch.Tensor],
@@ -284,24 +291,26 @@ def _fill_rows(out: torch.Tensor, key: int, strides: list[int], idx: list[torch.
         ws = _WS.get(rows.numel() * row_elems)
         flat = ws["a"].view(rows.numel(), row_elems)
         torch.add((rows * strides[0]).view(-1, 1), rest.view(1, -1), out=flat)
-        vals = normal_at(key, flat, ws).mul_(std)  # fp64; rounded to fp32 by the copy
+        vals = normal_at(key, flat, ws).mul_(std)  # fp64
         if valid_rows is not None:
             vals.masked_fill_((rows >= valid_rows).view(-1, 1), 0.0)
-        flat_out[r0:r0 + rows.numel()].copy_(vals)
+        flat_out[r0:r0 + rows.numel()].copy_(_to_fp32(vals, ws, out))
 
 
 @torch.no_grad()
 def init_parameter_(param: torch.Tensor, spec: InitSpec, config: ModelConfig, seed: int,
-                    tp_rank: int = 0, tp_size: int = 1) -> None:
+                    tp_rank: int = 0, tp_size: int = 1, out: torch.Tensor | None = None
+                    ) -> None:
     """Fill ``param`` (TP rank ``tp_rank`` of ``tp_size``'s shard of the global tensor
     ``spec.key``) with its slice of the seeded full tensor, computing only the shard's
-    elements."""
+    elements; or fill ``out`` (same shape, any device) for ``param`` on the meta device."""
+    out = param if out is None else out
     if spec.kind != "normal":
-        param.fill_(1.0 if spec.kind == "ones" else 0.0)
+        out.fill_(1.0 if spec.kind == "ones" else 0.0)
         return
     full = full_shape(param, tp_size)
     idx = shard_indices(param, tp_rank, tp_size)
-    fill_normal_shard_(param, param_seed(seed, spec.key), full, idx, spec.std(config),
+    fill_normal_shard_(out, param_seed(seed, spec.key), full, idx, spec.std(config),
                        getattr(param, "vocab_size", None))
 
 
@@ -345,7 +354,7 @@ def _fill_range(out: torch.Tensor, key: int, std: float, valid: int | None, shap
         vals = normal_at(key, flat, ws).mul_(std)
         if valid is not None:
             vals.masked_fill_(ws["pad"], 0.0)
-        out[c0:c0 + n].copy_(vals)
+        out[c0:c0 + n].copy_(_to_fp32(vals, ws, out))
 
 
 def full_init_tensor(spec: InitSpec, shape: tuple[int, ...], config: ModelConfig, seed: int
@@ -370,13 +379,12 @@ class ParamInitializer:
     device: torch.device
 
     def fill_flat_(self, out: torch.Tensor, param: torch.Tensor, lo: int) -> None:
-        """``out`` (1-D, any dtype/device) gets flat elements ``[lo, lo + out.numel())``."""
+        """``out`` (1-D, any dtype/device) gets flat elements ``[lo, lo + out.numel())``,
+        rounded to fp32 first (then to ``out``'s dtype), one host chunk at a time."""
         if out.numel() == 0:
             return
-        vals = torch.empty(out.numel(), dtype=torch.float32)
-        fill_flat_range_(vals, param, spec_of(param), self.config, self.seed, lo,
+        fill_flat_range_(out, param, spec_of(param), self.config, self.seed, lo,
                          self.tp_rank, self.tp_size)
-        out.copy_(vals)
 
 
 def initialize_parameters(model: nn.Module, config: ModelConfig, topo: ParallelTopology,

@@ -135,10 +135,20 @@ def segment_peak_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int,
                 + layer_stat_bytes(cfg, b, tp, flash=flash, sdpa_math=sdpa_math))
 
 
+def local_logits(cfg: MegazeroConfig, b: int, tp: int) -> int:
+    """Elements of one micro-batch's vocab-parallel logits on one TP rank: ``s b V/t``, ``V``
+    padded as the model pads it."""
+    m = cfg.model
+    vocab = -(-m.vocab_size // (m.make_vocab_size_divisible_by * tp)) * \
+        m.make_vocab_size_divisible_by * tp
+    return m.seq_length * b * vocab // tp
+
+
 def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, last: bool
                            ) -> float:
-    """Embedding output (dropout mask) on the first stage; final norm input and the fp32
-    vocab-parallel logits the loss keeps on the last stage."""
+    """Embedding output (dropout mask) on the first stage; final norm input and the loss's
+    one fp32 buffer of the vocab-parallel logits (the softmax it keeps for backward: the fp32
+    logits themselves, worked in place, or the fp32 cast of 16-bit ones) on the last stage."""
     m = cfg.model
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
     s, h = m.seq_length, m.hidden_size
@@ -147,12 +157,19 @@ def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, la
     if first and m.hidden_dropout > 0:
         out += s * b * h / (tp if sp else 1)
     if last:
-        vocab = -(-m.vocab_size // (m.make_vocab_size_divisible_by * tp)) * \
-            m.make_vocab_size_divisible_by * tp
         per_norm = 2 if m.normalization == "LayerNorm" else 1
         out += (e * s * b * h + per_norm * 4 * s * b) / (tp if sp else 1) + e * s * b * h \
-            + 4 * s * b * vocab / tp
+            + 4 * local_logits(cfg, b, tp)
     return out
+
+
+def loss_transient_bytes(cfg: MegazeroConfig, b: int, tp: int) -> float:
+    """Bytes beside the saved fp32 buffer while the last stage's loss runs: with 16-bit
+    logits, the logits themselves during forward (cast into the buffer) and their 16-bit
+    gradient during backward (cast out of it); with fp32 logits none (the loss works in the
+    logits' own storage; megazero.tensor_parallel.cross_entropy)."""
+    e = cfg.precision.params_dtype.itemsize
+    return 0.0 if e == 4 else float(e * local_logits(cfg, b, tp))
 
 
 def chunk_saved_bytes(cfg: MegazeroConfig, pp_rank: int, *, flash: bool,

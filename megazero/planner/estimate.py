@@ -15,6 +15,7 @@ from megazero.config import MegazeroConfig
 from megazero.planner.activations import (
     chunk_saved_bytes,
     core_attention_saves_scores,
+    loss_transient_bytes,
     peak_saved_bytes,
     segment_peak_bytes,
     uses_sdpa_math,
@@ -130,6 +131,9 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     sdpa_math = not flash and uses_sdpa_math(cfg, device_is_cpu)
     out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash,
                                                       sdpa_math)
+    beside_loss = loss_transient_bytes(cfg, cfg.train.micro_batch_size, p.tp)
+    if pp_rank == p.pp - 1 and beside_loss:
+        out.items["16-bit logits beside the loss's fp32 buffer"] = beside_loss
     ps = cfg.precision.params_dtype.itemsize
     gs = cfg.precision.grad_dtype.itemsize  # 4 for bf16 by default (fp32 accumulation)
     accumulate = gs != ps  # every backward adds param.grad into the wider ZeRO buffers
