@@ -1,4 +1,5 @@
-"""Suite-wide switches: the NCCL-rules mode (:mod:`megazero.testing.nccl_rules`).
+"""Suite-wide switches: the NCCL-rules mode (:mod:`megazero.testing.nccl_rules`), and an
+environment that no test leaks into the next.
 
 The ZeRO, offload, NVMe, checkpoint and engine suites always run their multi-rank worlds under
 the mode (once, not twice: the mode adds a log line per collective, not another run); every
@@ -47,3 +48,16 @@ def _nccl_rules_for_suite(request, monkeypatch):
     elif _ASKED is None and under_nccl_rules(os.path.basename(str(request.node.fspath))):
         monkeypatch.setenv(nccl_rules.ENV, "1")
     yield
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Every test leaves ``os.environ`` as it found it. Start-up code writes the launcher's
+    variables (``RANK``, ``WORLD_SIZE``...) into the environment as torchrun would, and
+    ``monkeypatch.delenv`` of a name that was absent records nothing to restore: a later
+    test would inherit a 16-rank world."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
