@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.files import Writer
+from megazero.checkpoint.reader import TRACKER
 from megazero.errors import MegazeroError
 
 if TYPE_CHECKING:
@@ -151,9 +153,6 @@ class SpikeWatch:
         return False
 
 
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
 @dataclass(frozen=True)
 class PendingSave:
     """A checkpoint written at ``iteration`` whose weights the next step has yet to judge: its
@@ -185,10 +184,5 @@ def discard_checkpoint(save_dir: str, iteration: int, tracker_before: str | None
         except OSError:
             pass
     else:
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(tracker_before)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        Writer().text(tracker_before, path)  # atomic: temporary name, fsync, rename
     shutil.rmtree(os.path.join(save_dir, f"iter_{iteration:07d}"), ignore_errors=True)

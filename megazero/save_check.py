@@ -96,10 +96,7 @@ def check_save_dir(path: str | None, rank_bytes: int, topo: ParallelTopology, de
     if topo.world_size > 1:
         dist.all_reduce(sizes)
     problem = save_dir_problem(path, int(sizes.item()))
-    failed = torch.tensor([float(problem is not None)], device=device)
-    if topo.world_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item() > 0:
+    if any_rank(problem is not None, topo, device):
         raise ConfigError(problem or f"--save {path}: another rank cannot write there (see "
                           f"its message)")
 
@@ -165,8 +162,6 @@ def claim_save_dir(path: str, owner: Any, topo: ParallelTopology, device: Any) -
     (:mod:`megazero.checkpoint.ownership`), then removes megazero's own failed saves there, so
     the free-space check that follows counts the space they held. Every rank raises alike when
     another live job owns the directory. Returns rank 0's lines to log."""
-    import torch
-    import torch.distributed as dist
 
     from megazero.checkpoint.ownership import SaveDirBusy, claim
 
@@ -186,10 +181,7 @@ def claim_save_dir(path: str, owner: Any, topo: ParallelTopology, device: Any) -
         except (SaveDirBusy, OSError) as e:
             problem = str(e) if isinstance(e, SaveDirBusy) else (
                 f"--save {path}: cannot take the directory's lock: {e}")
-    failed = torch.tensor([float(problem is not None)], device=device)
-    if topo.world_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item() > 0:
+    if any_rank(problem is not None, topo, device):
         raise SaveDirBusy(problem or f"--save {path} is in use by another job (see rank 0's "
                           f"message)")
     return lines
@@ -198,16 +190,23 @@ def claim_save_dir(path: str, owner: Any, topo: ParallelTopology, device: Any) -
 def save_allowed(path: str, owner: Any, topo: ParallelTopology, device: Any) -> None:
     """Collective, before each save: the directory's lock still names this run (rank 0 checks
     and refreshes it); otherwise every rank raises a CheckpointError and nothing is written."""
-    import torch
-    import torch.distributed as dist
 
     from megazero.checkpoint.files import CheckpointError
     from megazero.checkpoint.ownership import verify
 
     problem = verify(path, owner) if topo.rank == 0 and owner is not None else None
-    failed = torch.tensor([float(problem is not None)], device=device)
-    if topo.world_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item() > 0:
+    if any_rank(problem is not None, topo, device):
         raise CheckpointError(problem or f"--save {path} now belongs to another job (see rank "
                               f"0's message)")
+
+
+def any_rank(flag: bool, topo: ParallelTopology, device: Any) -> bool:
+    """Collective: whether ``flag`` holds on any rank (a MAX all-reduce of one element on the
+    rank's device), so that every rank raises alike and none waits for a peer that left."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(flag)], device=device)
+    if topo.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0

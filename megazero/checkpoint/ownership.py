@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megazero.checkpoint.files import Writer
 from megazero.errors import ConfigError
 
 LOCK = ".megazero-run.lock"
@@ -102,12 +103,7 @@ def _write(save_dir: str, me: RunOwner, exclusive: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
         return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    Writer().text(text, path)  # atomic: temporary name, fsync, rename
 
 
 def claim(save_dir: str, me: RunOwner) -> str | None:
