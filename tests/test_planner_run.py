@@ -95,3 +95,17 @@ def test_planner_and_estimator_agree_and_say_what_they_assume(tmp_path):
     estimated = float(est.stdout.split("step time ")[1].split()[0])
     assert abs(estimated - planned) < 1e-3, (estimated, planned)
     assert "(alternatives, not a sum)" in est.stdout and "<- the peak" in est.stdout
+
+
+def test_plans_read_the_config_as_the_run_on_the_cluster_would():
+    """A GPU cluster's runs use NCCL, whose defaults (Megatron's overlap, 40M buckets) differ
+    from gloo's: a plan made on this CPU machine takes the cluster's, unless the flags choose."""
+    from megazero.planner.cluster import load_cluster, planning_argv
+
+    base = [*TINY[:TINY.index("--distributed-backend")], "--train-iters", "2"]
+    gpu = load_config(planning_argv(base, load_cluster("h100-80gb-nvlink")), 1)
+    cpu = load_config(planning_argv(base, load_cluster("cpu")), 1)
+    assert gpu.zero.overlap_comm and not cpu.zero.overlap_comm
+    chosen = planning_argv([*base, "--distributed-backend", "gloo"],
+                           load_cluster("h100-80gb-nvlink"))
+    assert not load_config(chosen, 1).zero.overlap_comm
