@@ -283,9 +283,14 @@ class Stage3Params(Stage3Grads):
             if module not in self._ran:
                 self._ran.append(module)
             return
+        # A forward inside the backward is activation recomputation: the units that follow in
+        # forward order already ran their backward, so prefetching them would gather weights
+        # no one needs (and, held past the optimizer step, stale ones).
+        recomputing = torch._C._current_graph_task_id() != -1
         for u in self.units_of.get(module, ()):
             self._ensure(u)
-            self._prefetch(self._pos[u], +1)
+            if not recomputing:
+                self._prefetch(self._pos[u], +1)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.recording:
@@ -331,7 +336,11 @@ class Stage3Params(Stage3Grads):
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
         """Persistent units hold full parameters: refresh them from the updated shards, all in
-        one all-gather (they are small and many: one collective each would be latency-bound)."""
+        one all-gather (they are small and many: one collective each would be latency-bound).
+        Any other unit still gathered holds the weights from before the step: released, so the
+        next forward gathers the updated ones."""
+        for u in self.units:
+            self._release(u)
         pers = [u for u in self.units if u.persistent]
         if not pers or self.dp.size == 1:
             return
