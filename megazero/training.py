@@ -66,6 +66,7 @@ from megazero.errors import claim_report, expected_errors
 from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes, sigterm_deferred
 from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.lr_scheduler import LRScheduler, build_lr_function
+from megazero.model.attention_probe import describe_attention
 from megazero.monitor import Monitor, Timers
 from megazero.peers import PeerRegistry
 from megazero.pipeline.activation_meter import ActivationMeter
@@ -556,6 +557,14 @@ def _describe(run: Run) -> None:
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
         f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
     ]
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the probe runs where it prints
+        m = cfg.model
+        dtype = (torch.float16 if cfg.precision.fp16 else torch.bfloat16 if cfg.precision.bf16
+                 else torch.float32)
+        lines.append("> attention: " + describe_attention(
+            "auto", m.use_flash_attn, run.env.device, dtype,
+            max(1, m.num_attention_heads // topo.tp_size), max(1, m.query_groups // topo.tp_size),
+            m.head_dim, m.attention_dropout))
     for what, off in (("optimizer", cfg.zero.offload_optimizer),
                       ("param", cfg.zero.offload_param)):
         if off.enabled:
