@@ -70,6 +70,7 @@ from megazero.model.attention_probe import describe_attention
 from megazero.monitor import Monitor, Timers
 from megazero.peers import PeerRegistry
 from megazero.pipeline.activation_meter import ActivationMeter
+from megazero.profiling import StepProfiler
 from megazero.resume_checks import check_resume
 from megazero.save_check import check_save_dir, checkpoint_bytes, claim_save_dir, save_allowed
 from megazero.tensor_parallel.utils import is_duplicate_copy
@@ -365,6 +366,8 @@ def train(run: Run) -> TrainState:
     if cfg.train.manual_gc:
         gc.disable()
         gc.collect()
+    profiler = StepProfiler(cfg.logging, dist.get_rank() if dist.is_initialized() else 0,
+                            run.env.device)
     start = time.time()
     saved_at = st.iteration if cfg.checkpoint.load else None
     pending: PendingSave | None = None
@@ -375,10 +378,14 @@ def train(run: Run) -> TrainState:
         while st.iteration < b.train_iters:
             t0 = time.perf_counter()
             gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
+            profiler.before(st.iteration + 1)
             loss, result, votes = train_step(
                 run, data_iter, lambda: exit_votes(cfg.train, flags, start))
             st.iteration += 1
             st.consumed_samples += gbs
+            table = profiler.after(st.iteration)
+            if table is not None:
+                print(table, flush=True)
             t = run.timers
             with t.region("logging"):
                 phases = t.pop_all() if st.iteration % log_interval == 0 else None

@@ -209,6 +209,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("--wall-clock-breakdown", "logging.wall_clock_breakdown", **_ON),
     _f("--log-num-zeros-in-grad", "logging.log_num_zeros_in_grad", **_ON),
     _f("--log-json", "logging.log_json", metavar="PATH"),
+    _f("--profile", "logging.profile", **_ON),
+    _f("--use-pytorch-profiler", "logging.use_pytorch_profiler", **_ON),
+    _f("--profile-step-start", "logging.profile_step_start", **_I),
+    _f("--profile-step-end", "logging.profile_step_end", **_I),
+    _f("--profile-ranks", "logging.profile_ranks", tuple, nargs="+", type=int),
 )
 
 

@@ -60,6 +60,13 @@ HELP = {
     "--no-manual-gc-eval": "with --manual-gc, do not collect around evaluation",
     "--eod-mask-loss": "no loss on the token that follows an end-of-document token",
     "--log-num-zeros-in-grad": "count the gradient's zero elements and log them each line",
+    "--profile": "profile iterations [--profile-step-start, --profile-step-end) on "
+                 "--profile-ranks (nsys range, or torch.profiler with --use-pytorch-profiler)",
+    "--use-pytorch-profiler": "--profile through torch.profiler: a table of the top kernels "
+                              "and a Chrome trace",
+    "--profile-step-start": "first profiled iteration (default 10)",
+    "--profile-step-end": "profiling stops before this iteration (default 12)",
+    "--profile-ranks": "global ranks that profile (default 0)",
     "--num-layers": "transformer layers",
     "--hidden-size": "model width",
     "--num-attention-heads": "attention heads per layer",

@@ -245,6 +245,11 @@ def validate(cfg: MegazeroConfig) -> None:
           f"(how many times the recent median a spike is), got {t.spike_factor}")
     check(t.spike_window >= 1, f"--spike-window must be >= 1 (sound steps the spike check "
           f"takes the median over), got {t.spike_window}")
+    lg = cfg.logging
+    if lg.profile:
+        check(1 <= lg.profile_step_start < lg.profile_step_end, f"--profile-step-start "
+              f"{lg.profile_step_start} and --profile-step-end {lg.profile_step_end}: profiling "
+              f"covers iterations [start, end), so give 1 <= start < end")
     check(p.distributed_timeout_minutes > 0, f"--distributed-timeout-minutes must be > 0, got "
           f"{p.distributed_timeout_minutes}")
     check(t.micro_batch_size >= 1, f"--micro-batch-size (train_micro_batch_size_per_gpu) must "

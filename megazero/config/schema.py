@@ -271,6 +271,14 @@ class LoggingConfig:
     csv_monitor: dict[str, Any] = field(default_factory=dict)
     log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
     log_num_zeros_in_grad: bool = False  # Megatron: count the gradient's zeros, logged each line
+    # Megatron's --profile: iterations [profile_step_start, profile_step_end) on profile_ranks,
+    # through torch.profiler with --use-pytorch-profiler, else a cudaProfilerStart/Stop range
+    # (nsys --capture-range=cudaProfilerApi); see megazero/profiling.py
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
