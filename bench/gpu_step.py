@@ -206,19 +206,33 @@ def megazero_args(m: ModelConfig, name: str, args: argparse.Namespace, stage: in
     return flags
 
 
-def time_megazero(m: ModelConfig, name: str, args: argparse.Namespace, stage: int
-                  ) -> dict[str, Any]:
+def time_megazero(m: ModelConfig, name: str, args: argparse.Namespace, stage: int,
+                  profile: bool = False) -> dict[str, Any]:
+    """``profile``: also profile the last iteration (``--profile --use-pytorch-profiler``) and
+    return the table of top kernels; that iteration is then left out of the timings."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
                *megazero_args(m, name, args, stage, log)]
+        last = args.warmup + args.iters
+        if profile:
+            cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(last),
+                    "--profile-step-end", str(last + 1)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if proc.returncode:
             raise RuntimeError(f"megazero ZeRO-{stage} failed:\n{proc.stderr[-3000:]}")
         rows = [json.loads(line) for line in open(log, encoding="utf-8")]
-    its = [r for r in rows if "iteration-time" in r and r["iteration"] > args.warmup]
+    its = [r for r in rows if "iteration-time" in r and r["iteration"] > args.warmup
+           and not (profile and r["iteration"] == last)]
     peak = [r[k] for r in its for k in r if k.startswith("peak memory")]
-    return {"seconds": [r["iteration-time"] for r in its], "peak_mb": max(peak) if peak else None}
+    banner = [line for line in proc.stdout.splitlines() if line.startswith("> attention")]
+    out: dict[str, Any] = {"seconds": [r["iteration-time"] for r in its],
+                           "peak_mb": max(peak) if peak else None,
+                           "attention": banner[0][2:] if banner else None}
+    if profile:
+        start = proc.stdout.find("profile of iterations")
+        out["profile"] = proc.stdout[start:] if start >= 0 else None
+    return out
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -231,6 +245,15 @@ def summarise(case: str, model: str, res: dict[str, Any], flops: float, tokens: 
             "ms_max": 1000 * max(sec), "tokens_per_s": tokens / med,
             "tflops": flops / med / 1e12, "mfu": flops / med / peak if peak else None,
             "peak_mb": res["peak_mb"], "iterations": len(sec)}
+
+
+def _write(out: str, env: dict[str, Any], args: argparse.Namespace, peak: float | None,
+           rows: list[dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({**env, "precision": args.precision, "micro_batch_size": args.micro_batch_size,
+                   "grad_accum": args.grad_accum, "peak_flops": peak, "rows": rows}, f, indent=1)
+    os.replace(out + ".tmp", out)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -246,12 +269,29 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the paths)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more iteration of the first megazero stage and keep the "
+                         "table of its top kernels")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_flops(dev_name, args.precision == "bf16") if device.type == "cuda" else None
-    rows = []
+    flash = None
+    try:
+        import flash_attn
+        flash = flash_attn.__version__
+    except ImportError:
+        pass
+    env = {"device": dev_name, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "capability": (".".join(map(str, torch.cuda.get_device_capability(device)))
+                          if device.type == "cuda" else None), "flash_attn": flash}
+    print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    out = args.out or os.path.join(
+        ROOT, "bench", "results",
+        f"gpu_step_{dev_name.replace(' ', '_').replace('/', '_')}{'_tiny' if args.tiny else ''}"
+        ".json")
+    rows: list[dict[str, Any]] = []
     names = ("gpt", "llama") if args.preset == "both" else (args.preset,)
     for name in names:
         m = model_config(name, args.tiny)
@@ -259,14 +299,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         flops = gpt_flops_per_iteration(m, gbs, pad_vocab_size(m.vocab_size, 128, 1))
         tokens = gbs * m.seq_length
         cases = [("plain eager", lambda m=m: time_plain(m, args, compiled=False))]
-        if not args.no_compile:
-            cases.append(("plain compiled", lambda m=m: time_plain(m, args, compiled=True)))
-        for stage in (int(s) for s in args.stages.split(",") if s):
+        for i, stage in enumerate(int(s) for s in args.stages.split(",") if s):
             cases.append((f"megazero ZeRO-{stage}",
-                          lambda m=m, stage=stage, name=name: time_megazero(m, name, args,
-                                                                            stage)))
+                          lambda m=m, stage=stage, name=name, i=i: time_megazero(
+                              m, name, args, stage, profile=args.profile and i == 0)))
+        if not args.no_compile:  # last: the slowest to start
+            cases.append(("plain compiled", lambda m=m: time_plain(m, args, compiled=True)))
         for case, run in cases:
-            row = summarise(case, name, run(), flops, tokens, peak)
+            try:
+                res = run()
+            except Exception as e:  # one failing case must not lose the others' rows
+                print(f"{name:6} {case:18} FAILED: {str(e)[-2000:]}", flush=True)
+                rows.append({"model": name, "case": case, "error": str(e)[-4000:],
+                             "ms_median": float("nan")})
+                _write(out, env, args, peak, rows)
+                continue
+            row = summarise(case, name, res, flops, tokens, peak)
+            for key in ("attention", "profile"):
+                if res.get(key):
+                    row[key] = res[key]
             rows.append(row)
             mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
             mem = f"{row['peak_mb']:.0f}" if row["peak_mb"] is not None else "n/a"
@@ -274,15 +325,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   f"[{row['ms_min']:.1f}, {row['ms_max']:.1f}]  {row['tokens_per_s']:10.0f} "
                   f"tok/s  {row['tflops']:7.1f} TFLOP/s  MFU {mfu:>6}  peak {mem} MB",
                   flush=True)
-    out = args.out or os.path.join(
-        ROOT, "bench", "results",
-        f"gpu_step_{dev_name.replace(' ', '_').replace('/', '_')}{'_tiny' if args.tiny else ''}"
-        ".json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump({"device": dev_name, "torch": torch.__version__, "precision": args.precision,
-                   "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
-                   "peak_flops": peak, "rows": rows}, f, indent=1)
+            if row.get("profile"):
+                print(row["profile"], flush=True)
+            _write(out, env, args, peak, rows)  # after every row: a cut-off run keeps them
     print(f"wrote {out}")
     if any(math.isnan(r["ms_median"]) for r in rows):
         raise SystemExit(1)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Every GPU check in one pass on one GPU machine, each step's output under $OUT (default
+# bench/results/gpu_logs): the environment and the attention kernels megazero selects; the CPU
+# suite (niced, in the background, capped at $SUITE_S seconds) beside the gpu-marked tests; the
+# save/resume matrix of training paths (bench/gpu_matrix.py); then, alone on the machine, the
+# step-time/MFU benchmark (bench/gpu_step.py) of GPT 1.3B and Llama 1.5B at micro-batch 8 with a
+# profiler table of one megazero step.
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu_logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
+
+{
+stamp "1. environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+$PY - <<'PYEOF'
+import torch
+from megazero.model.attention_probe import describe_attention
+try:
+    import flash_attn
+    fa = flash_attn.__version__
+except ImportError:
+    fa = "not installed"
+d = torch.device("cuda")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
+      f"{torch.backends.cudnn.version()}, {torch.cuda.get_device_name(d)}, compute capability "
+      f"{'.'.join(map(str, torch.cuda.get_device_capability(d)))}, flash-attn {fa}")
+for name, heads, groups, dim in (("GPT 1.3B", 16, 16, 128), ("Llama 1.5B", 32, 8, 64)):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        print(f"attention, {name}, {dtype}:",
+              describe_attention("auto", True, d, dtype, heads, groups, dim, 0.0))
+PYEOF
+} 2>&1 | tee "$OUT/steps.log"
+
+stamp "2a. CPU suite in the background" | tee -a "$OUT/steps.log"
+(nice -n 19 timeout "${SUITE_S:-180}" $PY -m pytest -q -n "${SUITE_WORKERS:-10}" -m "not gpu" \
+    -p no:cacheprovider tests > "$OUT/suite.log" 2>&1; echo "suite exit $?" >> "$OUT/suite.log") &
+SUITE=$!
+
+stamp "2b. gpu-marked tests, and 3. training paths saved and resumed (side by side)" \
+    | tee -a "$OUT/steps.log"
+timeout "${GPU_TESTS_S:-150}" $PY -m pytest -q -m gpu -rs -p no:cacheprovider tests \
+    > "$OUT/gpu_tests.log" 2>&1 &
+TESTS=$!
+timeout "${MATRIX_S:-150}" $PY bench/gpu_matrix.py --jobs 4 --out "$OUT/gpu_matrix.json" \
+    > "$OUT/matrix.log" 2>&1
+wait $TESTS
+tail -4 "$OUT/gpu_tests.log"
+tail -12 "$OUT/matrix.log"
+stamp "waiting for the CPU suite" | tee -a "$OUT/steps.log"
+wait $SUITE
+tail -3 "$OUT/suite.log" | tee -a "$OUT/steps.log"
+
+{
+stamp "4. step time and MFU, GPT 1.3B, micro-batch 8"
+timeout "${GPT_S:-200}" $PY bench/gpu_step.py --preset gpt --micro-batch-size 8 --stages 0,3 --iters 6 \
+    --warmup 2 --profile --out "$OUT/gpu_step_gpt_mb8.json"
+stamp "4. step time and MFU, Llama 1.5B, micro-batch 8"
+timeout "${LLAMA_S:-120}" $PY bench/gpu_step.py --preset llama --micro-batch-size 8 --stages 0,3 --iters 6 \
+    --warmup 2 --no-compile --out "$OUT/gpu_step_llama_mb8.json"
+stamp "done"
+} 2>&1 | tee "$OUT/bench.log"
