@@ -35,6 +35,8 @@ def sdpa_kernel_name(device: torch.device, dtype: torch.dtype, heads: int, group
     if device.type != "cuda":
         return f"PyTorch's {device.type} kernel"
     try:
+        import warnings
+
         from torch.profiler import ProfilerActivity, profile
 
         g = torch.Generator(device=device).manual_seed(0)
@@ -42,7 +44,8 @@ def sdpa_kernel_name(device: torch.device, dtype: torch.dtype, heads: int, group
                         requires_grad=True)
         k, v = (torch.randn(1, groups, 128, head_dim, device=device, dtype=dtype, generator=g,
                             requires_grad=True) for _ in range(2))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            warnings.simplefilter("ignore")  # the profiler's notes are not the run's
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                                  enable_gqa=groups != heads)
             out.sum().backward()

@@ -37,6 +37,7 @@ from megazero.zero.buffers import GradBuffer
 from megazero.zero.comm import CommLog, GroupComm
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.master import MasterParams, Piece
+from megazero.zero.optimizers import place_step
 
 
 @dataclass
@@ -316,13 +317,14 @@ class ZeroOptimizer:
     def _load_param_states(self, read: Callable[[nn.Parameter, str, int, torch.Tensor], Any],
                            step: Callable[[nn.Parameter], torch.Tensor]) -> None:
         opt, kind = self.masters.optimizer, self.masters.kind
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         for pc in self.masters.pieces:
             lo, n = pc.offset, pc.model.numel()
             dev = pc.master.device
             read(pc.param, "master", lo, pc.master)
             state: dict[str, torch.Tensor] = {}
             if kind.has_step:
-                state["step"] = step(pc.param).to(torch.float32).clone()
+                state["step"] = place_step(step(pc.param), pc.master, group_of[id(pc.master)])
             for name in kind.state:
                 state[name] = torch.empty(n, dtype=torch.float32, device=dev)
                 read(pc.param, name, lo, state[name])

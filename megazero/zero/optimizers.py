@@ -131,6 +131,17 @@ def update_kernel(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]
     return "foreach"
 
 
+def place_step(value: torch.Tensor, master: torch.Tensor,
+               group: dict[str, Any]) -> torch.Tensor:
+    """A loaded per-parameter ``step`` counter, placed where torch's optimizer keeps it: on the
+    master's device for the fused and capturable kernels (the fused CUDA kernel reads it there
+    and refuses a host tensor), on the host otherwise; fp32, a copy. The same policy as torch's
+    own ``Optimizer.load_state_dict``."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    device = master.device if on_device else torch.device("cpu")
+    return value.detach().to(dtype=torch.float32, device=device).clone()
+
+
 def class_factory(cls: type[torch.optim.Optimizer], **defaults: Any) -> OptimizerFactory:
     """``groups -> cls(groups, **defaults)`` with the update kernel :func:`update_kernel`
     picks; a torch (or device) without that fused kernel falls back to the foreach one."""
