@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,12 +35,6 @@ class DistEnv:
     device: torch.device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def choose_backend(requested: str | None) -> str:
     """nccl when CUDA is available, gloo otherwise; ``--distributed-backend`` overrides."""
     if requested:
@@ -58,10 +51,17 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     to it (``device_id``), so NCCL creates its communicator on the right GPU."""
     env = os.environ
     launch = export_launch(env)
+    store = None
     if launch is None:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        if "MASTER_PORT" not in env:
+            # A world of one: its store listens on a port the OS assigns as it binds. A port
+            # picked free first and bound later could be taken by another job in between
+            # (EADDRINUSE).
+            store = dist.TCPStore(env["MASTER_ADDR"], 0, 1, is_master=True,
+                                  timeout=timedelta(minutes=timeout_minutes))
+            env["MASTER_PORT"] = str(store.port)
         launch = Launch(0, 1, 0, 1, "none")
     elif (launch.world_size > 1 and not dist.is_initialized()
           and not ("MASTER_ADDR" in env and "MASTER_PORT" in env)):
@@ -90,6 +90,7 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes),
+                                **({"store": store} if store is not None else {}),
                                 **init_device_kwargs(device))
     return DistEnv(rank, world, local_rank, launch.local_world_size, backend, device)
 

@@ -2,6 +2,8 @@
 after the script's own init_process_group: the rules of megazero.device with fake device
 counts, so they run on a CPU."""
 
+import os
+
 import pytest
 import torch
 
@@ -140,3 +142,22 @@ def test_start_up_under_mpirun_binds_the_group_to_the_local_gpu(monkeypatch):
     _launcher_env(monkeypatch, {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="MASTER_ADDR / MASTER_PORT are not set"):
         dist_init.initialize_distributed("gloo")
+
+
+def test_a_world_of_one_binds_its_store_at_once(monkeypatch):
+    """Without a launcher the run is a world of one whose store binds a port the OS assigns: a
+    port picked free and bound later could be taken by another job in between (EADDRINUSE)."""
+    import megazero.dist_init as dist_init
+
+    _launcher_env(monkeypatch, {})
+    calls = []
+    monkeypatch.setattr(dist_init.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist_init.dist, "init_process_group",
+                        lambda *a, **k: calls.append((a, k)))
+    got = dist_init.initialize_distributed("gloo")
+    (args, kwargs), = calls
+    store = kwargs["store"]
+    assert isinstance(store, torch.distributed.TCPStore) and store.port > 0
+    assert (got.rank, got.world_size) == (0, 1)
+    assert os.environ["MASTER_PORT"] == str(store.port)
+    assert (kwargs["rank"], kwargs["world_size"]) == (0, 1)
