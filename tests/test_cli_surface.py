@@ -53,6 +53,7 @@ GOLDEN_FLAGS = """
 --tensorboard-dir --log-json --log-memory-phases --wall-clock-breakdown
 --rotary-percent --rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval
 --eod-mask-loss --log-num-zeros-in-grad
+--profile --use-pytorch-profiler --profile-step-start --profile-step-end --profile-ranks
 """.split()
 
 CHOICES = {
