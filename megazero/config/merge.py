@@ -256,10 +256,15 @@ def _cuda_available() -> bool:
 
 
 def _backend(parallel: ParallelConfig) -> str:
-    """The backend the run will use: the flag, else NCCL where CUDA is available (the rule of
-    :func:`megazero.dist_init.choose_backend`)."""
+    """The backend the run will use: the flag, else the process group's where one exists (a
+    config read inside a gloo world on a GPU machine is a CPU run's), else NCCL where CUDA is
+    available (the rule of :func:`megazero.dist_init.choose_backend`)."""
     if parallel.distributed_backend is not None:
         return parallel.distributed_backend
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
     return "nccl" if _cuda_available() else "gloo"
 
 
@@ -362,9 +367,10 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                        ("aio", AioConfig)):
         sub = {f.rsplit(".", 1)[1]: v for f, (_, v) in merged.items()
                if f.startswith(f"zero.{block}.")}
-        if sub and block != "aio" and "pin_memory" not in sub and _cuda_available():
-            # pinned host buffers where there is a GPU to copy from: device-to-host copies
-            # then run without stalling the host (DeepSpeed's JSON default is false)
+        if sub and block != "aio" and "pin_memory" not in sub and _backend(parallel) == "nccl":
+            # pinned host buffers where the run's tensors are on a GPU: device-to-host copies
+            # then run without stalling the host (DeepSpeed's JSON default is false). A gloo
+            # run keeps its tensors on the host, and pinning would start CUDA for nothing.
             sub["pin_memory"] = True
         if sub:
             zero_kw[block] = cls(**sub)
