@@ -49,7 +49,8 @@ class AllGatherAttention(torch.autograd.Function):
                                             kv[1, :, :, :keys], True, scale)
             outs.append(o)
             lses.append(l_)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out = blockwise.as_output(torch.cat(outs, dim=2), q.dtype)
+        lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
         return out

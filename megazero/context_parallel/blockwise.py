@@ -75,6 +75,13 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torc
     lse.sub_(F.logsigmoid(lse - lse_b))
 
 
+def as_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 ``[b, heads, s, d]`` result in the input dtype, laid out ``[b, s, heads, d]`` in
+    memory: the ``[s, b, heads * d]`` context the output projection reads is then a view of it,
+    so the tensor kept for backward and the projection's input are one storage."""
+    return out.transpose(1, 2).to(dtype).contiguous().transpose(1, 2)
+
+
 def delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``rowsum(dout * out)`` in fp32, ``[b, heads, sq]``."""
     return (dout.float() * out.float()).sum(-1)

@@ -65,7 +65,8 @@ def _step_kind(i: int, source: int, rank: int) -> str:
 
 class RingAttention(torch.autograd.Function):
     """``q [b, heads, 2c, d]``, ``k, v [b, groups, 2c, d]`` (this rank's zigzag share) ->
-    ``out [b, heads, 2c, d]`` fp32, attention over the whole causal sequence."""
+    ``out [b, heads, 2c, d]`` in q's dtype (see :func:`~megazero.context_parallel.blockwise.
+    as_output`), attention over the whole causal sequence; merged and differentiated in fp32."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
@@ -92,6 +93,7 @@ class RingAttention(torch.autograd.Function):
                 kv, reqs = pending
                 _wait(reqs)
         assert out is not None and lse is not None
+        out = blockwise.as_output(out, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
         return out
