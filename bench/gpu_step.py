@@ -52,9 +52,11 @@ PRESETS = {
 TINY = dict(num_layers=2, hidden_size=64, seq_length=32, vocab_size=256)
 
 
-def model_config(name: str, tiny: bool) -> ModelConfig:
+def model_config(name: str, tiny: bool, seq_length: int | None = None) -> ModelConfig:
     spec = dict(PRESETS[name])
     preset = spec.pop("preset")
+    if seq_length:  # a long-sequence run (--seq-length)
+        spec.update(seq_length=seq_length)
     if tiny:
         spec.update(TINY, num_attention_heads=4)
         if "num_query_groups" in spec:
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the paths)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    ap.add_argument("--seq-length", type=int, default=None,
+                    help="sequence length instead of the presets' 2048 (a long-context run)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     names = ("gpt", "llama") if args.preset == "both" else (args.preset,)
     for name in names:
-        m = model_config(name, args.tiny)
+        m = model_config(name, args.tiny, args.seq_length)
         gbs = args.micro_batch_size * args.grad_accum
         flops = gpt_flops_per_iteration(m, gbs, pad_vocab_size(m.vocab_size, 128, 1))
         tokens = gbs * m.seq_length

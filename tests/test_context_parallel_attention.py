@@ -91,3 +91,17 @@ def test_lse_merge_of_two_key_blocks_is_full_softmax():
     blockwise.merge(out, lse, o2, l2)
     torch.testing.assert_close(out, full, atol=1e-6, rtol=0)
     torch.testing.assert_close(lse, full_lse, atol=1e-6, rtol=0)
+
+
+def test_ring_emulated_in_one_process_equals_full_causal():
+    """The one-process emulation the GPU check uses (bench/gpu_context_parallel.py) runs the
+    ring's own step functions; on CPU in fp32 it must equal full attention as the ring does."""
+    from megazero.testing.cp_emulate import emulate_ring, full_causal_reference
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(32, 2, n, 8, generator=g) for n in (4, 2, 2))
+    dout = torch.randn(32, 2, 4, 8, generator=g)
+    ref = full_causal_reference(q, k, v, dout)
+    for cp in (2, 4):
+        for got, want in zip(emulate_ring(q, k, v, dout, cp), ref):
+            assert (got - want).abs().max().item() < TOL, cp

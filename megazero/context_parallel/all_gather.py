@@ -43,9 +43,10 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                 scale: float) -> torch.Tensor:
         kv = _gather_kv(k, v, group)
+        kern = blockwise.kernels_for(q)
         outs, lses = [], []
         for rows, keys in _query_chunks(q.shape[2], group):
-            o, l_ = blockwise.block_forward(q[:, :, rows], kv[0, :, :, :keys],
+            o, l_ = kern.forward(q[:, :, rows], kv[0, :, :, :keys],
                                             kv[1, :, :, :keys], True, scale)
             outs.append(o)
             lses.append(l_)
@@ -60,13 +61,14 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         kv = _gather_kv(k, v, group)
+        kern = blockwise.kernels_for(q)
         delta = blockwise.delta(dout, out)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for rows, keys in _query_chunks(q.shape[2], group):
-            dq_, dk_, dv_ = blockwise.block_backward(
+            dq_, dk_, dv_ = kern.backward(
                 dout[:, :, rows], delta[:, :, rows], q[:, :, rows], kv[0, :, :, :keys],
-                kv[1, :, :, :keys], lse[:, :, rows], True, scale)
+                kv[1, :, :, :keys], lse[:, :, rows], True, scale, out[:, :, rows])
             dq[:, :, rows] = dq_
             dkv[0, :, :, :keys] += dk_
             dkv[1, :, :, :keys] += dv_

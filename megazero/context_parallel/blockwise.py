@@ -15,6 +15,9 @@ input dtype: this is the pure-PyTorch path CI tests; GPUs use flash-attention wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -50,10 +53,12 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def block_backward(dout: torch.Tensor, delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
+                   v: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                   out: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in fp32 of this block's share of the attention, given the rows' final
-    ``lse`` and ``delta = rowsum(dout * out)`` (both ``[b, heads, sq]``, over all key blocks)."""
+    ``lse`` and ``delta = rowsum(dout * out)`` (both ``[b, heads, sq]``, over all key blocks).
+    ``out`` (the rows' final output) is for kernels that compute ``delta`` themselves."""
     b, n, sq, d = q.shape
     g = k.shape[1]
     s = _scores(q, k, causal, scale)
@@ -73,6 +78,23 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torc
     ``O <- O - sigmoid(L_b - L) (O - O_b)``, ``L <- L - logsigmoid(L - L_b)``."""
     out.sub_(torch.sigmoid(lse_b - lse).unsqueeze(-1) * (out - out_b))
     lse.sub_(F.logsigmoid(lse - lse_b))
+
+
+class Kernels(NamedTuple):
+    """The block forward and backward one attention call uses throughout."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def kernels_for(q: torch.Tensor) -> Kernels:
+    """flash-attention's kernels for CUDA fp16/bf16 where flash-attn is installed, else the
+    pure-PyTorch fp32 blocks above."""
+    from megazero.context_parallel import flash
+
+    if flash.usable(q):
+        return Kernels(flash.block_forward, flash.block_backward)
+    return Kernels(block_forward, block_backward)
 
 
 def as_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

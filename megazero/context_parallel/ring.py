@@ -57,10 +57,53 @@ def _wait(reqs: list[Any]) -> None:
         req.wait()
 
 
-def _step_kind(i: int, source: int, rank: int) -> str:
+def step_kind(i: int, source: int, rank: int) -> str:
+    """Which blocks step ``i`` computes, holding the K/V of rank ``source`` (module docstring)."""
     if i == 0:
         return "diagonal"
     return "before" if source < rank else "after"
+
+
+def forward_step(kern: blockwise.Kernels, kind: str, q: torch.Tensor, kv: torch.Tensor,
+                 scale: float, out: torch.Tensor | None, lse: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ring step's blocks, merged into the running ``(out, lse)`` (fp32; made by the
+    diagonal step, which comes first). ``kv``: ``[2, b, groups, 2c, d]``."""
+    c = q.shape[2] // 2
+    if kind == "diagonal":
+        return kern.forward(q, kv[0], kv[1], True, scale)
+    assert out is not None and lse is not None
+    if kind == "before":
+        o, l_ = kern.forward(q, kv[0, :, :, :c], kv[1, :, :, :c], False, scale)
+        blockwise.merge(out, lse, o, l_)
+    else:
+        o, l_ = kern.forward(q[:, :, c:], kv[0], kv[1], False, scale)
+        blockwise.merge(out[:, :, c:], lse[:, :, c:], o, l_)
+    return out, lse
+
+
+def backward_step(kern: blockwise.Kernels, kind: str, dout: torch.Tensor, delta: torch.Tensor,
+                  q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  scale: float, dq: torch.Tensor) -> torch.Tensor:
+    """One ring step's backward: adds to ``dq`` (fp32) and returns this rank's share of the
+    held block's dK/dV (``[2, b, groups, 2c, d]``, fp32)."""
+    c = q.shape[2] // 2
+    part = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    if kind == "diagonal":
+        dq_, dk_, dv_ = kern.backward(dout, delta, q, kv[0], kv[1], lse, True, scale, out)
+        dq += dq_
+        part[0], part[1] = dk_, dv_
+    elif kind == "before":
+        dq_, dk_, dv_ = kern.backward(dout, delta, q, kv[0, :, :, :c], kv[1, :, :, :c], lse,
+                                      False, scale, out)
+        dq += dq_
+        part[0, :, :, :c], part[1, :, :, :c] = dk_, dv_
+    else:
+        dq_, dk_, dv_ = kern.backward(dout[:, :, c:], delta[:, :, c:], q[:, :, c:], kv[0],
+                                      kv[1], lse[:, :, c:], False, scale, out[:, :, c:])
+        dq[:, :, c:] += dq_
+        part[0], part[1] = dk_, dv_
+    return part
 
 
 class RingAttention(torch.autograd.Function):
@@ -72,23 +115,13 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                 scale: float) -> torch.Tensor:
         ring = _Ring(group)
-        c = q.shape[2] // 2
+        kern = blockwise.kernels_for(q)
         kv = torch.stack([k, v]).contiguous()
         out = lse = None
         for i in range(ring.size):
-            pending: tuple[torch.Tensor, list[Any]] | None = None
-            if i + 1 < ring.size:
-                pending = ring.shift(kv, _KV_TAG)
-            kind = _step_kind(i, (ring.rank - i) % ring.size, ring.rank)
-            if kind == "diagonal":
-                out, lse = blockwise.block_forward(q, kv[0], kv[1], True, scale)
-            elif kind == "before":
-                o, l_ = blockwise.block_forward(q, kv[0, :, :, :c], kv[1, :, :, :c], False,
-                                                scale)
-                blockwise.merge(out, lse, o, l_)  # type: ignore[arg-type]
-            else:
-                o, l_ = blockwise.block_forward(q[:, :, c:], kv[0], kv[1], False, scale)
-                blockwise.merge(out[:, :, c:], lse[:, :, c:], o, l_)  # type: ignore[index]
+            pending = ring.shift(kv, _KV_TAG) if i + 1 < ring.size else None
+            kind = step_kind(i, (ring.rank - i) % ring.size, ring.rank)
+            out, lse = forward_step(kern, kind, q, kv, scale, out, lse)
             if pending is not None:
                 kv, reqs = pending
                 _wait(reqs)
@@ -102,7 +135,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = _Ring(ctx.group), ctx.scale
-        c = q.shape[2] // 2
+        kern = blockwise.kernels_for(q)
         delta = blockwise.delta(dout, out)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -111,24 +144,8 @@ class RingAttention(torch.autograd.Function):
         acc_in: tuple[torch.Tensor, list[Any]] | None = None
         for i in range(ring.size):
             pending = ring.shift(kv, _KV_TAG) if i + 1 < ring.size else None
-            kind = _step_kind(i, (ring.rank - i) % ring.size, ring.rank)
-            part = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            if kind == "diagonal":
-                dq_, dk_, dv_ = blockwise.block_backward(dout, delta, q, kv[0], kv[1], lse, True,
-                                                         scale)
-                dq += dq_
-                part[0], part[1] = dk_, dv_
-            elif kind == "before":
-                dq_, dk_, dv_ = blockwise.block_backward(
-                    dout, delta, q, kv[0, :, :, :c], kv[1, :, :, :c], lse, False, scale)
-                dq += dq_
-                part[0, :, :, :c], part[1, :, :, :c] = dk_, dv_
-            else:
-                dq_, dk_, dv_ = blockwise.block_backward(
-                    dout[:, :, c:], delta[:, :, c:], q[:, :, c:], kv[0], kv[1],
-                    lse[:, :, c:], False, scale)
-                dq[:, :, c:] += dq_
-                part[0], part[1] = dk_, dv_
+            kind = step_kind(i, (ring.rank - i) % ring.size, ring.rank)
+            part = backward_step(kern, kind, dout, delta, q, kv, out, lse, scale, dq)
             if acc_in is not None:
                 acc, reqs = acc_in
                 _wait(reqs)
