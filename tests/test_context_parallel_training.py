@@ -1,7 +1,7 @@
 """Training with context parallelism is training the same model as one process.
 
 Runs go through :func:`megazero.training.setup` and ``train`` (what ``pretrain_gpt.py`` runs)
-in spawned gloo worlds. Against the one-process run of the same flags: losses, grad norms and
+in spawned gloo worlds, and one through ``pretrain_gpt.py`` under torchrun. Against the one-process run of the same flags: losses, grad norms and
 the saved weights (read back as global tensors) at CP 2 x TP 2 + SP x PP 2 x ZeRO 1 (RoPE,
 --mock-data) and at CP 4 with ZeRO 3 (learned positions, the demo corpus); a checkpoint saved
 at CP 2 resumes at CP 1 and at CP 4 with the losses of the uninterrupted run. The exact loss
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint.reader import read_model_state
 from megazero.testing import run_distributed
+from megazero.testing.launch import check, read_metrics, run_training
 
 BASE = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -77,12 +78,16 @@ def test_cp2_tp2_sp_pp2_zero1_equals_one_process_and_resumes_at_cp1_and_cp4(tmp_
         _same_run({it: ref[it] for it in (3, 4)}, resumed)
 
 
-def test_cp4_zero3_on_the_demo_corpus_equals_one_process(tmp_path):
+def test_cp4_zero3_through_pretrain_gpt_on_the_demo_corpus_equals_one_process(tmp_path):
     # the demo corpus and its tokenizer; --eod-mask-loss masks CP shards unevenly
     demo = [*BASE[2:], "--data-cache-path", str(tmp_path / "cache"), "--eod-mask-loss"]
     ref = _run([*demo, "--save", str(tmp_path / "ref"), "--save-interval", "4"], 1)
-    got = _run([*demo, "--context-parallel-size", "4", "--zero-stage", "3",
-                "--save", str(tmp_path / "cp4"), "--save-interval", "4"], 4)
+    log = tmp_path / "cp4.jsonl"
+    check(run_training([*demo, "--context-parallel-size", "4", "--zero-stage", "3",
+                        "--log-interval", "1", "--log-json", str(log),
+                        "--save", str(tmp_path / "cp4"), "--save-interval", "4"], nproc=4,
+                       timeout=300))
+    got = {it: (r["lm loss"], r["grad-norm"]) for it, r in read_metrics(log).items()}
     _same_run(ref, got, tmp_path / "ref", tmp_path / "cp4")
 
 
