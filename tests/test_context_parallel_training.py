@@ -1,11 +1,12 @@
 """Training with context parallelism is training the same model as one process.
 
 Runs go through :func:`megazero.training.setup` and ``train`` (what ``pretrain_gpt.py`` runs)
-in spawned gloo worlds, and one through ``pretrain_gpt.py`` under torchrun. Against the one-process run of the same flags: losses, grad norms and
-the saved weights (read back as global tensors) at CP 2 x TP 2 + SP x PP 2 x ZeRO 1 (RoPE,
---mock-data) and at CP 4 with ZeRO 3 (learned positions, the demo corpus); a checkpoint saved
-at CP 2 resumes at CP 1 and at CP 4 with the losses of the uninterrupted run. The exact loss
-over a CP-split micro-batch with one shard entirely masked is checked on its own.
+in spawned gloo worlds, and one through ``pretrain_gpt.py`` under torchrun. Against the
+one-process run of the same flags: losses, grad norms and the saved weights (read back as
+global tensors) at CP 2 x TP 2 + SP x PP 2 x ZeRO 1 (RoPE, --mock-data) and at CP 4 with ZeRO 3
+(learned positions, the demo corpus with --eod-mask-loss); a checkpoint saved at CP 2 resumes
+at CP 1 and at CP 4 with the losses of the uninterrupted run. The exact loss over a CP-split
+micro-batch with one shard entirely masked is checked on its own.
 """
 
 from __future__ import annotations
