@@ -3,10 +3,11 @@
 Runs go through :func:`megazero.training.setup` and ``train`` (what ``pretrain_gpt.py`` runs)
 in spawned gloo worlds, and one through ``pretrain_gpt.py`` under torchrun. Against the
 one-process run of the same flags: losses, grad norms and the saved weights (read back as
-global tensors) at CP 2 x TP 2 + SP x PP 2 x ZeRO 1 (RoPE, --mock-data) and at CP 4 with ZeRO 3
-(learned positions, the demo corpus with --eod-mask-loss); a checkpoint saved at CP 2 resumes
-at CP 1 and at CP 4 with the losses of the uninterrupted run. The exact loss over a CP-split
-micro-batch with one shard entirely masked is checked on its own.
+global tensors) at CP 2 x TP 2 + SP x PP 2 (interleaved) x ZeRO 1 (RoPE, --mock-data) and at
+CP 4 with ZeRO 3 (learned positions, the demo corpus with --eod-mask-loss); a checkpoint saved
+at CP 2 resumes at CP 1 and at CP 4 (selective recompute) with the losses of the uninterrupted
+run. The exact loss over a CP-split micro-batch with one shard entirely masked is checked on
+its own.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def test_cp2_tp2_sp_pp2_zero1_equals_one_process_and_resumes_at_cp1_and_cp4(tmp_
     ck = tmp_path / "cp2"
     got = _run([*MOCK, "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                 "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-                "--zero-stage", "1", "--save", str(ck), "--save-interval", "2"], 8)
+                "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "1",
+                "--save", str(ck), "--save-interval", "2"], 8)
     _same_run(ref, got, tmp_path / "ref", ck)
     (ck / "latest_checkpointed_iteration.txt").write_text("2")
     for cp in (1, 4):
         resumed = _run([*MOCK, "--context-parallel-size", str(cp), "--zero-stage", "1",
-                        "--load", str(ck)], cp)
+                        "--recompute-granularity", "selective", "--load", str(ck)], cp)
         _same_run({it: ref[it] for it in (3, 4)}, resumed)
 
 
