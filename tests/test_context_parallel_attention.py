@@ -105,3 +105,60 @@ def test_ring_emulated_in_one_process_equals_full_causal():
     for cp in (2, 4):
         for got, want in zip(emulate_ring(q, k, v, dout, cp), ref):
             assert (got - want).abs().max().item() < TOL, cp
+
+
+class _FakeFlash:
+    """flash-attn's kernel contract (``[b, s, heads, d]``, lse ``[b, heads, s]``, the backward
+    filling dq/dk/dv in place from the final output and lse), computed with the fp32 blocks;
+    ``old``: the 2.5 signature (``window_size`` as one tuple, no ``softcap``)."""
+
+    def __init__(self, old: bool):
+        from megazero.context_parallel import blockwise as bw
+
+        def fwd_new(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                    window_size_right, softcap, alibi_slopes, return_softmax):
+            return fwd_old(q, k, v, dropout_p, softmax_scale, causal,
+                           (window_size_left, window_size_right), alibi_slopes, return_softmax)
+
+        def fwd_old(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                    return_softmax):
+            assert dropout_p == 0 and window_size == (-1, -1) and not return_softmax
+            out, lse = bw.block_forward(*(t.transpose(1, 2) for t in (q, k, v)), causal,
+                                        softmax_scale)
+            return out.transpose(1, 2), lse, None, None
+
+        def bwd_new(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                    causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                    deterministic, rng_state=None):
+            return bwd_old(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
+                           softmax_scale, causal, (window_size_left, window_size_right),
+                           alibi_slopes, deterministic, rng_state)
+
+        def bwd_old(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                    causal, window_size, alibi_slopes, deterministic, rng_state=None):
+            t = [x.transpose(1, 2) for x in (dout, q, k, v, out)]
+            g = bw.block_backward(t[0], bw.delta(t[0], t[4]), t[1], t[2], t[3], softmax_lse,
+                                  causal, softmax_scale)
+            for dst, src in zip((dq, dk, dv), g):
+                dst.copy_(src.transpose(1, 2))
+
+        self._flash_attn_forward = fwd_old if old else fwd_new
+        self._flash_attn_backward = bwd_old if old else bwd_new
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_flash_kernel_wrappers_follow_flash_attn_contract(monkeypatch, old):
+    """The flash path's layouts, lse handling and signature matching, against a stand-in that
+    keeps flash-attn's contract (the real kernels need CUDA)."""
+    from megazero.context_parallel import blockwise as bw
+    from megazero.context_parallel import flash
+    from megazero.testing.cp_emulate import emulate_ring, full_causal_reference
+
+    monkeypatch.setattr(flash, "_fa", _FakeFlash(old))
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(16, 2, n, 8, generator=g) for n in (4, 2, 2))
+    dout = torch.randn(16, 2, 4, 8, generator=g)
+    ref = full_causal_reference(q, k, v, dout)
+    kern = bw.Kernels(flash.block_forward, flash.block_backward)
+    for got, want in zip(emulate_ring(q, k, v, dout, 2, kern), ref):
+        assert (got - want).abs().max().item() < TOL

@@ -35,7 +35,8 @@ def usable(q: torch.Tensor) -> bool:
 def _call(fn: Any, **named: Any) -> Any:
     """Call a flash-attn kernel with the arguments its signature names (positionally, in its
     order; the ones it lacks are dropped, the window given either way)."""
-    params = list(inspect.signature(fn).parameters)
+    # flash-attn >= 2.7 wraps its kernels as torch custom ops; the Python function is kept
+    params = list(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
     if "window_size" in params:
         named["window_size"] = (named.get("window_size_left", -1),
                                 named.get("window_size_right", -1))
