@@ -3,11 +3,11 @@
 Runs go through :func:`megazero.training.setup` and ``train`` (what ``pretrain_gpt.py`` runs)
 in spawned gloo worlds, and one through ``pretrain_gpt.py`` under torchrun. Against the
 one-process run of the same flags: losses, grad norms and the saved weights (read back as
-global tensors) at CP 2 x TP 2 + SP x PP 2 (interleaved) x ZeRO 1 (RoPE, --mock-data) and at
-CP 4 with ZeRO 3 (learned positions, the demo corpus with --eod-mask-loss); a checkpoint saved
-at CP 2 resumes at CP 1 and at CP 4 (selective recompute) with the losses of the uninterrupted
-run. The exact loss over a CP-split micro-batch with one shard entirely masked is checked on
-its own.
+global tensors) at CP 2 x TP 2 + SP x PP 2 (interleaved) x ZeRO 1 (RoPE, GQA, --mock-data)
+and at CP 4 with ZeRO 3 (learned positions, the demo corpus with --eod-mask-loss); a
+checkpoint saved at CP 2 resumes at CP 1 and at CP 4 (all-gather, selective recompute) with
+the losses of the uninterrupted run. The exact loss over a CP-split micro-batch with one shard
+entirely masked is checked on its own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ BASE = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
         "--lr-decay-iters", "100", "--attention-dropout", "0", "--hidden-dropout", "0",
         "--log-interval", "1000", "--eval-interval", "1000", "--eval-iters", "0",
         "--seed", "7", "--distributed-backend", "gloo", "--train-iters", "4"]
-MOCK = [*BASE, "--mock-data", "--position-embedding-type", "rope"]
+MOCK = [*BASE, "--mock-data", "--position-embedding-type", "rope", "--group-query-attention",
+        "--num-query-groups", "2"]
 LOSS_RTOL, NORM_RTOL = 2e-6, 1e-5
 
 
@@ -75,9 +76,10 @@ def test_cp2_tp2_sp_pp2_zero1_equals_one_process_and_resumes_at_cp1_and_cp4(tmp_
                 "--save", str(ck), "--save-interval", "2"], 8)
     _same_run(ref, got, tmp_path / "ref", ck)
     (ck / "latest_checkpointed_iteration.txt").write_text("2")
-    for cp in (1, 4):
-        resumed = _run([*MOCK, "--context-parallel-size", str(cp), "--zero-stage", "1",
-                        "--recompute-granularity", "selective", "--load", str(ck)], cp)
+    for cp, comm in ((1, "p2p"), (4, "all_gather")):
+        resumed = _run([*MOCK, "--context-parallel-size", str(cp), "--cp-comm-type", comm,
+                        "--zero-stage", "1", "--recompute-granularity", "selective",
+                        "--load", str(ck)], cp)
         _same_run({it: ref[it] for it in (3, 4)}, resumed)
 
 
