@@ -52,9 +52,11 @@ PRESETS = {
 TINY = dict(num_layers=2, hidden_size=64, seq_length=32, vocab_size=256)
 
 
-def model_config(name: str, tiny: bool) -> ModelConfig:
+def model_config(name: str, tiny: bool, seq_length: int | None = None) -> ModelConfig:
     spec = dict(PRESETS[name])
     preset = spec.pop("preset")
+    if seq_length:  # a long-sequence run (--seq-length)
+        spec.update(seq_length=seq_length)
     if tiny:
         spec.update(TINY, num_attention_heads=4)
         if "num_query_groups" in spec:
@@ -281,6 +283,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="profile one more iteration of the first megazero stage and keep the "
                          "table of its top kernels")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    ap.add_argument("--seq-length", type=int, default=None,
+                    help="sequence length instead of the presets' 2048 (a long-context run)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     names = ("gpt", "llama") if args.preset == "both" else (args.preset,)
     for name in names:
-        m = model_config(name, args.tiny)
+        m = model_config(name, args.tiny, args.seq_length)
         gbs = args.micro_batch_size * args.grad_accum
         flops = gpt_flops_per_iteration(m, gbs, pad_vocab_size(m.vocab_size, 128, 1))
         tokens = gbs * m.seq_length

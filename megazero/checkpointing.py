@@ -144,8 +144,16 @@ def _rank_dir(tp: int, pp: int, dp: int) -> str:
     return f"mp_rank_{tp:02d}_{pp:03d}_{dp:03d}"
 
 
+def _replica_coord(topo: ParallelTopology) -> Any:
+    """This rank's coordinate with ``dp`` the index among the ranks holding the same weights
+    (data replicas x context-parallel ranks: what ZeRO shards over). At cp = 1 the coordinate
+    itself; with CP a checkpoint is laid out as if those ranks were data replicas, so it
+    loads at any cp."""
+    return topo.coord._replace(dp=topo.grad_rank)
+
+
 def layout_of(topo: ParallelTopology, zero_stage: int) -> dict[str, Any]:
-    return {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size,
+    return {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.grad_size,
             "vpp": topo.vpp_size or 1, "zero_stage": zero_stage}
 
 
@@ -254,7 +262,7 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
     ``run_id``: the run that writes it (:mod:`megazero.checkpoint.ownership`), recorded in
     ``metadata.json``."""
     w = writer if writer is not None else Writer()
-    c = topo.coord
+    c = _replica_coord(topo)
     directory = os.path.join(root, tag) if tag is not None else iteration_dir(root, iteration)
     engine = optimizer if _is_engine(optimizer) else None
     if engine is not None:
@@ -439,7 +447,7 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
                               "load it with --finetune or --no-load-optim")
     if load_optim and engine is not None:
         _check_optimizer_kind(meta, engine.masters.kind, directory)
-    c = topo.coord
+    c = _replica_coord(topo)
     infos = param_infos(models, c.pp, topo.pp_size)
     missing = [i.name for i in infos if i.name not in meta["tensors"]]
     if missing:

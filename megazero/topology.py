@@ -6,6 +6,13 @@ ordered "tp fastest, then dp, then pp": tensor-parallel groups are neighbouring 
 NVLink), pipeline groups stride across the whole world (they carry the least traffic, so they
 may cross nodes).
 
+Context parallelism (``cp``, the sequence split over ranks) sits between tp and dp, as in
+megatron-core: ``rank = tp + TP·(cp + CP·(dp + DP·pp))``. Its coordinate is
+:meth:`ParallelLayout.cp_of` (``Coord`` keeps its three fields, so code written before CP is
+unchanged at ``cp = 1``). Weights are replicated over CP, so gradients are reduced and ZeRO
+shards over the ``dp_cp`` group (``grad_group``); the ``dp`` group is the data replicas alone
+(the sampler's, which CP ranks share).
+
 A :class:`ParallelTopology` is a layout plus this process's rank plus the
 ``torch.distributed`` groups built from it. It is created once, collectively, and passed
 explicitly to everything that communicates; there is no module-level state.
@@ -23,6 +30,8 @@ from torch.distributed import ProcessGroup
 from megazero.config.rules import check_vpp_needs_pp, check_world_size
 
 GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+#: Built only when cp > 1 (at cp = 1 they are single ranks and the dp groups).
+CP_GROUP_KINDS = ("cp", "dp_cp")
 
 
 class TopologyError(ValueError):
@@ -47,9 +56,10 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp"):
+        for name in ("world_size", "tp", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
@@ -57,11 +67,11 @@ class ParallelLayout:
             if not isinstance(self.vpp, int) or isinstance(self.vpp, bool) or self.vpp < 1:
                 raise TopologyError(f"vpp must be a positive integer or None, got {self.vpp!r}")
         check_vpp_needs_pp(self.pp, self.vpp, error=TopologyError)
-        check_world_size(self.world_size, self.tp, self.pp, error=TopologyError)
+        check_world_size(self.world_size, self.tp, self.pp, error=TopologyError, cp=self.cp)
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
     def num_chunks(self) -> int:
@@ -73,17 +83,23 @@ class ParallelLayout:
     def coords(self, rank: int) -> Coord:
         self._check_rank(rank)
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
         return Coord(pp=pp, dp=dp, tp=tp)
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
+    def cp_of(self, rank: int) -> int:
+        """The context-parallel coordinate of ``rank`` (0 when cp = 1)."""
+        self._check_rank(rank)
+        return (rank // self.tp) % self.cp
+
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp
+                and 0 <= cp < self.cp):
             raise TopologyError(
-                f"coordinates (pp={pp}, dp={dp}, tp={tp}) outside the grid "
-                f"pp<{self.pp}, dp<{self.dp}, tp<{self.tp}"
+                f"coordinates (pp={pp}, dp={dp}, tp={tp}, cp={cp}) outside the grid "
+                f"pp<{self.pp}, dp<{self.dp}, tp<{self.tp}, cp<{self.cp}"
             )
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -93,19 +109,26 @@ class ParallelLayout:
 
     def group_ranks(self, kind: str, rank: int) -> list[int]:
         """The ranks of the ``kind`` group that contains ``rank`` (sorted)."""
-        c = self.coords(rank)
+        c, cp = self.coords(rank), self.cp_of(rank)
         if kind == "tp":
-            return [self.rank(c.pp, c.dp, t) for t in range(self.tp)]
+            return [self.rank(c.pp, c.dp, t, cp) for t in range(self.tp)]
         if kind == "dp":
-            return [self.rank(c.pp, d, c.tp) for d in range(self.dp)]
+            return [self.rank(c.pp, d, c.tp, cp) for d in range(self.dp)]
         if kind == "pp":
-            return [self.rank(p, c.dp, c.tp) for p in range(self.pp)]
+            return [self.rank(p, c.dp, c.tp, cp) for p in range(self.pp)]
         if kind == "mp":
-            return sorted(self.rank(p, c.dp, t) for p in range(self.pp) for t in range(self.tp))
+            return sorted(self.rank(p, c.dp, t, cp) for p in range(self.pp)
+                          for t in range(self.tp))
         if kind == "embedding":
             stages = sorted({0, self.pp - 1})
-            return [self.rank(p, c.dp, c.tp) for p in stages]
-        raise TopologyError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
+            return [self.rank(p, c.dp, c.tp, cp) for p in stages]
+        if kind == "cp":
+            return [self.rank(c.pp, c.dp, c.tp, x) for x in range(self.cp)]
+        if kind == "dp_cp":
+            return sorted(self.rank(c.pp, d, c.tp, x) for d in range(self.dp)
+                          for x in range(self.cp))
+        raise TopologyError(f"unknown group kind {kind!r}; expected one of "
+                            f"{GROUP_KINDS + CP_GROUP_KINDS}")
 
     def all_groups(self, kind: str) -> list[list[int]]:
         """Every ``kind`` group of the world, ordered by their smallest rank."""
@@ -135,7 +158,7 @@ class ParallelTopology:
     @classmethod
     def build(
         cls, tp: int = 1, pp: int = 1, vpp: int | None = None, world_size: int | None = None,
-        rank: int | None = None, timeout: timedelta | None = None,
+        rank: int | None = None, timeout: timedelta | None = None, cp: int = 1,
     ) -> ParallelTopology:
         """Create every group of the layout. Must be called by all ranks, in the same order.
 
@@ -148,12 +171,12 @@ class ParallelTopology:
         if not dist.is_initialized():
             if (world_size or 1) != 1:
                 raise TopologyError("torch.distributed is not initialised; call init first")
-            return cls(ParallelLayout(1, tp, pp, vpp), 0, {k: None for k in GROUP_KINDS})
+            return cls(ParallelLayout(1, tp, pp, vpp, cp), 0, {k: None for k in GROUP_KINDS})
         world_size = dist.get_world_size() if world_size is None else world_size
         rank = dist.get_rank() if rank is None else rank
-        layout = ParallelLayout(world_size, tp, pp, vpp)
+        layout = ParallelLayout(world_size, tp, pp, vpp, cp)
         mine: dict[str, ProcessGroup | None] = {}
-        for kind in GROUP_KINDS:
+        for kind in GROUP_KINDS + (CP_GROUP_KINDS if cp > 1 else ()):
             for ranks in layout.all_groups(kind):
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
@@ -199,6 +222,34 @@ class ParallelTopology:
         return self.coord.dp
 
     @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.layout.cp_of(self.rank)
+
+    @property
+    def cp_group(self) -> ProcessGroup | None:
+        return self.groups.get("cp")
+
+    @property
+    def grad_size(self) -> int:
+        """Ranks holding the same weights (data replicas x context-parallel ranks): the size of
+        the group gradients are reduced over and ZeRO shards over (dp at cp = 1)."""
+        return self.layout.dp * self.layout.cp
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's index in :attr:`grad_group` (its ranks sorted: dp-major, cp-minor)."""
+        return self.dp_rank * self.layout.cp + self.cp_rank
+
+    @property
+    def grad_group(self) -> ProcessGroup | None:
+        """The ``dp_cp`` group (the ``dp`` group itself when cp = 1)."""
+        return self.groups.get("dp_cp") if self.layout.cp > 1 else self.groups.get("dp")
+
+    @property
     def tp_group(self) -> ProcessGroup | None:
         return self.groups.get("tp")
 
@@ -234,12 +285,12 @@ class ParallelTopology:
     def next_pp_rank(self) -> int:
         """Global rank of the next pipeline stage (wraps around)."""
         c = self.coord
-        return self.layout.rank((c.pp + 1) % self.pp_size, c.dp, c.tp)
+        return self.layout.rank((c.pp + 1) % self.pp_size, c.dp, c.tp, self.cp_rank)
 
     @property
     def prev_pp_rank(self) -> int:
         c = self.coord
-        return self.layout.rank((c.pp - 1) % self.pp_size, c.dp, c.tp)
+        return self.layout.rank((c.pp - 1) % self.pp_size, c.dp, c.tp, self.cp_rank)
 
     @property
     def in_embedding_group(self) -> bool:
@@ -249,5 +300,6 @@ class ParallelTopology:
         c = self.coord
         return (
             f"ParallelTopology(rank={self.rank}, tp={c.tp}/{self.tp_size}, "
-            f"dp={c.dp}/{self.dp_size}, pp={c.pp}/{self.pp_size}, vpp={self.vpp_size})"
+            f"dp={c.dp}/{self.dp_size}, pp={c.pp}/{self.pp_size}, vpp={self.vpp_size}"
+            + (f", cp={self.cp_rank}/{self.cp_size})" if self.cp_size > 1 else ")")
         )

@@ -169,7 +169,8 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
 
 
 def get_batch(data_iterator: Iterator[dict], device: torch.device | None = None,
-              eod_mask: int | None = None) -> dict[str, torch.Tensor]:
+              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1)
+              ) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
     ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
     ``--eod-mask-loss``) also ``loss_mask [b, s]``: 0 where the input token is that id, so no
@@ -178,6 +179,9 @@ def get_batch(data_iterator: Iterator[dict], device: torch.device | None = None,
 
     The batch is moved once, here, where it is drawn: on CUDA from pinned host memory with a
     non-blocking copy, so the transfer overlaps the work already queued on the GPU.
+
+    ``cp``: ``(cp_rank, cp_size)``; with context parallelism the rank keeps its share of the
+    sequence (:func:`megazero.context_parallel.batch.split_batch`).
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
@@ -185,6 +189,10 @@ def get_batch(data_iterator: Iterator[dict], device: torch.device | None = None,
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eod_mask is not None:
         batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    if cp[1] > 1:
+        from megazero.context_parallel.batch import split_batch
+
+        batch = split_batch(batch, *cp)
     return batch
 
 
@@ -201,7 +209,8 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     from megazero.tensor_parallel.context import ParallelContext
 
     parallel = ParallelContext.from_topology(topo,
-                                             sequence_parallel=cfg.parallel.sequence_parallel)
+                                             sequence_parallel=cfg.parallel.sequence_parallel,
+                                             cp_comm_type=cfg.parallel.cp_comm_type)
     with torch.device("meta"):
         chunks = build_model_chunks(
             cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,

@@ -160,12 +160,16 @@ def _schedule(run: Run, data_iter, forward_only: bool,
     def loss_fn(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
         # fp16: the executor back-propagates what this returns, so the loss scale goes here;
         # the scale is a power of two, so dividing the reported loss by it below is exact.
+        if run.topo.cp_size > 1:  # the micro-batch's tokens are split over the CP group
+            from megazero.context_parallel.loss import exact_mean_loss
+
+            return exact_mean_loss(per_token, batch.get("loss_mask"), run.topo.cp_group) * scale
         return default_loss_fn(per_token, batch) * scale
 
     m = run.cfg.model
     losses = forward_backward(
         run.chunks, data_iter, run.topo,
-        num_microbatches or run.batching.num_microbatches, m.seq_length,
+        num_microbatches or run.batching.num_microbatches, m.seq_length // run.topo.cp_size,
         run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=_timed_get_batch(run),
@@ -175,7 +179,8 @@ def _schedule(run: Run, data_iter, forward_only: bool,
 
 
 def _timed_get_batch(run: Run):
-    fetch = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask)
+    fetch = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask,
+                              cp=(run.topo.cp_rank, run.topo.cp_size))
     if not run.timers.enabled:
         return fetch
 
@@ -239,7 +244,7 @@ def _loss_sums(losses: list[float], topo: ParallelTopology) -> tuple[float, floa
     tp x pp rank of a data-parallel replica holds the replica's losses (the executor hands them
     to every pipeline stage), so only its tp 0, pp 0 rank counts them. They are summed over
     every rank inside the optimizer step's scalar all-reduce, with the exit votes."""
-    owner = topo.tp_rank == 0 and topo.pp_rank == 0
+    owner = topo.tp_rank == 0 and topo.pp_rank == 0 and topo.cp_rank == 0
     return (sum(losses), float(len(losses))) if owner else (0.0, 0.0)
 
 
@@ -461,7 +466,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
                          env.world_size).register()
     watchdog = Watchdog(timeout.total_seconds(), env.rank, diagnose=peers.diagnose).start()
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
-                                  timeout=timeout)
+                                  timeout=timeout, cp=cfg.parallel.cp)
     set_seed(cfg.train.seed, topo.pp_rank)
     if cfg.train.deterministic_mode:
         enable_deterministic_mode()
@@ -547,7 +552,7 @@ def _describe(run: Run) -> None:
                           dtype=torch.float64, device=run.env.device)
     if topo.world_size > 1:
         dist.all_reduce(counts)
-    total = round(counts.item() / topo.dp_size)  # dp replicas hold the same (tp, pp) shards
+    total = round(counts.item() / topo.grad_size)  # dp (x cp) replicas hold the same shards
     padded = _padded_vocab(run.chunks)
     vocab = f"vocab {cfg.model.vocab_size}" + (
         f" (padded to {padded} for --make-vocab-size-divisible-by "
@@ -557,7 +562,9 @@ def _describe(run: Run) -> None:
     lines = [
         f"> world {topo.world_size} ({run.env.backend}): tp {topo.tp_size} x pp {topo.pp_size} "
         f"x dp {topo.dp_size}, vpp {topo.vpp_size or 1}, sequence parallel {run.sp}, "
-        f"ZeRO stage {cfg.zero.stage}, {precision}",
+        f"ZeRO stage {cfg.zero.stage}, {precision}"
+        + (f", context parallel {topo.cp_size} ({cfg.parallel.cp_comm_type})"
+           if topo.cp_size > 1 else ""),
         f"> model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, heads "
         f"{cfg.model.num_attention_heads}, seq {cfg.model.seq_length}, {vocab}: "
         f"{total / 1e6:.2f}M parameters ({total:,})",

@@ -24,7 +24,7 @@ from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES
 
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
---microbatch-group-size-per-virtual-pipeline-stage
+--microbatch-group-size-per-virtual-pipeline-stage --context-parallel-size --cp-comm-type
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
 --distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
 --num-attention-heads

@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p, w = cfg.parallel, est.worst
     note = "" if cfg.train.global_batch_size else " (default: micro-batch x dp)"
     print(f"cluster {cluster.name} ({cluster.device}, {cluster.memory_gb:g} GB), world {world}: "
-          f"tp {p.tp} x pp {p.pp} x dp {cfg.layout().dp}, vpp {cfg.vpp or 1}, ZeRO "
+          f"tp {p.tp} x pp {p.pp} x dp {cfg.layout().dp}"
+          + (f" x cp {p.cp} ({p.cp_comm_type})" if p.cp > 1 else "")
+          + f", vpp {cfg.vpp or 1}, ZeRO "
           f"{cfg.zero.stage}, {cfg.precision.params_dtype}".replace("torch.", ""))
     print(assumptions(cfg, note))
     print(f"parameters on the worst rank (pp stage {w.pp_rank}): {w.numel:,}")

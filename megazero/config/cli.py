@@ -70,6 +70,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("--microbatch-group-size-per-virtual-pipeline-stage",
        "parallel.microbatch_group_size_per_vp_stage", **_I),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
+    _f("--context-parallel-size", "parallel.context_parallel_size", **_I,
+       help="ranks that split each sequence (CP); weights are replicated over them"),
+    _f("--cp-comm-type", "parallel.cp_comm_type",
+       help="how attention crosses the sequence split: p2p (ring, default), all_gather, a2a "
+            "(Ulysses: heads and query groups / TP divisible by CP)"),
     _f("--recompute-granularity", "parallel.recompute_granularity"),
     _f("--recompute-method", "parallel.recompute_method"),
     _f("--recompute-num-layers", "parallel.recompute_num_layers", **_I),

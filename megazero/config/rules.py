@@ -11,6 +11,7 @@ This module imports nothing but :mod:`megazero.errors` at module level (no torch
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from megazero.errors import ConfigError
@@ -30,8 +31,10 @@ def divisors(n: int) -> list[int]:
 
 
 def check_world_size(world_size: int, tp: int, pp: int,
-                     error: type[Exception] = ConfigError) -> int:
-    """``world_size`` must be a multiple of tp x pp; returns the data-parallel size."""
+                     error: type[Exception] = ConfigError, cp: int = 1) -> int:
+    """``world_size`` must be a multiple of tp x pp (x cp); returns the data-parallel size."""
+    if cp > 1:
+        return check_world_size_cp(world_size, tp, pp, cp, error)
     mp = tp * pp
     if world_size < 1 or world_size % mp:
         valid = [(t, p) for t in divisors(world_size) for p in divisors(world_size // t)]
@@ -40,6 +43,19 @@ def check_world_size(world_size: int, tp: int, pp: int,
             f"(--tensor-model-parallel-size x --pipeline-model-parallel-size); launch a multiple "
             f"of {mp} processes or use a (tp, pp) pair valid for world_size={world_size}: {valid}")
     return world_size // mp
+
+
+def check_world_size_cp(world_size: int, tp: int, pp: int, cp: int,
+                        error: type[Exception] = ConfigError) -> int:
+    """With context parallelism the world is tp x cp x dp x pp; returns dp."""
+    grid = tp * cp * pp
+    if world_size < 1 or world_size % grid:
+        raise error(
+            f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {grid} "
+            f"(--tensor-model-parallel-size x --context-parallel-size x "
+            f"--pipeline-model-parallel-size); launch a multiple of {grid} processes or use a "
+            f"--context-parallel-size in {divisors(world_size // tp // pp or 1)}")
+    return world_size // grid
 
 
 def check_vpp_needs_pp(pp: int, vpp: int | None, flag: str | None = None,
@@ -104,6 +120,32 @@ def check_tensor_parallel_split(m: ModelConfig, tp: int, sequence_parallel: bool
           f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
           f"{tp}; use a multiple of {tp}")
     check_sequence_split(m.seq_length, tp, sequence_parallel)
+
+
+def check_context_parallel(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool,
+                           comm_type: str) -> None:
+    """Can the sequence be split over ``cp`` ranks? Each message is one line with the fix."""
+    if cp == 1:
+        return
+    check(m.seq_length % (2 * cp) == 0,
+          f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size = "
+          f"{2 * cp} (each CP rank holds two of 2*CP chunks); use a multiple of {2 * cp}")
+    if sequence_parallel_active(sequence_parallel, tp):
+        check((m.seq_length // cp) % tp == 0,
+              f"--seq-length {m.seq_length} / --context-parallel-size {cp} = "
+              f"{m.seq_length // cp} is not divisible by --tensor-model-parallel-size {tp}, which "
+              f"--sequence-parallel needs; use a --seq-length that is a multiple of "
+              f"{cp * math.lcm(2, tp)}")
+    if comm_type == "a2a":
+        heads, groups = m.num_attention_heads // tp, m.query_groups // tp
+        check(heads % cp == 0 and groups % cp == 0,
+              f"--cp-comm-type a2a splits the heads over --context-parallel-size {cp}, but each "
+              f"TP rank has {heads} heads and {groups} query groups; use --cp-comm-type p2p or "
+              f"a CP size dividing both ({[d for d in divisors(heads) if groups % d == 0]})")
+    check(m.attention_dropout == 0,
+          f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: "
+          f"attention dropout is not supported with context parallelism; pass "
+          f"--attention-dropout 0")
 
 
 def num_microbatches(global_batch: int, micro_batch: int, dp: int, *,
@@ -218,6 +260,7 @@ def validate(cfg: MegazeroConfig) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, pp = p.tp, p.pp
     check_tensor_parallel_split(m, tp, p.sequence_parallel)
+    check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
     if per_chunk is not None:

@@ -177,12 +177,18 @@ class ParallelConfig:
     # Every process group's collective timeout; also the watchdog's limit for one iteration.
     distributed_timeout_minutes: float = 10.0
     world_size: int | None = None  # all ranks; None when the config is built without a launcher
+    # Context parallelism: the sequence split over this many ranks, and how attention crosses
+    # the split (p2p ring, all_gather, a2a Ulysses); megatron-core's flags.
+    context_parallel_size: int = 1
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
 
     def __post_init__(self) -> None:
         _check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
                "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+        _check(self.context_parallel_size >= 1,
+               f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
         if self.world_size is not None:
-            check_world_size(self.world_size, self.tp, self.pp)
+            check_world_size(self.world_size, self.tp, self.pp, cp=self.cp)
         if self.num_layers_per_virtual_pipeline_stage is not None:
             _check(self.num_layers_per_virtual_pipeline_stage >= 1, "--num-layers-per-virtual-"
                    f"pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
@@ -211,12 +217,17 @@ class ParallelConfig:
         return self.pipeline_model_parallel_size
 
     @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
     def dp(self) -> int:
-        """Data-parallel size: world_size / (tp * pp); TP and PP ranks are not replicas."""
+        """Data-parallel size: world_size / (tp * cp * pp); TP, CP and PP ranks are not
+        replicas (CP ranks share each sample, split along the sequence)."""
         if self.world_size is None:
             raise ConfigError("the data-parallel size needs the world size; build the config "
                               "with load_config(argv, world_size)")
-        return check_world_size(self.world_size, self.tp, self.pp)
+        return check_world_size(self.world_size, self.tp, self.pp, cp=self.cp)
 
 
 @dataclass(frozen=True)
@@ -326,7 +337,7 @@ class MegazeroConfig:
             raise ConfigError("the layout needs the world size; build the config with "
                               "load_config(argv, world_size)")
         return ParallelLayout(self.parallel.world_size, self.parallel.tp, self.parallel.pp,
-                              self.vpp)
+                              self.vpp, self.parallel.cp)
 
 
 def field_choices(path: str) -> tuple[Any, ...] | None:

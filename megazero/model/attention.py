@@ -73,10 +73,21 @@ class CoreAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         run = {"unfused": self._unfused, "sdpa": self._sdpa, "flash": self._flash}[
             self._resolve(q)]
+        if self.parallel.cp_size > 1:  # the sequence is split: attention crosses the split
+            return self._context_parallel(q, k, v, run)
         if p == 0.0:  # no randomness drawn: skip swapping generator states
             return run(q, k, v, p)
         with self.parallel.fork(MODEL_PARALLEL_STREAM):
             return run(q, k, v, p)
+
+    def _context_parallel(self, q, k, v, run):
+        """This rank's share of the sequence against all of it (``--cp-comm-type``); the
+        config refuses attention dropout with CP, so no randomness is drawn here."""
+        from megazero.context_parallel import context_parallel_attention
+
+        return context_parallel_attention(
+            q, k, v, group=self.parallel.cp_group, comm_type=self.parallel.cp_comm_type,
+            core=lambda q_, k_, v_: run(q_, k_, v_, 0.0))
 
     @staticmethod
     def _unfused(q, k, v, p):

@@ -85,7 +85,9 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
-        if self.position_embeddings is not None:
+        if self.position_embeddings is not None and self.parallel.cp_size > 1:
+            x = x + self.position_embeddings.weight[self._cp_positions(tokens)]
+        elif self.position_embeddings is not None:
             x = x + self.position_embeddings.weight[: tokens.shape[1]]
         x = x.transpose(0, 1).contiguous()
         if self.sequence_parallel:
@@ -95,6 +97,13 @@ class Embedding(nn.Module):
             with self.parallel.fork(stream):
                 x = dropout(x, self.dropout)
         return x
+
+    def _cp_positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Global positions of this context-parallel rank's tokens (its two zigzag chunks)."""
+        from megazero.context_parallel.split import local_positions
+
+        p = self.parallel
+        return local_positions(tokens.shape[1] * p.cp_size, p.cp_rank, p.cp_size, tokens.device)
 
 
 class GPTModel(nn.Module):
@@ -219,6 +228,8 @@ class GPTModel(nn.Module):
             x = hidden_states
         seq_len = x.shape[0] * (tp if self.sequence_parallel else 1)
         rotary = self.rotary(seq_len, x.dtype) if self.rotary is not None else None
+        if rotary is not None and self.parallel.cp_size > 1:
+            rotary = self._cp_rotary(seq_len, x.dtype)
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x
@@ -229,6 +240,17 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
                                             inplace=True)
         return loss.transpose(0, 1).contiguous()
+
+    def _cp_rotary(self, local_len: int, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables' rows of this context-parallel rank's positions."""
+        from megazero.context_parallel.split import local_positions
+
+        p = self.parallel
+        pos = local_positions(local_len * p.cp_size, p.cp_rank, p.cp_size,
+                              self.rotary.cos.device)
+        cos, sin = self.rotary(local_len * p.cp_size, dtype)
+        return cos.index_select(0, pos), sin.index_select(0, pos)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._output_weight()

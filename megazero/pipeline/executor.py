@@ -242,6 +242,6 @@ def _broadcast_losses(losses: list[torch.Tensor | None], topo: ParallelTopology,
         buf = torch.empty(len(losses), dtype=torch.float32, device=device)
     if topo.pp_size > 1:
         c = topo.coord
-        dist.broadcast(buf, src=topo.layout.rank(topo.pp_size - 1, c.dp, c.tp),
+        dist.broadcast(buf, src=topo.layout.rank(topo.pp_size - 1, c.dp, c.tp, topo.cp_rank),
                        group=topo.pp_group)
     return buf.tolist()

@@ -35,6 +35,6 @@ def sync_tied_embeddings(model_chunks: Sequence[torch.nn.Module], topo: Parallel
         return
     params = shared_embedding_params(model_chunks)
     c = topo.coord
-    src = topo.layout.rank(0, c.dp, c.tp)
+    src = topo.layout.rank(0, c.dp, c.tp, topo.cp_rank)
     for p in params:
         dist.broadcast(p.data, src=src, group=topo.embedding_group)

@@ -60,7 +60,7 @@ class P2P:
 
     def global_rank(self, pp_rank: int) -> int:
         c = self.topo.coord
-        return self.topo.layout.rank(pp_rank, c.dp, c.tp)
+        return self.topo.layout.rank(pp_rank, c.dp, c.tp, self.topo.cp_rank)
 
     def exchange(
         self, step: Step, outgoing: dict[tuple[str, int, int], torch.Tensor]

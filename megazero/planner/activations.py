@@ -38,13 +38,26 @@ from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 
 
+def local_seq(cfg: MegazeroConfig) -> int:
+    """Positions of each sequence one rank's activations cover: with context parallelism the
+    rank's share, ``seq / cp`` (every activation term scales with it)."""
+    return cfg.model.seq_length // cfg.parallel.cp
+
+
+def cp_blockwise(cfg: MegazeroConfig) -> bool:
+    """Context-parallel ring or all-gather attention: blockwise, it keeps the output and an fp32
+    log-sum-exp per head and token, never an ``s^2`` term (as flash attention)."""
+    return cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type != "a2a"
+
+
 def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False,
                 flash: bool = False) -> float:
     """Saved bytes of one transformer layer for one micro-batch of ``b`` sequences."""
     m, p = cfg.model, cfg.parallel
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
-    s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
+    s, h, a = local_seq(cfg), m.hidden_size, m.num_attention_heads
     kv = m.query_groups * m.head_dim
+    flash = flash or cp_blockwise(cfg)
     f = m.ffn_size
     sp = sequence_parallel_active(p.sequence_parallel, tp)
     mask = 1 if (m.hidden_dropout > 0) else 0
@@ -54,8 +67,13 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
     mlp = (4 if m.swiglu else 2) * e * s * b * f
     rope = 2 * e * s * b * (h + kv) if m.position_embedding_type == "rope" else 0
     attn_mask = 1 if m.attention_dropout > 0 else 0
-    core = 0.0 if (selective or flash) else (e + attn_mask + e * attn_mask) * a * s * s * b
-    split = (e * s * b * (2 * h + 2 * kv) + mlp + rope + core) / tp
+    # (a2a: a/cp heads over the whole sequence, i.e. a * s_local * seq scores)
+    core = 0.0 if (selective or flash) else \
+        (e + attn_mask + e * attn_mask) * a * s * m.seq_length * b
+    # a2a (Ulysses) keeps one more context-sized tensor: the head-split output it permutes
+    # back into the zigzag order before the second all-to-all
+    ulysses = e * s * b * h if (p.cp > 1 and p.cp_comm_type == "a2a") else 0
+    split = (e * s * b * (2 * h + 2 * kv) + mlp + rope + core + ulysses) / tp
     return replicated + split
 
 
@@ -71,11 +89,11 @@ def layer_stat_bytes(cfg: MegazeroConfig, b: int, tp: int, *, flash: bool = Fals
     bytes and Q in fp32 (``(4 + 4 - e) s b h`` more); all split over TP ranks. Measured on
     gpt2-style layers within 3% (fp32) and 2% (bf16) per layer."""
     m = cfg.model
-    s = m.seq_length
+    s = local_seq(cfg)
     sp = sequence_parallel_active(cfg.parallel.sequence_parallel, tp)
     per_norm = 2 if m.normalization == "LayerNorm" else 1
     out = 2 * per_norm * 4 * s * b / (tp if sp else 1)
-    if flash:
+    if flash or cp_blockwise(cfg):
         out += 4 * s * b * m.num_attention_heads / tp
     elif sdpa_math:
         e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
@@ -115,7 +133,7 @@ def recompute_layer_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int, *,
         return layers * full
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
     sp = sequence_parallel_active(p.sequence_parallel, tp)
-    boundary = e * cfg.model.seq_length * b * cfg.model.hidden_size / (tp if sp else 1)
+    boundary = e * local_seq(cfg) * b * cfg.model.hidden_size / (tp if sp else 1)
     k = rc.num_layers
     if rc.method == "uniform":
         segments = -(-layers // k)
@@ -141,7 +159,7 @@ def local_logits(cfg: MegazeroConfig, b: int, tp: int) -> int:
     m = cfg.model
     vocab = -(-m.vocab_size // (m.make_vocab_size_divisible_by * tp)) * \
         m.make_vocab_size_divisible_by * tp
-    return m.seq_length * b * vocab // tp
+    return local_seq(cfg) * b * vocab // tp
 
 
 def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, last: bool
@@ -151,7 +169,7 @@ def embedding_logits_bytes(cfg: MegazeroConfig, b: int, tp: int, first: bool, la
     logits themselves, worked in place, or the fp32 cast of 16-bit ones) on the last stage."""
     m = cfg.model
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
-    s, h = m.seq_length, m.hidden_size
+    s, h = local_seq(cfg), m.hidden_size
     sp = sequence_parallel_active(cfg.parallel.sequence_parallel, tp)
     out = 0.0
     if first and m.hidden_dropout > 0:

@@ -115,7 +115,7 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
                 flash: bool = True, device_is_cpu: bool = False) -> RankMemory:
     p, z = cfg.parallel, cfg.zero
     layout = cfg.layout()
-    dp = layout.dp
+    dp = layout.dp * layout.cp  # the ranks ZeRO shards over: data replicas x context parallel
     chunks = meta_chunks(cfg, shape_topology(layout, pp_rank, 0, 0))
     sp = p.sequence_parallel_active
     rep = model_state_report(chunks, z, cfg.precision, dp=dp, tp=p.tp, pp=p.pp,
@@ -194,7 +194,8 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     # do not see either.
     if p.pp > 1:  # receive buffers for one activation and one gradient
         m = cfg.model
-        out.items["pipeline p2p buffers"] = 2 * ps * m.seq_length * cfg.train.micro_batch_size \
+        out.items["pipeline p2p buffers"] = 2 * ps * m.seq_length // p.cp \
+            * cfg.train.micro_batch_size \
             * m.hidden_size / (p.tp if sp else 1)
     if not device_is_cpu:
         out.items[FRAGMENTATION_ITEM] = FRAGMENTATION * out.device_total

@@ -113,7 +113,7 @@ def stage_flops_per_microbatch(cfg: MegazeroConfig) -> float:
     if rc.granularity == "selective":
         per_layer += attn / m.num_layers  # the core attention forward again
     layers = m.num_layers / p.pp
-    tokens = cfg.train.micro_batch_size * m.seq_length
+    tokens = cfg.train.micro_batch_size * m.seq_length / p.cp  # this rank's share with CP
     return tokens * (layers * per_layer + 3.0 * logits) / p.tp
 
 
@@ -141,6 +141,14 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     per_mb += cluster.per_microbatch_overhead_us * 1e-6 * vpp
     compute = per_mb * mb
     out.terms["compute"] = compute
+    rdp = dp * p.cp  # ranks holding the same weights: gradients reduce, ZeRO shards over them
+    if p.cp > 1:  # K/V traffic; the ring's transfers hide behind the core attention
+        from megazero.planner.cp_cost import cp_seconds
+
+        attn = gemm_flops_per_token(cfg)[1] * b * s / p.cp * 3 / p.tp / pp
+        out.terms["context parallel"] = mb * cp_seconds(
+            cfg, cluster, attn / (peak * cluster.achievable_fraction))
+        s = s // p.cp  # activations below (pipeline and TP traffic) are the rank's share
     if pp > 1:  # the slowest stage sets the pace; (p-1)/(v m) of its time is idle, and the
         # ranks that work meanwhile run ``solo_speedup`` times faster
         out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb) / cluster.solo_speedup
@@ -161,7 +169,8 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         else:  # 2 all-reduces per forward (row-parallel outputs), 2 backward (column inputs)
             per = calls * collective_seconds(cluster, "all_reduce", act, tp, bw)
         out.terms["tensor parallel"] = per * (m.num_layers / pp) * mb
-    if dp > 1:
+    if rdp > 1:
+        dp = rdp
         bw = cluster.intra_node_gbps if tp * dp <= node else cluster.inter_node_gbps
         buf = e * params_per_rank
         if z.stage == 3:
@@ -182,13 +191,14 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
             comm = max(0.0, comm - compute * 2 / 3)
         out.terms["data parallel"] = comm
     offload = z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled)
-    shard = params_per_rank / (dp if z.stage else 1)
+    shard = params_per_rank / (rdp if z.stage else 1)
     if offload:
         out.terms["offload PCIe"] = shard * (e + e) / (cluster.pcie_gbps * 1e9)
         out.terms["CPU Adam"] = shard / (cluster.cpu_adam_gparams_per_s * 1e9)
     elif cluster.device_adam_gparams_per_s:
         out.terms["optimizer step"] = shard / (cluster.device_adam_gparams_per_s * 1e9)
     # Megatron's formula (72 B s l h^2 ...) for MFU, so the number compares with papers
-    out.model_flops = model_flops_per_iteration(gbs, s, m.num_layers, h, m.vocab_size)
+    out.model_flops = model_flops_per_iteration(gbs, m.seq_length, m.num_layers, h,
+                                                m.vocab_size)
     return out
 

@@ -42,8 +42,17 @@ class ParallelContext:
     params_dtype: torch.dtype = torch.float32
     tp_size: int = 1
     tp_rank: int = 0
+    # Context parallelism: the group this rank splits each sequence with, and how attention
+    # crosses the split (see megazero.context_parallel); size and rank as tp's.
+    cp_group: Group = None
+    cp_comm_type: str = "p2p"
+    cp_size: int = 1
+    cp_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.cp_group is not None:
+            object.__setattr__(self, "cp_size", group_size(self.cp_group))
+            object.__setattr__(self, "cp_rank", group_rank(self.cp_group))
         if self.tp_group is not None:
             size, rank = group_size(self.tp_group), group_rank(self.tp_group)
             if (self.tp_size, self.tp_rank) not in ((1, 0), (size, rank)):
@@ -61,11 +70,15 @@ class ParallelContext:
     def from_topology(cls, topo: ParallelTopology, *, sequence_parallel: bool = False,
                       rng_tracker: RNGStatesTracker | None = None,
                       attention_backend: str = "auto",
-                      params_dtype: torch.dtype = torch.float32) -> ParallelContext:
-        """This rank's context: ``topo``'s TP group, size and rank, and the given settings."""
+                      params_dtype: torch.dtype = torch.float32,
+                      cp_comm_type: str = "p2p") -> ParallelContext:
+        """This rank's context: ``topo``'s TP (and CP) group, size and rank, and the given
+        settings."""
         return cls(tp_group=topo.tp_group, sequence_parallel=sequence_parallel,
                    rng_tracker=rng_tracker, attention_backend=attention_backend,
-                   params_dtype=params_dtype, tp_size=topo.tp_size, tp_rank=topo.tp_rank)
+                   params_dtype=params_dtype, tp_size=topo.tp_size, tp_rank=topo.tp_rank,
+                   cp_group=topo.cp_group if topo.cp_size > 1 else None,
+                   cp_comm_type=cp_comm_type, cp_size=topo.cp_size, cp_rank=topo.cp_rank)
 
     def fork(self, stream: str) -> contextlib.AbstractContextManager[None]:
         """Draw random numbers from ``stream`` of the tracker (dropout); see

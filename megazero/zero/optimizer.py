@@ -68,7 +68,9 @@ class Comms:
         log = CommLog()
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         emb = topo.embedding_group if topo.pp_size > 1 and topo.in_embedding_group else None
-        return cls(log, GroupComm(topo.dp_group, "dp", log, rs_impl, shared_memory),
+        # Gradients are reduced, and ZeRO shards, over the ranks that hold the same weights:
+        # the data replicas, times the context-parallel ranks (grad_group is dp at cp = 1).
+        return cls(log, GroupComm(topo.grad_group, "dp", log, rs_impl, shared_memory),
                    GroupComm(topo.tp_group, "tp", log), GroupComm(topo.mp_group, "mp", log),
                    GroupComm(emb, "embedding", log), GroupComm(world, "world", log))
 
@@ -232,7 +234,7 @@ class ZeroOptimizer:
         # Megatron's --log-num-zeros-in-grad: the same elements as the norm, counted once.
         zeros = (clip_grads.count_zeros(owned) if self.count_zeros_in_grad
                  else torch.zeros((), dtype=torch.float64))
-        if self.zero.stage == 0 and self.topo.dp_rank != 0:
+        if self.zero.stage == 0 and self.topo.grad_rank != 0:
             sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
             zeros = zeros * 0
         scalars = torch.cat([
@@ -281,15 +283,15 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: fp32 masters, torch optimizer state, loss scaler, layout."""
         self.wait_for_params()
-        return {"zero_stage": self.zero.stage, "dp_rank": self.topo.dp_rank,
-                "dp_size": self.topo.dp_size, "master": self.masters.state_dict(),
+        return {"zero_stage": self.zero.stage, "dp_rank": self.topo.grad_rank,
+                "dp_size": self.topo.grad_size, "master": self.masters.state_dict(),
                 "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if (sd["zero_stage"], sd["dp_size"]) != (self.zero.stage, self.topo.dp_size):
+        if (sd["zero_stage"], sd["dp_size"]) != (self.zero.stage, self.topo.grad_size):
             raise ValueError(f"checkpoint shard is for ZeRO stage {sd['zero_stage']} at dp "
                              f"{sd['dp_size']}; this run is stage {self.zero.stage} at dp "
-                             f"{self.topo.dp_size}")
+                             f"{self.topo.grad_size}")
         self.wait_for_params()
         self.masters.load_state_dict(sd["master"])
         self.scaler.load_state_dict(sd["loss_scaler"])
