@@ -233,7 +233,7 @@ def time_megazero(m: ModelConfig, name: str, args: argparse.Namespace, stage: in
         rows = [json.loads(line) for line in open(log, encoding="utf-8")]
     its = [r for r in rows if "iteration-time" in r and r["iteration"] > args.warmup
            and not (profile and r["iteration"] == last)]
-    peak = [r[k] for r in its for k in r if k.startswith("peak memory")]
+    peak = [r["memory_mb"] for r in its if r.get("memory_mb") is not None]
     banner = [line for line in proc.stdout.splitlines() if line.startswith("> attention")]
     out: dict[str, Any] = {"seconds": [r["iteration-time"] for r in its],
                            "peak_mb": max(peak) if peak else None,
