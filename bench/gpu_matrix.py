@@ -68,8 +68,8 @@ def _losses(path: str) -> dict[int, float]:
 
 
 def _peak(path: str) -> float | None:
-    peaks = [v for line in open(path, encoding="utf-8")
-             for k, v in json.loads(line).items() if k.startswith("peak memory")]
+    peaks = [rec["memory_mb"] for rec in map(json.loads, open(path, encoding="utf-8"))
+             if rec.get("memory_mb") is not None]
     return max(peaks) if peaks else None
 
 
