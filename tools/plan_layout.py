@@ -3,7 +3,8 @@
     python tools/plan_layout.py --model llama2-7b --world-size 8 --cluster h100-80gb-nvlink \
         --global-batch-size 256 --bf16 [--top 10] [--out-dir plan/] [--measure K]
 
-Prints the top layouts as a table with why each loses to the winner, and writes the winner as
+Prints the top layouts as a table with why each loses to the winner, says in which time terms
+the winner beats the runner-up, and writes the winner as
 pretrain_gpt.py flags (``winner_flags.txt``) and a DeepSpeed JSON (``ds_config.json``) into
 ``--out-dir``. Model and cluster options are those of tools/estimate_memory.py; every other flag
 is pretrain_gpt.py's and applies to all candidates. ``--measure K`` launches the top K with
@@ -29,6 +30,7 @@ from megazero.planner.search import (  # noqa: E402
     deepspeed_json,
     search,
     why_slower,
+    why_winner,
     winner_flags,
 )
 
@@ -94,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{t.mfu:>7.1%}  {why}")
     flags = winner_flags(win, base)
     ds = deepspeed_json(win)
-    print(f"\nwinner: {win.label}\n  flags: {flags}\n  ds_config.json: {json.dumps(ds)}")
+    print(f"\nwinner: {win.label}")
+    if len(fits) > 1 and not args.measure:  # measured ranks: the predicted terms may disagree
+        print(f"  {why_winner(win, fits[1])}")
+    print(f"  flags: {flags}\n  ds_config.json: {json.dumps(ds)}")
     if args.out_dir:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
