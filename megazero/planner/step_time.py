@@ -25,9 +25,11 @@
   ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
   gathered for the forward and the backward of every micro-batch, gradients reduce-scattered
   after the last) in two all-gathers per gathered unit per micro-batch and one reduce-scatter
-  per gradient bucket (:func:`megazero.zero.stage3_grads.plan_grad_buckets`); hidden
-  behind the backward (2/3 of compute) with ``overlap_comm`` on a cluster whose
-  communication overlaps compute;
+  per gradient bucket (:func:`megazero.zero.stage3_grads.plan_grad_buckets`), hidden behind
+  the backward (2/3 of compute) with ``overlap_comm`` on a cluster whose communication
+  overlaps compute; at stages 0-2 gradients accumulate under no_sync, so ``overlap_comm``
+  hides their reduction behind the last micro-batch's backward only, and
+  ``overlap_param_gather`` the parameters' all-gather behind one micro-batch's forward;
 * every collective costs ``alpha + wire bytes / beta`` (:func:`collective_seconds`): alpha and
   beta per kind from the cluster's measured ``collectives`` table, else its latency and links;
 * optimizer step on the rank's shard at ``device_adam_gparams_per_s`` (where the cluster gives
@@ -216,12 +218,23 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
                     + wire_bytes("reduce_scatter", buf, dp) / rs[1])
             out.terms["ZeRO-3 gather latency"] = (zero3_units * mb * 2 * ag[0]
                                                   + zero3_buckets * rs[0])
+            if z.overlap_comm and cluster.comm_overlaps_compute:
+                comm = max(0.0, comm - compute * 2 / 3)
         else:
             calls = max(1, -(-params_per_rank // max(1, z.reduce_bucket_size)))
-            kinds = ["all_reduce"] if z.stage == 0 else ["reduce_scatter", "all_gather"]
-            comm = calls * sum(collective_seconds(cluster, k, buf / calls, dp, bw) for k in kinds)
-        if z.overlap_comm and cluster.comm_overlaps_compute:
-            comm = max(0.0, comm - compute * 2 / 3)
+            reduce = calls * collective_seconds(
+                cluster, "all_reduce" if z.stage == 0 else "reduce_scatter", buf / calls, dp, bw)
+            gather = 0.0 if z.stage == 0 else calls * collective_seconds(
+                cluster, "all_gather", buf / calls, dp, bw)
+            if cluster.comm_overlaps_compute:
+                # gradients accumulate under no_sync, so only the last micro-batch's backward
+                # (and its recomputed forward) hides their reduction; the parameters'
+                # all-gather after the step hides behind the first forward of the next one
+                if z.overlap_comm:
+                    reduce = max(0.0, reduce - per_mb * (passes - 1) / passes)
+                if z.overlap_param_gather:
+                    gather = max(0.0, gather - per_mb / passes)
+            comm = reduce + gather
         out.terms["data parallel"] = comm
     offload = z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled)
     shard = params_per_rank / (dp if z.stage else 1)
