@@ -129,3 +129,17 @@ def test_a_fraction_outside_the_window_breaks_a_row():
     slow = dataclasses.replace(load_cluster("a100-80gb"), achievable_fraction=0.5)
     worst = max(predict(r, slow).time.seconds / r.published_seconds for r in TABLE1)
     assert worst > 1.15
+
+
+def test_runner_up_is_the_first_layout_predicted_slower():
+    from types import SimpleNamespace
+
+    from megazero.planner.search import runner_up
+
+    def cand(seconds: float) -> SimpleNamespace:
+        return SimpleNamespace(est=SimpleNamespace(time=SimpleNamespace(seconds=seconds)))
+
+    ranked = [cand(18.0), cand(18.0), cand(18.2), cand(19.0)]
+    second, ties = runner_up(ranked)  # type: ignore[arg-type]
+    assert second is ranked[2] and ties == [ranked[1]]
+    assert runner_up(ranked[:2]) == (None, [ranked[1]])  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from megazero.planner.cluster import load_cluster  # noqa: E402
 from megazero.planner.search import (  # noqa: E402
     assumptions,
     deepspeed_json,
+    runner_up,
     search,
     why_slower,
     why_winner,
@@ -97,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     flags = winner_flags(win, base)
     ds = deepspeed_json(win)
     print(f"\nwinner: {win.label}")
-    if len(fits) > 1 and not args.measure:  # measured ranks: the predicted terms may disagree
-        print(f"  {why_winner(win, fits[1])}")
+    second, ties = runner_up(fits)
+    if not args.measure:  # measured ranks: the predicted terms may disagree
+        if ties:
+            print(f"  ties with {len(ties)} other layout(s) at the same predicted time, e.g. "
+                  f"{ties[0].label}")
+        if second is not None:
+            print(f"  {why_winner(win, second)}")
     print(f"  flags: {flags}\n  ds_config.json: {json.dumps(ds)}")
     if args.out_dir:
         out = Path(args.out_dir)

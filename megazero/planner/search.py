@@ -116,6 +116,18 @@ def why_slower(c: Candidate, winner: Candidate) -> str:
     return ", ".join(parts) or "same predicted time"
 
 
+def runner_up(ranked: list[Candidate]) -> tuple[Candidate | None, list[Candidate]]:
+    """(the first candidate predicted slower than the winner, those tied with the winner: the
+    same predicted time, e.g. ZeRO stages 1 and 2 when gradients are reduced once a step)."""
+    win = ranked[0].est.time.seconds
+    ties = []
+    for c in ranked[1:]:
+        if c.est.time.seconds > win * (1 + 1e-9):
+            return c, ties
+        ties.append(c)
+    return None, ties
+
+
 def why_winner(winner: Candidate, runner_up: Candidate) -> str:
     """One line: by how much the winner beats the runner-up and in which time terms (what it
     saves, and what it pays for that), with the throughput of both."""

@@ -20,8 +20,8 @@
   recompute (the recomputed forward repeats its 2), over NVLink when the TP group fits in a
   node;
 * data parallel over NVLink inside a node, else over the NICs of the group's ranks on each
-  node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather, ``2Ψ(N-1)/N``
-  bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
+  node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather,
+  ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
   ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
   gathered for the forward and the backward of every micro-batch, gradients reduce-scattered
   after the last) in two all-gathers per gathered unit per micro-batch and one reduce-scatter
@@ -34,7 +34,8 @@
   beta per kind from the cluster's measured ``collectives`` table, else its latency and links;
 * optimizer step on the rank's shard at ``device_adam_gparams_per_s`` (where the cluster gives
   it), else, where it gives ``hbm_gbps``, the bytes a mixed-precision Adam step streams per
-  parameter over that bandwidth; with offload, gradients down and weights up over PCIe, and CPU Adam on the shard.
+  parameter over that bandwidth; with offload, gradients down and weights up over PCIe, and
+  CPU Adam on the shard.
 """
 
 
