@@ -84,6 +84,8 @@ def test_planner_and_estimator_agree_and_say_what_they_assume(tmp_path):
             "size; --global-batch-size)") in proc.stdout, proc.stdout
     row = [ln for ln in proc.stdout.splitlines() if ln.strip().startswith("1 ")][0]
     planned = float(row.split()[-3])
+    why = [ln for ln in proc.stdout.splitlines() if "beats the runner-up (" in ln]
+    assert len(why) == 1 and "tokens/s)" in why[0] and ": it saves " in why[0], proc.stdout
     flags = (tmp_path / "winner_flags.txt").read_text().split()
     assert "--vocab-size" not in flags
     flags[flags.index("ds_config.json")] = str(tmp_path / "ds_config.json")

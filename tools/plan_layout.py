@@ -3,7 +3,8 @@
     python tools/plan_layout.py --model llama2-7b --world-size 8 --cluster h100-80gb-nvlink \
         --global-batch-size 256 --bf16 [--top 10] [--out-dir plan/] [--measure K]
 
-Prints the top layouts as a table with why each loses to the winner, and writes the winner as
+Prints the top layouts as a table with why each loses to the winner, says in which time terms
+the winner beats the runner-up, and writes the winner as
 pretrain_gpt.py flags (``winner_flags.txt``) and a DeepSpeed JSON (``ds_config.json``) into
 ``--out-dir``. Model and cluster options are those of tools/estimate_memory.py; every other flag
 is pretrain_gpt.py's and applies to all candidates. ``--measure K`` launches the top K with
@@ -27,8 +28,10 @@ from megazero.planner.cluster import load_cluster  # noqa: E402
 from megazero.planner.search import (  # noqa: E402
     assumptions,
     deepspeed_json,
+    runner_up,
     search,
     why_slower,
+    why_winner,
     winner_flags,
 )
 
@@ -94,7 +97,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{t.mfu:>7.1%}  {why}")
     flags = winner_flags(win, base)
     ds = deepspeed_json(win)
-    print(f"\nwinner: {win.label}\n  flags: {flags}\n  ds_config.json: {json.dumps(ds)}")
+    print(f"\nwinner: {win.label}")
+    second, ties = runner_up(fits)
+    if not args.measure:  # measured ranks: the predicted terms may disagree
+        if ties:
+            print(f"  ties with {len(ties)} other layout(s) at the same predicted time, e.g. "
+                  f"{ties[0].label}")
+        if second is not None:
+            print(f"  {why_winner(win, second)}")
+    print(f"  flags: {flags}\n  ds_config.json: {json.dumps(ds)}")
     if args.out_dir:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,10 @@
 Built-in descriptions are JSON files next to this module (``clusters/<name>.json``); a user
 passes the path of their own file with the same keys. Bandwidths are per device and
 unidirectional, in GB/s (10^9 bytes): ``intra_node_gbps`` (NVLink: TP and in-node traffic),
-``inter_node_gbps`` (network: DP/PP traffic that leaves the node), ``pcie_gbps`` (offload).
+``inter_node_gbps`` (network: DP/PP traffic that leaves the node: each device's share of its
+node's NICs, one 200 Gb/s HDR port per GPU on a DGX A100; a group with k ranks on a node
+uses k of them), ``pcie_gbps`` (offload), ``hbm_gbps`` (device memory). ``sources`` says
+where each number comes from.
 ``achievable_fraction`` is the fraction of the dense peak that large GEMMs reach (stated, not
 measured here). ``cpu.json`` describes gloo ranks on a 2-core CI machine; its constants come
 from micro-benchmarks on that machine (bench/cpu_calibration.py: a GEMM rate, one layer's
@@ -58,6 +61,12 @@ class Cluster:
     # at tp = 1, charged apart from ``achievable_fraction``: tensor parallelism without SP
     # repeats it on every TP rank, SP splits it (0: folded into ``achievable_fraction``)
     nongemm_share: float = 0.0
+    # device memory bandwidth, GB/s: where given, the non-GEMM kernels cost the bytes they
+    # move (megazero.planner.hbm_traffic) instead of ``nongemm_share``, and the optimizer
+    # step the bytes it streams (unless ``device_adam_gparams_per_s`` is given)
+    hbm_gbps: float = 0.0
+    # where each number comes from (datasheets, measurements): documentation, not used
+    sources: dict[str, str] | None = None
 
     @property
     def memory_bytes(self) -> float:

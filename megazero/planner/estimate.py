@@ -233,9 +233,12 @@ class Estimate:
 
 
 def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None = None,
-             flash: bool | None = None, stages: list[int] | None = None) -> Estimate:
+             flash: bool | None = None, stages: list[int] | None = None,
+             p2p_scatter_gather: bool = False) -> Estimate:
     """``stages``: the pipeline ranks to evaluate (default all; the layout search passes the
-    first and last, which hold the most activations and the embedding / logits)."""
+    first and last, which hold the most activations and the embedding / logits).
+    ``p2p_scatter_gather``: time the pipeline's sends as Megatron's scatter/gather does
+    (:func:`megazero.planner.step_time.step_time`)."""
     from megazero.planner.step_time import step_time
 
     dp = cfg.layout().dp
@@ -253,5 +256,6 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
             layout = zero3_layout(cfg, c, shape_topology(cfg.layout()), dp=1)
             units += layout.gathered
             buckets += len(layout.buckets)
-    return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, m, ranks[0].numel, units,
-                                                         buckets))
+    return Estimate(cfg, cluster, ranks, step_time(
+        cfg, cluster, m, ranks[0].numel, units, buckets, flash=flash,
+        p2p_scatter_gather=p2p_scatter_gather))

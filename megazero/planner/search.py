@@ -116,6 +116,36 @@ def why_slower(c: Candidate, winner: Candidate) -> str:
     return ", ".join(parts) or "same predicted time"
 
 
+def runner_up(ranked: list[Candidate]) -> tuple[Candidate | None, list[Candidate]]:
+    """(the first candidate predicted slower than the winner, those tied with the winner: the
+    same predicted time, e.g. ZeRO stages 1 and 2 when gradients are reduced once a step)."""
+    win = ranked[0].est.time.seconds
+    ties = []
+    for c in ranked[1:]:
+        if c.est.time.seconds > win * (1 + 1e-9):
+            return c, ties
+        ties.append(c)
+    return None, ties
+
+
+def why_winner(winner: Candidate, runner_up: Candidate) -> str:
+    """One line: by how much the winner beats the runner-up and in which time terms (what it
+    saves, and what it pays for that), with the throughput of both."""
+    a, b = winner.est.time, runner_up.est.time
+    diffs = sorted(((b.terms.get(k, 0.0) - a.terms.get(k, 0.0), k)
+                    for k in set(a.terms) | set(b.terms)), reverse=True)
+    saves = [f"{d:.3g} s {k}" for d, k in diffs if d > 1e-9]
+    pays = [f"{-d:.3g} s {k}" for d, k in diffs if d < -1e-9]
+    gap = b.seconds - a.seconds
+    line = (f"beats the runner-up ({runner_up.label}) by {gap:.3g} s per iteration "
+            f"({gap / b.seconds:.1%}; {a.tokens_per_s:,.0f} vs {b.tokens_per_s:,.0f} tokens/s)")
+    if saves:
+        line += ": it saves " + ", ".join(saves)
+    if pays:
+        line += "; it pays " + ", ".join(pays)
+    return line
+
+
 def deepspeed_json(c: Candidate) -> dict[str, Any]:
     cfg = c.est.config
     t, z = cfg.train, cfg.zero

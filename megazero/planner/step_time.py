@@ -4,28 +4,38 @@
   grouped-query K/V, the projection, the MLP with two or three matrices, attention scores and
   values; the logits on the last stage; x3 for forward + backward, plus one more forward of
   the layers with full recompute, plus the core attention forward with selective recompute)
-  at ``achievable_fraction`` of the dense peak, plus the non-GEMM work (``nongemm_share`` of
-  the tp = 1 GEMM time: every TP rank repeats it unless SP splits it), the per-layer overhead for
-  each pass over a layer (3, or 4 with full recompute) and per-micro-batch overhead per chunk;
+  at ``achievable_fraction`` of the dense peak, plus the non-GEMM work: on a cluster that gives
+  ``hbm_gbps``, the bytes its kernels move (:mod:`megazero.planner.hbm_traffic`: norms,
+  residual adds, activations, attention copies and, without flash attention, the softmax),
+  else ``nongemm_share`` of the tp = 1 GEMM time (every TP rank repeats it unless SP splits
+  it); the per-layer overhead for each pass over a layer (3, or 4 with full recompute) and
+  per-micro-batch overhead per chunk;
 * pipeline bubble ``(p-1)/(v m)`` of that compute (over the cluster's ``solo_speedup``: the
   working ranks of the warm-up and cool-down may run faster while the others idle), and the
-  p2p of one activation per micro-batch per chunk boundary each way;
+  p2p of one activation per micro-batch per chunk boundary each way (over the stage's NIC when
+  the stages sit on different nodes; with Megatron's scatter/gather, 1/tp of it per NIC and an
+  all-gather over NVLink);
 * tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
   4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), 6 of each with full
   recompute (the recomputed forward repeats its 2), over NVLink when the TP group fits in a
   node;
-* data parallel: stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather, ``2Ψ(N-1)/N``
-  bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
+* data parallel over NVLink inside a node, else over the NICs of the group's ranks on each
+  node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather,
+  ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
   ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
   gathered for the forward and the backward of every micro-batch, gradients reduce-scattered
   after the last) in two all-gathers per gathered unit per micro-batch and one reduce-scatter
-  per gradient bucket (:func:`megazero.zero.stage3_grads.plan_grad_buckets`); hidden
-  behind the backward (2/3 of compute) with ``overlap_comm`` on a cluster whose
-  communication overlaps compute;
+  per gradient bucket (:func:`megazero.zero.stage3_grads.plan_grad_buckets`), hidden behind
+  the backward (2/3 of compute) with ``overlap_comm`` on a cluster whose communication
+  overlaps compute; at stages 0-2 gradients accumulate under no_sync, so ``overlap_comm``
+  hides their reduction behind the last micro-batch's backward only, and
+  ``overlap_param_gather`` the parameters' all-gather behind one micro-batch's forward;
 * every collective costs ``alpha + wire bytes / beta`` (:func:`collective_seconds`): alpha and
   beta per kind from the cluster's measured ``collectives`` table, else its latency and links;
 * optimizer step on the rank's shard at ``device_adam_gparams_per_s`` (where the cluster gives
-  it); with offload, gradients down and weights up over PCIe, and CPU Adam on the shard.
+  it), else, where it gives ``hbm_gbps``, the bytes a mixed-precision Adam step streams per
+  parameter over that bandwidth; with offload, gradients down and weights up over PCIe, and
+  CPU Adam on the shard.
 """
 
 
@@ -37,6 +47,7 @@ from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.flops import model_flops_per_iteration
 from megazero.planner.cluster import Cluster
+from megazero.planner.hbm_traffic import stage_nongemm_bytes
 
 
 def gemm_flops_per_token(cfg: MegazeroConfig) -> tuple[float, float, float]:
@@ -117,11 +128,37 @@ def stage_flops_per_microbatch(cfg: MegazeroConfig) -> float:
     return tokens * (layers * per_layer + 3.0 * logits) / p.tp
 
 
+def dp_link_gbps(cluster: Cluster, tp: int, dp: int) -> float:
+    """Per-rank bandwidth of a data-parallel ring: NVLink inside a node; across nodes, the NICs
+    of the group's ranks on each node (ranks are ordered tp fastest, then dp: a group has
+    ``node / tp`` ranks on a node when tp < node, each with its share ``inter_node_gbps`` of
+    the node's NICs; NCCL runs one ring per NIC), never more than NVLink."""
+    node = cluster.gpus_per_node
+    if tp * dp <= node:
+        return cluster.intra_node_gbps
+    per_node = max(1, min(dp, node // tp))
+    return min(cluster.intra_node_gbps, per_node * cluster.inter_node_gbps)
+
+
+#: bytes a 16-bit mixed-precision Adam step streams per parameter on the device: 16-bit grad
+#: to fp32 (2 + 4), unscale and inf check (4 + 4), grad norm (4), Adam reading master, grad
+#: and both moments and writing master and moments (16 + 12), master to 16-bit (4 + 2)
+ADAM_BYTES_16 = 52.0
+#: fp32 parameters: grad norm (4) and the Adam update (28)
+ADAM_BYTES_32 = 32.0
+
+
 def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
-              params_per_rank: int, zero3_units: int = 0, zero3_buckets: int = 0) -> StepTime:
+              params_per_rank: int, zero3_units: int = 0, zero3_buckets: int = 0, *,
+              flash: bool = True, p2p_scatter_gather: bool = False) -> StepTime:
     """``zero3_units``: stage-3 units gathered on the rank (not the persistent ones; each is
     gathered in forward and in backward of every micro-batch: latency-bound when units are
-    small); ``zero3_buckets``: its gradient buckets, each reduce-scattered once per step."""
+    small); ``zero3_buckets``: its gradient buckets, each reduce-scattered once per step.
+    ``flash``: the core attention keeps no ``s x s`` scores in memory (on clusters with
+    ``hbm_gbps``, the softmax then moves no bytes). ``p2p_scatter_gather``: Megatron's
+    optimisation for pipelines whose stages sit on different nodes (each TP rank sends 1/tp
+    of the activation over its own NIC, the receivers all-gather it over NVLink); megazero
+    sends the whole activation from each TP rank unless sequence parallelism splits it."""
     p, z, m = cfg.parallel, cfg.zero, cfg.model
     layout = cfg.layout()
     tp, pp, dp, vpp = p.tp, p.pp, layout.dp, cfg.vpp or 1
@@ -136,7 +173,10 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     passes = 4 if p.recompute.granularity == "full" else 3
     gemm = stage_flops_per_microbatch(cfg) / (peak * cluster.achievable_fraction)
     sp = sequence_parallel_active(p.sequence_parallel, tp)
-    per_mb = gemm + gemm * tp * cluster.nongemm_share / (tp if sp else 1)
+    if cluster.hbm_gbps:  # the non-GEMM kernels cost the bytes they move
+        per_mb = gemm + stage_nongemm_bytes(cfg, flash) / (cluster.hbm_gbps * 1e9)
+    else:
+        per_mb = gemm + gemm * tp * cluster.nongemm_share / (tp if sp else 1)
     per_mb += cluster.per_layer_overhead_us * 1e-6 * passes * m.num_layers / pp
     per_mb += cluster.per_microbatch_overhead_us * 1e-6 * vpp
     compute = per_mb * mb
@@ -155,8 +195,13 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         cross = tp * dp >= node and layout.world_size > node
         act = e * s * b * h / (tp if sequence_parallel_active(p.sequence_parallel, tp) else 1)
         bw = cluster.inter_node_gbps if cross else cluster.intra_node_gbps
-        out.terms["pipeline p2p"] = 2 * mb * vpp * collective_seconds(
-            cluster, "send_recv", act, 2, bw)
+        if p2p_scatter_gather and cross and tp > 1 and not sp:
+            one = (collective_seconds(cluster, "send_recv", act / tp, 2, bw)
+                   + collective_seconds(cluster, "all_gather", act, tp,
+                                        cluster.intra_node_gbps))
+        else:
+            one = collective_seconds(cluster, "send_recv", act, 2, bw)
+        out.terms["pipeline p2p"] = 2 * mb * vpp * one
     if tp > 1:
         bw = cluster.intra_node_gbps if tp <= node else cluster.inter_node_gbps
         act = e * s * b * h
@@ -171,7 +216,7 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         out.terms["tensor parallel"] = per * (m.num_layers / pp) * mb
     if rdp > 1:
         dp = rdp
-        bw = cluster.intra_node_gbps if tp * dp <= node else cluster.inter_node_gbps
+        bw = dp_link_gbps(cluster, tp, dp)
         buf = e * params_per_rank
         if z.stage == 3:
             # parameters gathered for every micro-batch's forward and backward, gradients
@@ -183,12 +228,23 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
                     + wire_bytes("reduce_scatter", buf, dp) / rs[1])
             out.terms["ZeRO-3 gather latency"] = (zero3_units * mb * 2 * ag[0]
                                                   + zero3_buckets * rs[0])
+            if z.overlap_comm and cluster.comm_overlaps_compute:
+                comm = max(0.0, comm - compute * 2 / 3)
         else:
             calls = max(1, -(-params_per_rank // max(1, z.reduce_bucket_size)))
-            kinds = ["all_reduce"] if z.stage == 0 else ["reduce_scatter", "all_gather"]
-            comm = calls * sum(collective_seconds(cluster, k, buf / calls, dp, bw) for k in kinds)
-        if z.overlap_comm and cluster.comm_overlaps_compute:
-            comm = max(0.0, comm - compute * 2 / 3)
+            reduce = calls * collective_seconds(
+                cluster, "all_reduce" if z.stage == 0 else "reduce_scatter", buf / calls, dp, bw)
+            gather = 0.0 if z.stage == 0 else calls * collective_seconds(
+                cluster, "all_gather", buf / calls, dp, bw)
+            if cluster.comm_overlaps_compute:
+                # gradients accumulate under no_sync, so only the last micro-batch's backward
+                # (and its recomputed forward) hides their reduction; the parameters'
+                # all-gather after the step hides behind the first forward of the next one
+                if z.overlap_comm:
+                    reduce = max(0.0, reduce - per_mb * (passes - 1) / passes)
+                if z.overlap_param_gather:
+                    gather = max(0.0, gather - per_mb / passes)
+            comm = reduce + gather
         out.terms["data parallel"] = comm
     offload = z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled)
     shard = params_per_rank / (rdp if z.stage else 1)
@@ -197,6 +253,9 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         out.terms["CPU Adam"] = shard / (cluster.cpu_adam_gparams_per_s * 1e9)
     elif cluster.device_adam_gparams_per_s:
         out.terms["optimizer step"] = shard / (cluster.device_adam_gparams_per_s * 1e9)
+    elif cluster.hbm_gbps:  # memory-bound: the bytes the step streams per parameter
+        per_param = ADAM_BYTES_16 if sixteen else ADAM_BYTES_32
+        out.terms["optimizer step"] = shard * per_param / (cluster.hbm_gbps * 1e9)
     # Megatron's formula (72 B s l h^2 ...) for MFU, so the number compares with papers
     out.model_flops = model_flops_per_iteration(gbs, m.seq_length, m.num_layers, h,
                                                 m.vocab_size)
