@@ -174,8 +174,8 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
-    # lion: Lion (betas from adam_beta1/2)
-    optimizer: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
+    # lion: Lion (betas from adam_beta1/2); lamb: DeepSpeed's Lamb (betas, eps from adam_*)
+    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     adam_beta1: float = 0.9
@@ -196,3 +196,8 @@ class OptimizerConfig:
     scheduler_params: dict[str, Any] = field(default_factory=dict)  # its params, "auto" filled in
     # The DeepSpeed JSON has an "optimizer" block: the engine builds the optimizer from it.
     from_ds_config: bool = False
+    # Lamb (DeepSpeed's params.max_coeff / min_coeff / bias_correction): the trust ratio's
+    # clamp, and whether the step size carries Adam's bias corrections
+    lamb_max_coeff: float = 10.0
+    lamb_min_coeff: float = 0.01
+    bias_correction: bool = True

@@ -6,6 +6,7 @@ import functools
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
@@ -145,5 +146,12 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                            pin_memory=zero_config.offload_optimizer.pin_memory,
                            sub_group_size=max(1, int(zero_config.sub_group_size)),
                            swapper=swapper, factory=optimizer_factory, groups=param_groups)
+    if masters.kind.whole_norms:  # Lamb: each piece's trust ratio is its whole parameter's
+        from megazero.optim.whole_norms import WholeParamNorms
+
+        device = next((p.device for s in stores for p in s.params()), torch.device("cpu"))
+        masters.norm_reduce = WholeParamNorms(
+            [p for s in stores for p in s.params()], comms.dp if zero_config.stage else None,
+            comms.tp, topo.tp_rank, device)
     return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,
                          optimizer_config.clip_grad, sequence_parallel)

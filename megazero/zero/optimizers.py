@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
+from megazero.optim.lamb import Lamb
 from megazero.zero.lion import Lion
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -34,6 +35,9 @@ class OptimizerKind:
     has_step: bool  # a per-parameter "step" counter (a scalar tensor) beside them
     hyper: tuple[str, ...]  # group settings taken from a caller's optimizer
     unsupported: tuple[str, ...]  # group flags that must be off
+    # the update needs each whole parameter's norm (Lamb): stepped in two phases around one
+    # reduction over the pieces' ranks (megazero.optim.whole_norms), not elementwise
+    whole_norms: bool = False
 
 
 _ADAM_HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -46,6 +50,9 @@ KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
                                    ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
                                    ("maximize",)),
     Lion: OptimizerKind("Lion", Lion, ("exp_avg",), False, ("lr", "betas", "weight_decay"), ()),
+    Lamb: OptimizerKind("Lamb", Lamb, ("exp_avg", "exp_avg_sq"), True,
+                        (*_ADAM_HYPER, "bias_correction", "max_coeff", "min_coeff"), (),
+                        whole_norms=True),
 }
 #: What a checkpoint that records no optimizer holds (those were all written by Adam/AdamW).
 LEGACY_STATE = ("exp_avg", "exp_avg_sq")
@@ -72,13 +79,14 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
 def config_class(cfg: OptimizerConfig) -> type[torch.optim.Optimizer]:
     """``adam``: Adam with L2 weight decay (added to the gradient, DeepSpeed's ``adam_w_mode:
     false``); ``adamw``: decoupled weight decay; ``sgd``: SGD (momentum, Nesterov, dampening;
-    L2 weight decay); ``lion``: :class:`megazero.zero.lion.Lion` (decoupled weight decay)."""
+    L2 weight decay); ``lion``: :class:`megazero.zero.lion.Lion` (decoupled weight decay);
+    ``lamb``: :class:`megazero.optim.lamb.Lamb` (DeepSpeed's rule and parameters)."""
     classes: dict[str, type[torch.optim.Optimizer]] = {
         "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-        "lion": Lion}
+        "lion": Lion, "lamb": Lamb}
     if cfg.optimizer not in classes:
-        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd "
-                          "or lion")
+        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd, "
+                          "lion or lamb")
     return classes[cfg.optimizer]
 
 
@@ -90,6 +98,10 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
     if cfg.optimizer == "lion":
         return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2),
                 "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "lamb":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "max_coeff": cfg.lamb_max_coeff, "min_coeff": cfg.lamb_min_coeff}
     return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
             "weight_decay": cfg.weight_decay}
 
