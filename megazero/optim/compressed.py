@@ -59,7 +59,8 @@ def error_buffers(n: int, world: int, device: torch.device) -> tuple[torch.Tenso
 
 def _scale(x: torch.Tensor) -> torch.Tensor:
     """Per row: the RMS, the scale that keeps a row's norm when it is replaced by its signs."""
-    return torch.linalg.vector_norm(x, dim=-1) / math.sqrt(x.shape[-1])
+    norm: torch.Tensor = torch.linalg.vector_norm(x, dim=-1)
+    return norm / math.sqrt(x.shape[-1])
 
 
 def _signs(x: torch.Tensor) -> torch.Tensor:
