@@ -174,8 +174,9 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
-    # lion: Lion (betas from adam_beta1/2); lamb: DeepSpeed's Lamb (betas, eps from adam_*)
-    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb"] = "adamw"
+    # lion: Lion (betas from adam_beta1/2); lamb: DeepSpeed's Lamb (betas, eps from adam_*);
+    # onebitadam: DeepSpeed's OneBitAdam (ZeRO stage 0)
+    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb", "onebitadam"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     adam_beta1: float = 0.9
@@ -201,3 +202,9 @@ class OptimizerConfig:
     lamb_max_coeff: float = 10.0
     lamb_min_coeff: float = 0.01
     bias_correction: bool = True
+    # OneBitAdam (DeepSpeed's params): full-precision steps before the compressed exchange;
+    # cuda_aware / comm_backend_name pick DeepSpeed's transport (recorded, the dp group's
+    # backend carries it here)
+    freeze_step: int = 100000
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"

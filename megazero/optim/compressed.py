@@ -72,8 +72,10 @@ class CompressedAllReduce:
     rank sends (``sent_bytes``, since the last :meth:`reset_bytes`), split into signs and
     scales, for the per-step log and the bandwidth check."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, group: Any, log: Any = None, name: str = "dp") -> None:
+        """``log``: a :class:`megazero.zero.comm.CommLog` that records each call's bytes as
+        ``<name>/compressed_allreduce`` (the engine's per-step communication report)."""
+        self.group, self.log, self.name = group, log, name
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.sign_bytes = 0.0
@@ -121,6 +123,10 @@ class CompressedAllReduce:
         out = unpack_signs(torch.cat(all_signs)).view(d, chunk) * torch.cat(all_scales)[:, None]
         x.copy_(out.reshape(-1)[:n].view_as(x))
         frac = (d - 1) / d
-        self.sign_bytes += 2 * frac * padded / 8
-        self.scale_bytes += 8 * (d - 1)  # d - 1 worker scales, then the ring passes d - 1
+        sign_b, scale_b = 2 * frac * padded / 8, 8.0 * (d - 1)  # scales: d - 1 in each phase
+        self.sign_bytes += sign_b
+        self.scale_bytes += scale_b
         self.fp32_bytes += 2 * frac * 4 * n
+        if self.log is not None:
+            self.log.record(self.name, "compressed_allreduce", sign_b + scale_b,
+                            "compressed_allreduce", sign_b + scale_b)

@@ -22,6 +22,7 @@ from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
 from megazero.optim.lamb import Lamb
+from megazero.optim.onebit import OneBitAdam
 from megazero.zero.lion import Lion
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -53,6 +54,8 @@ KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
     Lamb: OptimizerKind("Lamb", Lamb, ("exp_avg", "exp_avg_sq"), True,
                         (*_ADAM_HYPER, "bias_correction", "max_coeff", "min_coeff"), (),
                         whole_norms=True),
+    OneBitAdam: OptimizerKind("OneBitAdam", OneBitAdam, ("exp_avg", "exp_avg_sq"), True,
+                              (*_ADAM_HYPER, "bias_correction"), ()),
 }
 #: What a checkpoint that records no optimizer holds (those were all written by Adam/AdamW).
 LEGACY_STATE = ("exp_avg", "exp_avg_sq")
@@ -66,7 +69,7 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
         names = ", ".join(f"torch.optim.{k.__name__}" for k in KINDS)
         raise ConfigError(f"optimizer {cls.__name__} cannot run on megazero's ZeRO fp32 master "
                           f"shards; use one of {names} (or the \"optimizer\" block: Adam, AdamW, "
-                          "SGD or Lion)")
+                          "SGD, Lion, Lamb or OneBitAdam)")
     if not isinstance(optimizer, type):
         for g in optimizer.param_groups:
             on = [k for k in kind.unsupported if g.get(k)]
@@ -83,10 +86,10 @@ def config_class(cfg: OptimizerConfig) -> type[torch.optim.Optimizer]:
     ``lamb``: :class:`megazero.optim.lamb.Lamb` (DeepSpeed's rule and parameters)."""
     classes: dict[str, type[torch.optim.Optimizer]] = {
         "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-        "lion": Lion, "lamb": Lamb}
+        "lion": Lion, "lamb": Lamb, "onebitadam": OneBitAdam}
     if cfg.optimizer not in classes:
         raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd, "
-                          "lion or lamb")
+                          "lion, lamb or onebitadam")
     return classes[cfg.optimizer]
 
 
@@ -102,6 +105,11 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
         return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
                 "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
                 "max_coeff": cfg.lamb_max_coeff, "min_coeff": cfg.lamb_min_coeff}
+    if cfg.optimizer == "onebitadam":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "freeze_step": cfg.freeze_step, "cuda_aware": cfg.cuda_aware,
+                "comm_backend_name": cfg.comm_backend_name}
     return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
             "weight_decay": cfg.weight_decay}
 
