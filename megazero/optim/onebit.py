@@ -81,6 +81,8 @@ class OneBitAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.compress is not None:
+            self.compress.reset_bytes()  # the counters hold this step's exchange
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -139,3 +141,17 @@ def attach(opt: OneBitAdam, stores: list[Any], comms: Any) -> None:
     opt.local_grads = dp_switch(stores, comms.dp, GroupComm(None, comms.dp.name, comms.log))
     opt.sync_phase()
 
+
+
+def exchange_scalars(engine: Any) -> dict[str, float]:
+    """The last step's compressed exchange for the log: ``compressed-allreduce-bytes`` (what
+    this rank sent in signs and scales, from the engine's comm log), ``compressed-scale-bytes``
+    (the scales' share) and ``fp32-allreduce-bytes`` (a ring all-reduce of the same momenta in
+    fp32); empty when the step exchanged no compressed momenta."""
+    sent = engine.comm_report()["logical_bytes"].get("dp/compressed_allreduce")
+    c = getattr(getattr(engine, "masters", None), "optimizer", None)
+    c = getattr(c, "compress", None)
+    if sent is None or c is None:
+        return {}
+    return {"compressed-allreduce-bytes": float(sent), "compressed-scale-bytes": c.scale_bytes,
+            "fp32-allreduce-bytes": c.fp32_bytes}
