@@ -113,8 +113,8 @@ def test_onebit_adam_warmup_is_adamw_then_one_bit_per_element():
 
 
 def test_onebit_adam_stages_and_types():
-    """ZeRO 1-3 are refused before any process group exists, as the 1-bit types megazero does
-    not implement; a pasted OneBitAdam block sets its parameters."""
+    """ZeRO 1-3 are refused before any process group exists, as OneBitLamb (not implemented);
+    pasted OneBitAdam and ZeroOneAdam blocks set their parameters."""
     argv = "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split()
 
     def load(ds, extra=()):
@@ -128,10 +128,16 @@ def test_onebit_adam_stages_and_types():
     o = load({"optimizer": block}).optimizer
     assert (o.optimizer, o.freeze_step, o.lr, o.bias_correction) == ("onebitadam", 400, 2e-4,
                                                                       False)
+    o = load({"optimizer": {"type": "ZeroOneAdam", "params": {
+        "lr": 1e-3, "var_freeze_step": 1000, "var_update_scaler": 16, "local_step_scaler": 1000,
+        "local_step_clipper": 16, "cuda_aware": False, "comm_backend_name": "nccl"}}}).optimizer
+    assert (o.optimizer, o.var_freeze_step, o.var_update_scaler, o.local_step_scaler,
+            o.local_step_clipper) == ("zerooneadam", 1000, 16, 1000, 16)
     for ds, parts in (
             ({"optimizer": block, "zero_optimization": {"stage": 2}},
              ["OneBitAdam runs without ZeRO", "stage 0", "stage 2"]),
-            ({"optimizer": {"type": "ZeroOneAdam"}}, ["'ZeroOneAdam'", "not implemented"]),
+            ({"optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 1}},
+             ["ZeroOneAdam runs without ZeRO", "stage 0", "stage 1"]),
             ({"optimizer": {"type": "OneBitLamb"}}, ["'OneBitLamb'", "not implemented"])):
         with pytest.raises(ConfigError) as e:
             load(ds)
@@ -163,3 +169,60 @@ def test_pretrain_gpt_runs_a_pasted_onebit_adam_config(tmp_path):
         assert abs((sent - scales) / (fp32 / 32) - 1) < 0.05, m[i]
         assert scales < 0.1 * sent
     assert all(math.isfinite(m[i]["lm loss"]) for i in m)
+
+
+def _train(model, engine, topo, data):
+    rows = ROWS // topo.dp_size
+    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
+    losses = []
+    for tokens, labels in data:
+        engine.zero_grad()
+        loss = model(tokens[mine], labels[mine]).mean()
+        engine.backward(loss)
+        engine.finish_grad_sync()
+        assert engine.step().updated
+        t = torch.tensor([loss.item()])
+        dist.all_reduce(t)
+        losses.append(t.item() / topo.dp_size)
+    return losses
+
+
+def _resume_world(rank, world_size, root):
+    """Save in the compressed phase at dp 4, resume at dp 4: the same numbers as not stopping
+    (moments and every rank's error buffers restored, gradients local from the first step). At
+    dp 2 (tp 2) the load is refused in one line; with --no-load-optim it loads the weights."""
+    from megazero.checkpoint.files import CheckpointError
+    from megazero.checkpointing import load_checkpoint, save_checkpoint
+
+    data = batches()
+    topo = ParallelTopology.build()
+    model = GPTModel(gpt_config(), topo)
+    engine = build_zero_optimizer([model], OPT, ZeroConfig(stage=0), PrecisionConfig(), topo)
+    _train(model, engine, topo, data[:FREEZE + 2])
+    save_checkpoint(root, FREEZE + 2, topo, models=[model], optimizer=engine, scheduler=None,
+                    consumed_samples=0, config={}, zero_stage=0)
+    straight = _train(model, engine, topo, data[FREEZE + 2:])
+    model = GPTModel(gpt_config(), topo)  # same init: the load must overwrite what it trained
+    engine = build_zero_optimizer([model], OPT, ZeroConfig(stage=0), PrecisionConfig(), topo)
+    load_checkpoint(root, topo, models=[model], optimizer=engine, scheduler=None, zero_stage=0)
+    resumed = _train(model, engine, topo, data[FREEZE + 2:])
+    tp2 = ParallelTopology.build(tp=2)
+    model = GPTModel(gpt_config(), tp2)
+    engine = build_zero_optimizer([model], OPT, ZeroConfig(stage=0), PrecisionConfig(), tp2)
+    try:
+        load_checkpoint(root, tp2, models=[model], optimizer=engine, scheduler=None,
+                        zero_stage=0)
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    load_checkpoint(root, tp2, models=[model], optimizer=engine, scheduler=None, zero_stage=0,
+                    no_load_optim=True)
+    return straight, resumed, refused
+
+
+def test_onebit_adam_resumes_with_its_error_feedback(tmp_path):
+    for straight, resumed, refused in run_distributed(_resume_world, 4, str(tmp_path),
+                                                      timeout=300):
+        assert max(abs(a - b) for a, b in zip(straight, resumed)) < 1e-6, (straight, resumed)
+        assert refused is not None and "\n" not in refused
+        assert all(p in refused for p in ("error-feedback", "dp 4", "dp 2", "--no-load-optim"))

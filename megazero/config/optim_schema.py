@@ -175,8 +175,9 @@ class PrecisionConfig:
 class OptimizerConfig:
     # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
     # lion: Lion (betas from adam_beta1/2); lamb: DeepSpeed's Lamb (betas, eps from adam_*);
-    # onebitadam: DeepSpeed's OneBitAdam (ZeRO stage 0)
-    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb", "onebitadam"] = "adamw"
+    # onebitadam / zerooneadam: DeepSpeed's OneBitAdam / ZeroOneAdam (ZeRO stage 0)
+    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb", "onebitadam",
+                       "zerooneadam"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     adam_beta1: float = 0.9
@@ -208,3 +209,8 @@ class OptimizerConfig:
     freeze_step: int = 100000
     cuda_aware: bool = False
     comm_backend_name: str = "nccl"
+    # ZeroOneAdam (DeepSpeed's params): the variance-refresh and local-step schedules
+    var_freeze_step: int = 100000
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32678
+    local_step_clipper: int = 16

@@ -36,6 +36,9 @@ from megazero.optim.compressed import CompressedAllReduce, error_buffers
 
 
 class OneBitAdam(torch.optim.Optimizer):
+    #: per-rank state (saved per rank, megazero.optim.onebit_state)
+    rank_state = ("worker_error", "server_error")
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, bias_correction: bool = True,
@@ -130,10 +133,10 @@ def dp_switch(stores: list[Any], dp: Any, local: Any) -> Callable[[bool], None]:
     return switch
 
 
-def attach(opt: OneBitAdam, stores: list[Any], comms: Any) -> None:
-    """Wire a :class:`OneBitAdam` built over stage-0 masters to the engine: the compressed
-    all-reduce over the data-parallel group (its bytes go to the engine's per-step comm log)
-    and the switch of the gradient buffers between dp and local reduction."""
+def attach(opt: Any, stores: list[Any], comms: Any) -> None:
+    """Wire a :class:`OneBitAdam` (or a ZeroOneAdam) built over stage-0 masters to the engine:
+    the compressed all-reduce over the data-parallel group (its bytes go to the engine's
+    per-step comm log) and the switch of the gradient buffers between dp and local reduction."""
     from megazero.zero.comm import GroupComm
 
     if comms.dp.size > 1:

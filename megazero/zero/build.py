@@ -153,13 +153,13 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
         masters.norm_reduce = WholeParamNorms(
             [p for s in stores for p in s.params()], comms.dp if zero_config.stage else None,
             comms.tp, topo.tp_rank, device)
-    if masters.kind.name == "OneBitAdam":
+    if masters.kind.name in ("OneBitAdam", "ZeroOneAdam"):
         from megazero.optim import onebit
 
         if zero_config.stage != 0:
-            raise ConfigError(f"OneBitAdam runs without ZeRO, as DeepSpeed's: set "
+            raise ConfigError(f"{masters.kind.name} runs without ZeRO, as DeepSpeed's: set "
                               f"zero_optimization.stage 0 (this run has {zero_config.stage}), or "
                               "use Adam, AdamW or Lamb")
-        onebit.attach(masters.optimizer, stores, comms)  # type: ignore[arg-type]
+        onebit.attach(masters.optimizer, stores, comms)
     return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,
                          optimizer_config.clip_grad, sequence_parallel)

@@ -23,6 +23,7 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig
 from megazero.optim.lamb import Lamb
 from megazero.optim.onebit import OneBitAdam
+from megazero.optim.zeroone import ZeroOneAdam
 from megazero.zero.lion import Lion
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -56,6 +57,8 @@ KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
                         whole_norms=True),
     OneBitAdam: OptimizerKind("OneBitAdam", OneBitAdam, ("exp_avg", "exp_avg_sq"), True,
                               (*_ADAM_HYPER, "bias_correction"), ()),
+    ZeroOneAdam: OptimizerKind("ZeroOneAdam", ZeroOneAdam, ("exp_avg", "exp_avg_sq"), True,
+                               (*_ADAM_HYPER, "bias_correction"), ()),
 }
 #: What a checkpoint that records no optimizer holds (those were all written by Adam/AdamW).
 LEGACY_STATE = ("exp_avg", "exp_avg_sq")
@@ -69,7 +72,7 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
         names = ", ".join(f"torch.optim.{k.__name__}" for k in KINDS)
         raise ConfigError(f"optimizer {cls.__name__} cannot run on megazero's ZeRO fp32 master "
                           f"shards; use one of {names} (or the \"optimizer\" block: Adam, AdamW, "
-                          "SGD, Lion, Lamb or OneBitAdam)")
+                          "SGD, Lion, Lamb, OneBitAdam or ZeroOneAdam)")
     if not isinstance(optimizer, type):
         for g in optimizer.param_groups:
             on = [k for k in kind.unsupported if g.get(k)]
@@ -86,10 +89,10 @@ def config_class(cfg: OptimizerConfig) -> type[torch.optim.Optimizer]:
     ``lamb``: :class:`megazero.optim.lamb.Lamb` (DeepSpeed's rule and parameters)."""
     classes: dict[str, type[torch.optim.Optimizer]] = {
         "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-        "lion": Lion, "lamb": Lamb, "onebitadam": OneBitAdam}
+        "lion": Lion, "lamb": Lamb, "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam}
     if cfg.optimizer not in classes:
         raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd, "
-                          "lion, lamb or onebitadam")
+                          "lion, lamb, onebitadam or zerooneadam")
     return classes[cfg.optimizer]
 
 
@@ -109,6 +112,14 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
         return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
                 "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
                 "freeze_step": cfg.freeze_step, "cuda_aware": cfg.cuda_aware,
+                "comm_backend_name": cfg.comm_backend_name}
+    if cfg.optimizer == "zerooneadam":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "var_freeze_step": cfg.var_freeze_step,
+                "var_update_scaler": cfg.var_update_scaler,
+                "local_step_scaler": cfg.local_step_scaler,
+                "local_step_clipper": cfg.local_step_clipper, "cuda_aware": cfg.cuda_aware,
                 "comm_backend_name": cfg.comm_backend_name}
     return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
             "weight_decay": cfg.weight_decay}
