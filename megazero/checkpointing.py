@@ -474,7 +474,8 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
     if (not finetune) and load_optim and engine is None and _same_ranks(saved, current):
         rank_file = reader.file(f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
     errors = None  # OneBitAdam's error feedback: only at the same ranks, refused at another dp
-    if load_optim and engine is not None and engine.masters.kind.name == "OneBitAdam":
+    if load_optim and engine is not None and engine.masters.kind.name in (
+            "OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
         own = _same_ranks(saved, current)
         errors = reader.file(f"{_rank_dir(*((c.tp, c.pp, c.dp) if own else (0, 0, 0)))}"
                              "/optim_rng.pt").get("error_feedback")

@@ -113,8 +113,9 @@ def test_onebit_adam_warmup_is_adamw_then_one_bit_per_element():
 
 
 def test_onebit_adam_stages_and_types():
-    """ZeRO 1-3 are refused before any process group exists, as OneBitLamb (not implemented);
-    pasted OneBitAdam and ZeroOneAdam blocks set their parameters."""
+    """ZeRO 1-3 are refused for the 1-bit optimizers before any process group exists; pasted
+    OneBitAdam, ZeroOneAdam and OneBitLamb blocks (as DeepSpeed's docs write them) set their
+    parameters."""
     argv = "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split()
 
     def load(ds, extra=()):
@@ -133,12 +134,20 @@ def test_onebit_adam_stages_and_types():
         "local_step_clipper": 16, "cuda_aware": False, "comm_backend_name": "nccl"}}}).optimizer
     assert (o.optimizer, o.var_freeze_step, o.var_update_scaler, o.local_step_scaler,
             o.local_step_clipper) == ("zerooneadam", 1000, 16, 1000, 16)
+    o = load({"optimizer": {"type": "OneBitLamb", "params": {
+        "lr": 11e-3, "weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.3,
+        "min_coeff": 0.01, "freeze_step": 1000, "cuda_aware": False,
+        "comm_backend_name": "nccl", "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5,
+        "factor_threshold": 0.1}}}).optimizer
+    assert (o.optimizer, o.freeze_step, o.lamb_max_coeff, o.coeff_beta, o.factor_max,
+            o.factor_min, o.factor_threshold) == ("onebitlamb", 1000, 0.3, 0.9, 4.0, 0.5, 0.1)
     for ds, parts in (
             ({"optimizer": block, "zero_optimization": {"stage": 2}},
              ["OneBitAdam runs without ZeRO", "stage 0", "stage 2"]),
             ({"optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 1}},
              ["ZeroOneAdam runs without ZeRO", "stage 0", "stage 1"]),
-            ({"optimizer": {"type": "OneBitLamb"}}, ["'OneBitLamb'", "not implemented"])):
+            ({"optimizer": {"type": "OneBitLamb"}, "zero_optimization": {"stage": 3}},
+             ["OneBitLamb runs without ZeRO", "stage 0", "stage 3"])):
         with pytest.raises(ConfigError) as e:
             load(ds)
         assert all(p in str(e.value) for p in parts) and "\n" not in str(e.value), str(e.value)

@@ -365,7 +365,7 @@ def test_json_sgd_params_and_megatron_flags():
     ({"type": "SGD", "params": {"betas": [0.9, 0.99]}}, ["optimizer.params.betas", "'SGD'"]),
     ({"type": "AdamW", "params": {"momentum": 0.9}}, ["optimizer.params.momentum", "SGD"]),
     ({"type": "Lion", "params": {"eps": 1e-8}}, ["optimizer.params.eps", "'Lion'"]),
-    ({"type": "Adagrad"}, ["optimizer.type", "'Adagrad'", "OneBitAdam and ZeroOneAdam"]),
+    ({"type": "Adagrad"}, ["optimizer.type", "'Adagrad'", "ZeroOneAdam and OneBitLamb"]),
     ({"type": "AdamW", "params": {"max_coeff": 5.0}}, ["optimizer.params.max_coeff", "Lamb"]),
     ({"type": "Adam", "params": {"bias_correction": False}},
      ["optimizer.params.bias_correction", "only Lamb"]),

@@ -100,6 +100,10 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "optimizer.params.var_update_scaler": _k(INT, 16, "optimizer.var_update_scaler"),
     "optimizer.params.local_step_scaler": _k(INT, 32678, "optimizer.local_step_scaler"),
     "optimizer.params.local_step_clipper": _k(INT, 16, "optimizer.local_step_clipper"),
+    "optimizer.params.coeff_beta": _k(FLOAT, 0.9, "optimizer.coeff_beta"),  # OneBitLamb
+    "optimizer.params.factor_max": _k(FLOAT, 4.0, "optimizer.factor_max"),
+    "optimizer.params.factor_min": _k(FLOAT, 0.5, "optimizer.factor_min"),
+    "optimizer.params.factor_threshold": _k(FLOAT, 0.1, "optimizer.factor_threshold"),
     "optimizer.params.max_coeff": _k(FLOAT, 10.0, "optimizer.lamb_max_coeff"),  # Lamb
     "optimizer.params.min_coeff": _k(FLOAT, 0.01, "optimizer.lamb_min_coeff"),
     # scheduler: which params each type takes is in SCHEDULER_TYPES
@@ -242,12 +246,13 @@ DS_CONFIG_KEYS: dict[str, Key] = {
 #: ``adam_w_mode`` is false (then L2 decay, torch.optim.Adam); "SGD" is torch.optim.SGD; "Lion"
 #: is megazero.zero.lion.Lion; "Lamb" is megazero.optim.lamb.Lamb.
 OPTIMIZER_TYPES = {"adam": IMPL, "adamw": IMPL, "sgd": IMPL, "lion": IMPL, "lamb": IMPL,
-                   "onebitadam": IMPL, "zerooneadam": IMPL, "onebitlamb": TODO}
+                   "onebitadam": IMPL, "zerooneadam": IMPL, "onebitlamb": IMPL}
 #: params only Lamb takes (DeepSpeed's FusedLamb: the trust ratio's clamp)
 LAMB_ONLY_PARAMS = ("max_coeff", "min_coeff")
 #: params only the 1-bit optimizers take (elsewhere accepted with a warning, as before)
 ONEBIT_ONLY_PARAMS = ("freeze_step", "cuda_aware", "comm_backend_name", "var_freeze_step",
-                      "var_update_scaler", "local_step_scaler", "local_step_clipper")
+                      "var_update_scaler", "local_step_scaler", "local_step_clipper",
+                      "coeff_beta", "factor_max", "factor_min", "factor_threshold")
 #: params that only one family takes (the other's optimizer would not accept them); Lion takes
 #: betas (default 0.9, 0.99) but no other Adam param
 ADAM_ONLY_PARAMS = ("betas", "eps", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad")

@@ -101,7 +101,7 @@ def _check_optimizer_params(ds: dict[str, Any], opt_type: str) -> None:
         raise ConfigError(f"optimizer.params.{wrong[0]} is not a parameter of optimizer.type "
                           f"{opt_type!r}; remove it, or set the type that takes it ({owner})")
     if params.get("bias_correction") is False and opt_type.lower() not in (
-            "lamb", "onebitadam", "zerooneadam"):
+            "lamb", "onebitadam", "zerooneadam", "onebitlamb"):
         raise ConfigError(f"optimizer.params.bias_correction false: megazero's {opt_type} "
                           "always applies Adam's bias corrections; remove the key (only Lamb "
                           "and OneBitAdam run without them)")
@@ -113,10 +113,10 @@ def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]])
     if opt_type not in (None, "auto"):
         if opt_type.lower() not in OPTIMIZER_TYPES:
             close = difflib.get_close_matches(
-                opt_type, ["Adam", "AdamW", "SGD", "Lion", "Lamb", "OneBitAdam", "ZeroOneAdam"],
-                n=1)
+                opt_type, ["Adam", "AdamW", "SGD", "Lion", "Lamb", "OneBitAdam", "ZeroOneAdam",
+                           "OneBitLamb"], n=1)
             raise ConfigError(f"optimizer.type: got {opt_type!r}; megazero supports Adam, AdamW, "
-                              "SGD, Lion, Lamb, OneBitAdam and ZeroOneAdam"
+                              "SGD, Lion, Lamb, OneBitAdam, ZeroOneAdam and OneBitLamb"
                               + (f" (did you mean {close[0]!r}?)" if close else ""))
         if not OPTIMIZER_TYPES[opt_type.lower()]:
             raise ConfigError(f"optimizer.type {opt_type!r} is not implemented in megazero yet; "
@@ -126,7 +126,7 @@ def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]])
         w_mode = get_path(ds, "optimizer.params.adam_w_mode")
         decoupled = opt_type.lower() == "adamw" or w_mode in (None, True, "auto")
         kind = (opt_type.lower() if opt_type.lower() in ("sgd", "lion", "lamb", "onebitadam",
-                                                         "zerooneadam")
+                                                         "zerooneadam", "onebitlamb")
                 else "adamw" if decoupled else "adam")
         found["optimizer.optimizer"] = [("optimizer.type", kind)]
         if kind == "lion" and get_path(ds, "optimizer.params.betas") in (None, "auto"):
@@ -344,7 +344,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
     opt_type = str(get_path(ds_checked, "optimizer.type") or "").lower()
     for name in ONEBIT_ONLY_PARAMS:  # DeepSpeed's 1-bit parameters under another type
         path = f"optimizer.params.{name}"
-        if opt_type not in ("onebitadam", "zerooneadam") \
+        if opt_type not in ("onebitadam", "zerooneadam", "onebitlamb") \
                 and get_path(ds_checked, path) is not None:
             warnings.warn(f"DeepSpeed config key {path!r} (given "
                           f"{_js(get_path(ds_checked, path))}) is accepted but has no effect "

@@ -175,9 +175,9 @@ class PrecisionConfig:
 class OptimizerConfig:
     # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
     # lion: Lion (betas from adam_beta1/2); lamb: DeepSpeed's Lamb (betas, eps from adam_*);
-    # onebitadam / zerooneadam: DeepSpeed's OneBitAdam / ZeroOneAdam (ZeRO stage 0)
-    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb", "onebitadam",
-                       "zerooneadam"] = "adamw"
+    # onebitadam / zerooneadam / onebitlamb: DeepSpeed's 1-bit optimizers (ZeRO stage 0)
+    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb", "onebitadam", "zerooneadam",
+                       "onebitlamb"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     adam_beta1: float = 0.9
@@ -214,3 +214,8 @@ class OptimizerConfig:
     var_update_scaler: int = 16
     local_step_scaler: int = 32678
     local_step_clipper: int = 16
+    # OneBitLamb (DeepSpeed's params): the frozen ratio's average and the factor's bounds
+    coeff_beta: float = 0.9
+    factor_max: float = 4.0
+    factor_min: float = 0.5
+    factor_threshold: float = 0.1

@@ -264,7 +264,8 @@ def validate(cfg: MegazeroConfig) -> None:
             ("--lr-warmup-iters (scheduler.params.warmup_num_steps)", o.lr_warmup_iters,
              o.lr_warmup_iters >= 0)):
         check(ok, f"{flag}: got {value}, expected a value >= 0 (betas: 0 <= beta < 1)")
-    onebit = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}.get(o.optimizer)
+    onebit = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
+              "onebitlamb": "OneBitLamb"}.get(o.optimizer)
     if onebit:  # DeepSpeed: "1bit-Adam is not compatible with ZeRO", and so 0/1 Adam
         check(cfg.zero.stage == 0, f"optimizer.type {onebit} runs without ZeRO, as "
               f"DeepSpeed's: set zero_optimization.stage 0 (--zero-stage 0), or use Adam, AdamW "

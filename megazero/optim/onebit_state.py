@@ -37,7 +37,7 @@ def error_feedback_state(engine: Any, infos: list[Any]) -> ErrorState | None:
     out: ErrorState = {}
     for pc in engine.masters.pieces:
         st = opt.state.get(pc.master, {})
-        if "worker_error" in st and id(pc.param) in names:
+        if any(k in st for k in opt.rank_state) and id(pc.param) in names:
             out.setdefault(names[id(pc.param)], []).append(
                 (pc.offset, {k: st[k].detach().cpu().clone() for k in opt.rank_state
                              if k in st}))
@@ -48,8 +48,9 @@ def check_error_feedback(saved: ErrorState | None, saved_dp: int, dp: int,
                          directory: str) -> None:
     """Refuse, in one line, error buffers saved at another dp size."""
     if saved and saved_dp != dp:
-        raise CheckpointError(f"checkpoint {directory} holds OneBitAdam's error-feedback buffers "
-                              f"for dp {saved_dp} (each rank's own, shaped by the dp size); "
+        raise CheckpointError(f"checkpoint {directory} holds a 1-bit optimizer's per-rank "
+                              f"state (error-feedback buffers) for dp {saved_dp} (each rank's "
+                              "own, shaped by the dp size); "
                               f"this run has dp {dp}: resume at dp {saved_dp}, or load the "
                               "weights alone with --no-load-optim (the moments restart)")
 

@@ -60,6 +60,21 @@ class WholeParamNorms:
             self.tp.all_reduce(total, what="lamb_norms")
         return total.cpu()[rows]
 
+    def max(self, owners: Sequence[nn.Parameter], values: torch.Tensor) -> torch.Tensor:
+        """Per piece, the largest of ``values`` (one per piece) over every piece of its whole
+        parameter, here and on the other TP ranks (a replica's maximum is its copies'): the
+        same collective pattern as the sums, one tensor per step."""
+        rows = torch.tensor([self.index[id(p)] for p in owners], dtype=torch.long)
+        total = torch.full((len(self.index),), float("-inf"), dtype=torch.float64)
+        if len(rows):
+            total.scatter_reduce_(0, rows, values.to(torch.float64), reduce="amax")
+        total = total.to(self.device)
+        if self.tp is not None and self.tp.size > 1:
+            import torch.distributed as dist
+
+            self.tp.all_reduce(total, op=dist.ReduceOp.MAX, what="lamb_norms")
+        return total.cpu()[rows]
+
 
 def step_whole_norms(masters: MasterParams, factor: float) -> None:
     """Lamb's step over a rank's masters (:mod:`megazero.optim.lamb`): every sub-group stages

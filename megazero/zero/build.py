@@ -153,7 +153,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
         masters.norm_reduce = WholeParamNorms(
             [p for s in stores for p in s.params()], comms.dp if zero_config.stage else None,
             comms.tp, topo.tp_rank, device)
-    if masters.kind.name in ("OneBitAdam", "ZeroOneAdam"):
+    if masters.kind.name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
         from megazero.optim import onebit
 
         if zero_config.stage != 0:
@@ -161,5 +161,17 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                               f"zero_optimization.stage 0 (this run has {zero_config.stage}), or "
                               "use Adam, AdamW or Lamb")
         onebit.attach(masters.optimizer, stores, comms)
+        if masters.kind.name == "OneBitLamb":  # whole-parameter norms over tp, one step
+            from megazero.optim.whole_norms import WholeParamNorms
+
+            if len(masters.sub_groups) > 1:
+                raise ConfigError(f"OneBitLamb steps every parameter at once: raise "
+                                  f"zero_optimization.sub_group_size to at least "
+                                  f"{sum(p.model.numel() for p in masters.pieces)}")
+            device = next((p.device for s in stores for p in s.params()), torch.device("cpu"))
+            opt: Any = masters.optimizer
+            opt.whole = WholeParamNorms([p for s in stores for p in s.params()], None, comms.tp,
+                                        topo.tp_rank, device)
+            opt.owner = {id(pc.master): pc.param for pc in masters.pieces}
     return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,
                          optimizer_config.clip_grad, sequence_parallel)

@@ -23,6 +23,7 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig
 from megazero.optim.lamb import Lamb
 from megazero.optim.onebit import OneBitAdam
+from megazero.optim.onebit_lamb import OneBitLamb
 from megazero.optim.zeroone import ZeroOneAdam
 from megazero.zero.lion import Lion
 
@@ -59,6 +60,9 @@ KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
                               (*_ADAM_HYPER, "bias_correction"), ()),
     ZeroOneAdam: OptimizerKind("ZeroOneAdam", ZeroOneAdam, ("exp_avg", "exp_avg_sq"), True,
                                (*_ADAM_HYPER, "bias_correction"), ()),
+    OneBitLamb: OptimizerKind("OneBitLamb", OneBitLamb,
+                              ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"), True,
+                              (*_ADAM_HYPER, "bias_correction", "max_coeff", "min_coeff"), ()),
 }
 #: What a checkpoint that records no optimizer holds (those were all written by Adam/AdamW).
 LEGACY_STATE = ("exp_avg", "exp_avg_sq")
@@ -72,7 +76,7 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
         names = ", ".join(f"torch.optim.{k.__name__}" for k in KINDS)
         raise ConfigError(f"optimizer {cls.__name__} cannot run on megazero's ZeRO fp32 master "
                           f"shards; use one of {names} (or the \"optimizer\" block: Adam, AdamW, "
-                          "SGD, Lion, Lamb, OneBitAdam or ZeroOneAdam)")
+                          "SGD, Lion, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb)")
     if not isinstance(optimizer, type):
         for g in optimizer.param_groups:
             on = [k for k in kind.unsupported if g.get(k)]
@@ -89,10 +93,11 @@ def config_class(cfg: OptimizerConfig) -> type[torch.optim.Optimizer]:
     ``lamb``: :class:`megazero.optim.lamb.Lamb` (DeepSpeed's rule and parameters)."""
     classes: dict[str, type[torch.optim.Optimizer]] = {
         "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-        "lion": Lion, "lamb": Lamb, "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam}
+        "lion": Lion, "lamb": Lamb, "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam,
+        "onebitlamb": OneBitLamb}
     if cfg.optimizer not in classes:
         raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd, "
-                          "lion, lamb, onebitadam or zerooneadam")
+                          "lion, lamb, onebitadam, zerooneadam or onebitlamb")
     return classes[cfg.optimizer]
 
 
@@ -112,6 +117,14 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
         return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
                 "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
                 "freeze_step": cfg.freeze_step, "cuda_aware": cfg.cuda_aware,
+                "comm_backend_name": cfg.comm_backend_name}
+    if cfg.optimizer == "onebitlamb":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "freeze_step": cfg.freeze_step, "max_coeff": cfg.lamb_max_coeff,
+                "min_coeff": cfg.lamb_min_coeff, "coeff_beta": cfg.coeff_beta,
+                "factor_max": cfg.factor_max, "factor_min": cfg.factor_min,
+                "factor_threshold": cfg.factor_threshold, "cuda_aware": cfg.cuda_aware,
                 "comm_backend_name": cfg.comm_backend_name}
     if cfg.optimizer == "zerooneadam":
         return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
