@@ -109,3 +109,48 @@ def test_onebit_lamb_warmup_is_lamb_at_any_layout_then_one_bit():
                 assert 1 / 32 <= signs / full < 1.15 / 32, (case, signs / full)
             assert max(spread) < 1e-6, (case, spread)  # replicas stay equal
             assert all(abs(a - b) < 0.05 * b for a, b in zip(losses, ref_losses)), case
+
+
+def test_each_pasted_type_builds_and_steps():
+    """DeepSpeed's blocks for every optimizer type megazero takes, as pasted: the config
+    loader and the run's build give that optimizer with the block's parameters, and it steps
+    (one process). OneBitLamb with sub-groups that cut its parameters is refused in one line."""
+    import warnings
+    from dataclasses import replace
+
+    import pytest
+
+    from megazero.config import ConfigError, load_config
+    from megazero.train_setup import build_model_and_optimizer
+
+    argv = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--vocab-size 96 --micro-batch-size 2 --train-iters 1").split()
+    blocks = {
+        "Adam": {"lr": 1e-3}, "AdamW": {"lr": 1e-3}, "SGD": {"lr": 0.1, "momentum": 0.9},
+        "Lion": {"lr": 1e-4}, "Lamb": {"lr": 1e-3, "max_coeff": 0.3, "min_coeff": 0.01},
+        "OneBitAdam": {"lr": 1e-3, "freeze_step": 1},
+        "ZeroOneAdam": {"lr": 1e-3, "var_freeze_step": 1, "local_step_scaler": 1},
+        "OneBitLamb": {"lr": 1e-3, "freeze_step": 1, "max_coeff": 0.3, "factor_max": 4.0}}
+    tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
+    for kind, params in blocks.items():
+        ds = {"train_batch_size": "auto", "zero_optimization": {"stage": 0},
+              "optimizer": {"type": kind, "params": params}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = load_config(argv, 1, ds_config=ds)
+        chunks, engine = build_model_and_optimizer(cfg, ParallelTopology.single(),
+                                                   torch.device("cpu"))
+        # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false: AdamW
+        assert engine.masters.kind.name == {"Adam": "AdamW"}.get(kind, kind), kind
+        group = engine.masters.optimizer.param_groups[0]
+        assert group["lr"] == params["lr"], kind
+        for _ in range(2):  # the 1-bit ones past their warm-up on the second step
+            engine.zero_grad()
+            engine.backward(chunks[0](tokens[:, :-1], tokens[:, 1:]).mean())
+            engine.finish_grad_sync()
+            assert engine.step().updated, kind
+        if kind == "OneBitLamb":
+            small = replace(cfg, zero=replace(cfg.zero, sub_group_size=1000))
+            with pytest.raises(ConfigError, match="sub_group_size to at least") as e:
+                build_model_and_optimizer(small, ParallelTopology.single(), torch.device("cpu"))
+            assert "\n" not in str(e.value)

@@ -21,7 +21,10 @@ NCCL) either way.
 The engine owns the switch: ``local_grads`` (set by the build) turns the data-parallel
 gradient reduction off for the compressed phase and on again for a warm-up resumed from a
 checkpoint; ``compress`` is the group's compressed all-reduce (None with one dp rank).
-DeepSpeed runs 1-bit Adam without ZeRO only; so does megazero (stage 0).
+DeepSpeed runs 1-bit Adam without ZeRO only; so does megazero (stage 0). Gradient clipping
+(``gradient_clipping``) in the compressed phase takes data-parallel rank 0's local gradient
+norm (stage 0 counts one replica's gradients, and they are no longer averaged); every rank
+applies that same coefficient, so the replicas stay equal.
 """
 
 from __future__ import annotations
