@@ -154,3 +154,43 @@ def test_each_pasted_type_builds_and_steps():
             with pytest.raises(ConfigError, match="sub_group_size to at least") as e:
                 build_model_and_optimizer(small, ParallelTopology.single(), torch.device("cpu"))
             assert "\n" not in str(e.value)
+
+
+def _resume_world(rank, world_size, root):
+    """Saved in the compressed phase (error buffers, frozen ratio, factor and momentum scales
+    per rank), resumed at the same layout: the same numbers as not stopping."""
+    from megazero.checkpointing import load_checkpoint, save_checkpoint
+
+    topo = ParallelTopology.build()
+    rows = ROWS // topo.dp_size
+    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
+
+    def train(model, engine, data):
+        out = []
+        for tokens, labels in data:
+            engine.zero_grad()
+            loss = model(tokens[mine], labels[mine]).mean()
+            engine.backward(loss)
+            engine.finish_grad_sync()
+            engine.step()
+            t = torch.tensor([loss.item()])
+            dist.all_reduce(t)
+            out.append(t.item() / topo.dp_size)
+        return out
+
+    data = batches()
+    model = GPTModel(gpt_config(), topo)
+    engine = build_zero_optimizer([model], OPT, ZeroConfig(stage=0), PrecisionConfig(), topo)
+    train(model, engine, data[:FREEZE + 2])
+    save_checkpoint(root, FREEZE + 2, topo, models=[model], optimizer=engine, scheduler=None,
+                    consumed_samples=0, config={}, zero_stage=0)
+    straight = train(model, engine, data[FREEZE + 2:])
+    model = GPTModel(gpt_config(), topo)
+    engine = build_zero_optimizer([model], OPT, ZeroConfig(stage=0), PrecisionConfig(), topo)
+    load_checkpoint(root, topo, models=[model], optimizer=engine, scheduler=None, zero_stage=0)
+    return straight, train(model, engine, data[FREEZE + 2:])
+
+
+def test_onebit_lamb_resumes_with_its_per_rank_state(tmp_path):
+    for straight, resumed in run_distributed(_resume_world, 4, str(tmp_path), timeout=300):
+        assert max(abs(a - b) for a, b in zip(straight, resumed)) < 1e-6, (straight, resumed)
