@@ -480,7 +480,7 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
         errors = reader.file(f"{_rank_dir(*((c.tp, c.pp, c.dp) if own else (0, 0, 0)))}"
                              "/optim_rng.pt").get("error_feedback")
         if not own:
-            check_error_feedback(errors, saved["dp"], current["dp"], directory)
+            check_error_feedback(errors, saved, current, directory)
     rng = None
     if not finetune and not no_load_rng:
         source = _rng_source(saved, current, c)

@@ -1,14 +1,15 @@
-"""OneBitAdam's error-feedback buffers in checkpoints.
+"""The 1-bit optimizers' per-rank state (error-feedback buffers and the like) in checkpoints.
 
 The moments (``exp_avg``, ``exp_avg_sq``, ``step``) are saved per parameter like Adam's, in the
 layout-free tensors every checkpoint holds. The worker and server errors are not: each data-
 parallel rank holds its own, and their shapes follow the dp size (the worker error is the
 parameter padded to a multiple of 8 x dp elements, the server error one dp-th of that). They go
 into each rank's ``optim_rng.pt`` keyed by the parameter's global name and the piece's offset,
-and load back at the same tp, pp and dp; at another dp size the load stops and says so,
-offering ``--no-load-optim`` (weights only); at the same dp with another tp or pp they restart
-from zero (DeepSpeed resets them at every load). A checkpoint written during the warm-up
-(``freeze_step`` not reached) has no error buffers and loads at any layout.
+and load back at the same tp, pp and dp; at another layout the load stops and says so,
+offering ``--no-load-optim`` (weights only). A OneBitAdam checkpoint written before
+``freeze_step`` has no per-rank state and loads at any layout; ZeroOneAdam and OneBitLamb keep
+theirs (error buffers, 0/1 Adam's accumulator, 1-bit Lamb's averaged trust ratio) from the
+first step.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ def error_feedback_state(engine: Any, infos: list[Any]) -> ErrorState | None:
     return out or None
 
 
-def check_error_feedback(saved: ErrorState | None, saved_dp: int, dp: int,
-                         directory: str) -> None:
-    """Refuse, in one line, error buffers saved at another dp size."""
-    if saved and saved_dp != dp:
+def check_error_feedback(saved: ErrorState | None, saved_layout: dict[str, int],
+                         layout: dict[str, int], directory: str) -> None:
+    """Refuse, in one line, per-rank state saved at another tp, pp or dp."""
+    def name(lay: dict[str, int]) -> str:
+        return " ".join(f"{k} {lay[k]}" for k in ("tp", "pp", "dp"))
+
+    if saved and any(saved_layout[k] != layout[k] for k in ("tp", "pp", "dp")):
         raise CheckpointError(f"checkpoint {directory} holds a 1-bit optimizer's per-rank "
-                              f"state (error-feedback buffers) for dp {saved_dp} (each rank's "
-                              "own, shaped by the dp size); "
-                              f"this run has dp {dp}: resume at dp {saved_dp}, or load the "
+                              f"state (error-feedback buffers, each rank's own and shaped by "
+                              f"the dp size) for {name(saved_layout)}; this run is "
+                              f"{name(layout)}: resume at the saved layout, or load the "
                               "weights alone with --no-load-optim (the moments restart)")
 
 
