@@ -109,6 +109,11 @@ from megazero.checkpoint.save_ranges import (
     write_rank_tensors,
 )
 from megazero.checkpoint.tensors import ParamInfo, param_infos
+from megazero.optim.onebit_state import (
+    check_error_feedback,
+    error_feedback_state,
+    load_error_feedback,
+)
 from megazero.save_check import explain_write_error
 
 if TYPE_CHECKING:
@@ -284,7 +289,9 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
         index = write_rank_tensors(infos, shapes, engine, step, c.tp, topo.tp_size, c.dp,
                                    _rank_dir(c.tp, c.pp, c.dp), bucket_bytes, put)
         opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
-        put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
+        put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration,
+             # 1-bit optimizers: this rank's error-feedback buffers (megazero.optim.onebit_state)
+             "error_feedback": error_feedback_state(engine, infos)},
             f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
         if extra_state is not None and topo.rank == 0:
             put(extra_state, "extra_state.pt")
@@ -474,6 +481,14 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
     rank_file = None
     if (not finetune) and load_optim and engine is None and _same_ranks(saved, current):
         rank_file = reader.file(f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")
+    errors = None  # OneBitAdam's error feedback: only at the same ranks, refused at another dp
+    if load_optim and engine is not None and engine.masters.kind.name in (
+            "OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
+        own = _same_ranks(saved, current)
+        errors = reader.file(f"{_rank_dir(*((c.tp, c.pp, c.dp) if own else (0, 0, 0)))}"
+                             "/optim_rng.pt").get("error_feedback")
+        if not own:
+            check_error_feedback(errors, saved, current, directory)
     rng = None
     if not finetune and not no_load_rng:
         source = _rng_source(saved, current, c)
@@ -495,7 +510,7 @@ def _plan(root, topo: ParallelTopology, models, optimizer, zero_stage, rng_track
     return {"found": True, "iteration": iteration, "directory": directory, "meta": meta,
             "extra": extra,
             "finetune": finetune, "load_optim": load_optim, "reader": reader,
-            "shapes": shapes, "rank_file": rank_file, "rng": rng,
+            "shapes": shapes, "rank_file": rank_file, "rng": rng, "errors": errors,
             "infos": infos, "engine": engine, "scaler": scaler_state, "notes": notes,
             "tp_rank": c.tp, "tp_size": topo.tp_size}
 
@@ -526,6 +541,7 @@ def _apply(plan, models, optimizer, scheduler, rng_tracker) -> LoadResult:
     if plan["load_optim"]:
         if engine is not None:
             load_optimizer_states(reader, infos, shapes, engine, *tp)
+            load_error_feedback(engine, infos, plan["errors"])
             if plan["scaler"] is not None:
                 engine.scaler.load_state_dict(plan["scaler"])
         elif plan["rank_file"] is not None and plan["rank_file"]["optimizer"] is not None:

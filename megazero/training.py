@@ -68,6 +68,7 @@ from megazero.flops import gpt_flops_per_iteration, peak_flops
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.model.attention_probe import describe_attention
 from megazero.monitor import Monitor, Timers
+from megazero.optim.onebit import exchange_scalars
 from megazero.peers import PeerRegistry
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.profiling import StepProfiler
@@ -405,6 +406,8 @@ def train(run: Run) -> TrainState:
                 if st.iteration % log_interval == 0:
                     norm = None if result.skipped or math.isnan(result.grad_norm) else (
                         result.grad_norm)
+                    # 1-bit optimizers: the bytes the step's compressed exchange sent
+                    run.monitor.memory_phases.update(exchange_scalars(run.engine))
                     run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
                                        run.scheduler.get_lr(), gbs,
                                        cfg.model.seq_length, result.loss_scale, norm,

@@ -256,7 +256,7 @@ def test_unknown_keys_suggest_the_closest(ds, parts):
      ["aio.thread_count: 2", "aio.intra_op_parallelism: 4", "set the same thing differently"]),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
      ["fp16.enabled", "bf16.enabled", "at most one"]),
-    ({"optimizer": {"type": "Lamb"}}, ["optimizer.type", "'Lamb'", "Adam, AdamW, SGD and Lion"]),
+    ({"optimizer": {"type": "Adagrad"}}, ["optimizer.type", "'Adagrad'", "Adam, AdamW, SGD, Lion"]),
     ({"scheduler": {"type": "WarmupLr"}}, ["scheduler.type", "did you mean 'WarmupLR'?"]),
     ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 9}}},
      ["scheduler.params.total_num_steps is not a parameter of WarmupLR", "warmup_max_lr"]),

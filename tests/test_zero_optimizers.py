@@ -292,7 +292,8 @@ def test_engine_runs_the_configured_or_given_optimizer():
 @pytest.mark.parametrize("argv, ds, kind", [
     (["--optimizer", "sgd"], None, "SGD"),
     (["--optimizer", "sgd", "--sgd-momentum", "0"], None, "SGD"),
-    ([], {"optimizer": {"type": "Lion"}, "train_batch_size": "auto"}, "Lion")])
+    ([], {"optimizer": {"type": "Lion"}, "train_batch_size": "auto"}, "Lion"),
+    ([], {"optimizer": {"type": "Lamb"}, "train_batch_size": "auto"}, "Lamb")])
 def test_planner_counts_each_optimizers_state(argv, ds, kind):
     """The planner's optimizer bytes equal what the engine holds after a step (SGD: one buffer,
     none without momentum, no step counter; Lion: one moment, no step; Adam is checked in
@@ -339,6 +340,7 @@ def _load(ds=None, argv=()):
     ({"type": "AdamW", "params": {"adam_w_mode": False}}, "adamw"),  # AdamW is always decoupled
     ({"type": "SGD", "params": {"lr": 0.1}}, "sgd"),
     ({"type": "Lion", "params": {"lr": 1e-4}}, "lion"),
+    ({"type": "Lamb", "params": {"lr": 1e-4}}, "lamb"),
 ])
 def test_json_optimizer_type(block, kind):
     assert _load({"optimizer": block}).optimizer == kind
@@ -363,7 +365,10 @@ def test_json_sgd_params_and_megatron_flags():
     ({"type": "SGD", "params": {"betas": [0.9, 0.99]}}, ["optimizer.params.betas", "'SGD'"]),
     ({"type": "AdamW", "params": {"momentum": 0.9}}, ["optimizer.params.momentum", "SGD"]),
     ({"type": "Lion", "params": {"eps": 1e-8}}, ["optimizer.params.eps", "'Lion'"]),
-    ({"type": "Lamb"}, ["optimizer.type", "'Lamb'", "Lion"]),
+    ({"type": "Adagrad"}, ["optimizer.type", "'Adagrad'", "ZeroOneAdam and OneBitLamb"]),
+    ({"type": "AdamW", "params": {"max_coeff": 5.0}}, ["optimizer.params.max_coeff", "Lamb"]),
+    ({"type": "Adam", "params": {"bias_correction": False}},
+     ["optimizer.params.bias_correction", "only Lamb"]),
 ])
 def test_json_optimizer_rejections(block, parts):
     with pytest.raises(ConfigError) as e, warnings.catch_warnings():

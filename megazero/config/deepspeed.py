@@ -91,13 +91,21 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     "optimizer.params.nesterov": _k(BOOL, False, "optimizer.sgd_nesterov"),
     "optimizer.params.dampening": _k(FLOAT, 0.0, "optimizer.sgd_dampening"),
     "optimizer.params.fused": _k(BOOL, False, None, TODO),
-    "optimizer.params.bias_correction": _k(BOOL, True, None, TODO),
+    "optimizer.params.bias_correction": _k(BOOL, True, "optimizer.bias_correction"),
     "optimizer.params.amsgrad": _k(BOOL, False, None, TODO),
-    "optimizer.params.freeze_step": _k(INT, 100000, None, TODO),
-    "optimizer.params.cuda_aware": _k(BOOL, False, None, TODO),
-    "optimizer.params.comm_backend_name": _k(STR, "nccl", None, TODO),
-    "optimizer.params.max_coeff": _k(FLOAT, 10.0, None, TODO),
-    "optimizer.params.min_coeff": _k(FLOAT, 0.01, None, TODO),
+    "optimizer.params.freeze_step": _k(INT, 100000, "optimizer.freeze_step"),  # OneBitAdam
+    "optimizer.params.cuda_aware": _k(BOOL, False, "optimizer.cuda_aware"),
+    "optimizer.params.comm_backend_name": _k(STR, "nccl", "optimizer.comm_backend_name"),
+    "optimizer.params.var_freeze_step": _k(INT, 100000, "optimizer.var_freeze_step"),  # 0/1 Adam
+    "optimizer.params.var_update_scaler": _k(INT, 16, "optimizer.var_update_scaler"),
+    "optimizer.params.local_step_scaler": _k(INT, 32678, "optimizer.local_step_scaler"),
+    "optimizer.params.local_step_clipper": _k(INT, 16, "optimizer.local_step_clipper"),
+    "optimizer.params.coeff_beta": _k(FLOAT, 0.9, "optimizer.coeff_beta"),  # OneBitLamb
+    "optimizer.params.factor_max": _k(FLOAT, 4.0, "optimizer.factor_max"),
+    "optimizer.params.factor_min": _k(FLOAT, 0.5, "optimizer.factor_min"),
+    "optimizer.params.factor_threshold": _k(FLOAT, 0.1, "optimizer.factor_threshold"),
+    "optimizer.params.max_coeff": _k(FLOAT, 10.0, "optimizer.lamb_max_coeff"),  # Lamb
+    "optimizer.params.min_coeff": _k(FLOAT, 0.01, "optimizer.lamb_min_coeff"),
     # scheduler: which params each type takes is in SCHEDULER_TYPES
     "scheduler": _k(BLOCK),
     "scheduler.type": _k(STR, None, "optimizer.scheduler_type"),
@@ -236,8 +244,15 @@ DS_CONFIG_KEYS: dict[str, Key] = {
 
 #: optimizer.type (lower-cased) -> implemented. DeepSpeed's "Adam" is decoupled (AdamW) unless
 #: ``adam_w_mode`` is false (then L2 decay, torch.optim.Adam); "SGD" is torch.optim.SGD; "Lion"
-#: is megazero.zero.lion.Lion.
-OPTIMIZER_TYPES = {"adam": IMPL, "adamw": IMPL, "sgd": IMPL, "lion": IMPL}
+#: is megazero.zero.lion.Lion; "Lamb" is megazero.optim.lamb.Lamb.
+OPTIMIZER_TYPES = {"adam": IMPL, "adamw": IMPL, "sgd": IMPL, "lion": IMPL, "lamb": IMPL,
+                   "onebitadam": IMPL, "zerooneadam": IMPL, "onebitlamb": IMPL}
+#: params only Lamb takes (DeepSpeed's FusedLamb: the trust ratio's clamp)
+LAMB_ONLY_PARAMS = ("max_coeff", "min_coeff")
+#: params only the 1-bit optimizers take (elsewhere accepted with a warning, as before)
+ONEBIT_ONLY_PARAMS = ("freeze_step", "cuda_aware", "comm_backend_name", "var_freeze_step",
+                      "var_update_scaler", "local_step_scaler", "local_step_clipper",
+                      "coeff_beta", "factor_max", "factor_min", "factor_threshold")
 #: params that only one family takes (the other's optimizer would not accept them); Lion takes
 #: betas (default 0.9, 0.99) but no other Adam param
 ADAM_ONLY_PARAMS = ("betas", "eps", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad")

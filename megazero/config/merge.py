@@ -31,6 +31,8 @@ from megazero.config.cli import flag_values
 from megazero.config.deepspeed import (
     ADAM_ONLY_PARAMS,
     DS_CONFIG_KEYS,
+    LAMB_ONLY_PARAMS,
+    ONEBIT_ONLY_PARAMS,
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
     SGD_ONLY_PARAMS,
@@ -90,11 +92,19 @@ def _check_optimizer_params(ds: dict[str, Any], opt_type: str) -> None:
     params = get_path(ds, "optimizer.params") or {}
     lion = (*SGD_ONLY_PARAMS, *(k for k in ADAM_ONLY_PARAMS if k != "betas"))
     foreign = {"sgd": ADAM_ONLY_PARAMS, "lion": lion}.get(opt_type.lower(), SGD_ONLY_PARAMS)
+    if "lamb" not in opt_type.lower():
+        foreign = (*foreign, *LAMB_ONLY_PARAMS)
     wrong = [k for k in foreign if k in params]
     if wrong:
+        owner = ("SGD" if wrong[0] in SGD_ONLY_PARAMS else "Lamb"
+                 if wrong[0] in LAMB_ONLY_PARAMS else "Adam / AdamW")
         raise ConfigError(f"optimizer.params.{wrong[0]} is not a parameter of optimizer.type "
-                          f"{opt_type!r}; remove it, or set the type that takes it "
-                          f"({'SGD' if wrong[0] in SGD_ONLY_PARAMS else 'Adam / AdamW'})")
+                          f"{opt_type!r}; remove it, or set the type that takes it ({owner})")
+    if params.get("bias_correction") is False and opt_type.lower() not in (
+            "lamb", "onebitadam", "zerooneadam", "onebitlamb"):
+        raise ConfigError(f"optimizer.params.bias_correction false: megazero's {opt_type} "
+                          "always applies Adam's bias corrections; remove the key (only Lamb "
+                          "and OneBitAdam run without them)")
 
 
 def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]]) -> None:
@@ -102,14 +112,21 @@ def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]])
     opt_type = get_path(ds, "optimizer.type")
     if opt_type not in (None, "auto"):
         if opt_type.lower() not in OPTIMIZER_TYPES:
-            close = difflib.get_close_matches(opt_type, ["Adam", "AdamW", "SGD", "Lion"], n=1)
+            close = difflib.get_close_matches(
+                opt_type, ["Adam", "AdamW", "SGD", "Lion", "Lamb", "OneBitAdam", "ZeroOneAdam",
+                           "OneBitLamb"], n=1)
             raise ConfigError(f"optimizer.type: got {opt_type!r}; megazero supports Adam, AdamW, "
-                              "SGD and Lion" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                              "SGD, Lion, Lamb, OneBitAdam, ZeroOneAdam and OneBitLamb"
+                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if not OPTIMIZER_TYPES[opt_type.lower()]:
+            raise ConfigError(f"optimizer.type {opt_type!r} is not implemented in megazero yet; "
+                              "use OneBitAdam or ZeroOneAdam (ZeRO stage 0), or Lamb")
         _check_optimizer_params(ds, opt_type)
         # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false
         w_mode = get_path(ds, "optimizer.params.adam_w_mode")
         decoupled = opt_type.lower() == "adamw" or w_mode in (None, True, "auto")
-        kind = (opt_type.lower() if opt_type.lower() in ("sgd", "lion")
+        kind = (opt_type.lower() if opt_type.lower() in ("sgd", "lion", "lamb", "onebitadam",
+                                                         "zerooneadam", "onebitlamb")
                 else "adamw" if decoupled else "adam")
         found["optimizer.optimizer"] = [("optimizer.type", kind)]
         if kind == "lion" and get_path(ds, "optimizer.params.betas") in (None, "auto"):
@@ -329,6 +346,16 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
         shown = "{...}" if isinstance(shown, dict) else _js(shown)
         warnings.warn(f"DeepSpeed config key {path!r} (given {shown}) is accepted but has no "
                       f"effect yet in megazero", UnimplementedConfigWarning, stacklevel=3)
+    opt_type = str(get_path(ds_checked, "optimizer.type") or "").lower()
+    for name in ONEBIT_ONLY_PARAMS:  # DeepSpeed's 1-bit parameters under another type
+        path = f"optimizer.params.{name}"
+        if opt_type not in ("onebitadam", "zerooneadam", "onebitlamb") \
+                and get_path(ds_checked, path) is not None:
+            warnings.warn(f"DeepSpeed config key {path!r} (given "
+                          f"{_js(get_path(ds_checked, path))}) is accepted but has no effect "
+                          f"with optimizer.type {opt_type or 'unset'!r} (only the 1-bit "
+                          "optimizers take it)",
+                          UnimplementedConfigWarning, stacklevel=3)
     kind = get_path(ds_checked, "scheduler.type")
     if kind in SCHEDULER_TYPES and not SCHEDULER_TYPES[kind][0]:
         warnings.warn(f"DeepSpeed config key 'scheduler.type' (given {kind!r}) is accepted but has "

@@ -174,8 +174,10 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     # adamw: decoupled weight decay; adam: L2 decay in the gradient; sgd: SGD with momentum;
-    # lion: Lion (betas from adam_beta1/2)
-    optimizer: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
+    # lion: Lion (betas from adam_beta1/2); lamb: DeepSpeed's Lamb (betas, eps from adam_*);
+    # onebitadam / zerooneadam / onebitlamb: DeepSpeed's 1-bit optimizers (ZeRO stage 0)
+    optimizer: Literal["adamw", "adam", "sgd", "lion", "lamb", "onebitadam", "zerooneadam",
+                       "onebitlamb"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     adam_beta1: float = 0.9
@@ -196,3 +198,24 @@ class OptimizerConfig:
     scheduler_params: dict[str, Any] = field(default_factory=dict)  # its params, "auto" filled in
     # The DeepSpeed JSON has an "optimizer" block: the engine builds the optimizer from it.
     from_ds_config: bool = False
+    # Lamb (DeepSpeed's params.max_coeff / min_coeff / bias_correction): the trust ratio's
+    # clamp, and whether the step size carries Adam's bias corrections
+    lamb_max_coeff: float = 10.0
+    lamb_min_coeff: float = 0.01
+    bias_correction: bool = True
+    # OneBitAdam (DeepSpeed's params): full-precision steps before the compressed exchange;
+    # cuda_aware / comm_backend_name pick DeepSpeed's transport (recorded, the dp group's
+    # backend carries it here)
+    freeze_step: int = 100000
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+    # ZeroOneAdam (DeepSpeed's params): the variance-refresh and local-step schedules
+    var_freeze_step: int = 100000
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32678
+    local_step_clipper: int = 16
+    # OneBitLamb (DeepSpeed's params): the frozen ratio's average and the factor's bounds
+    coeff_beta: float = 0.9
+    factor_max: float = 4.0
+    factor_min: float = 0.5
+    factor_threshold: float = 0.1

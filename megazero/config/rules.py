@@ -312,6 +312,16 @@ def validate(cfg: MegazeroConfig) -> None:
             ("--lr-warmup-iters (scheduler.params.warmup_num_steps)", o.lr_warmup_iters,
              o.lr_warmup_iters >= 0)):
         check(ok, f"{flag}: got {value}, expected a value >= 0 (betas: 0 <= beta < 1)")
+    onebit = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
+              "onebitlamb": "OneBitLamb"}.get(o.optimizer)
+    if onebit:  # DeepSpeed: "1bit-Adam is not compatible with ZeRO", and so 0/1 Adam
+        check(cfg.zero.stage == 0, f"optimizer.type {onebit} runs without ZeRO, as "
+              f"DeepSpeed's: set zero_optimization.stage 0 (--zero-stage 0), or use Adam, AdamW "
+              f"or Lamb at stage {cfg.zero.stage}")
+        for name in ("freeze_step", "var_freeze_step", "var_update_scaler",
+                     "local_step_scaler", "local_step_clipper"):
+            check(getattr(o, name) >= 1, f"optimizer.params.{name}: got {getattr(o, name)}, "
+                  "expected >= 1")
     gas = t.gradient_accumulation_steps
     if p.world_size is not None and t.global_batch_size is not None and gas is not None:
         dp = p.dp

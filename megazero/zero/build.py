@@ -6,6 +6,7 @@ import functools
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
@@ -145,5 +146,32 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                            pin_memory=zero_config.offload_optimizer.pin_memory,
                            sub_group_size=max(1, int(zero_config.sub_group_size)),
                            swapper=swapper, factory=optimizer_factory, groups=param_groups)
+    if masters.kind.whole_norms:  # Lamb: each piece's trust ratio is its whole parameter's
+        from megazero.optim.whole_norms import WholeParamNorms
+
+        device = next((p.device for s in stores for p in s.params()), torch.device("cpu"))
+        masters.norm_reduce = WholeParamNorms(
+            [p for s in stores for p in s.params()], comms.dp if zero_config.stage else None,
+            comms.tp, topo.tp_rank, device)
+    if masters.kind.name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
+        from megazero.optim import onebit
+
+        if zero_config.stage != 0:
+            raise ConfigError(f"{masters.kind.name} runs without ZeRO, as DeepSpeed's: set "
+                              f"zero_optimization.stage 0 (this run has {zero_config.stage}), or "
+                              "use Adam, AdamW or Lamb")
+        onebit.attach(masters.optimizer, stores, comms)
+        if masters.kind.name == "OneBitLamb":  # whole-parameter norms over tp, one step
+            from megazero.optim.whole_norms import WholeParamNorms
+
+            if len(masters.sub_groups) > 1:
+                raise ConfigError(f"OneBitLamb steps every parameter at once: raise "
+                                  f"zero_optimization.sub_group_size to at least "
+                                  f"{sum(p.model.numel() for p in masters.pieces)}")
+            device = next((p.device for s in stores for p in s.params()), torch.device("cpu"))
+            opt: Any = masters.optimizer
+            opt.whole = WholeParamNorms([p for s in stores for p in s.params()], None, comms.tp,
+                                        topo.tp_rank, device)
+            opt.owner = {id(pc.master): pc.param for pc in masters.pieces}
     return ZeroOptimizer(stores, masters, comms, topo, zero_config, precision_config,
                          optimizer_config.clip_grad, sequence_parallel)

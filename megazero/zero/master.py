@@ -122,6 +122,9 @@ class MasterParams:
         self._resident = False
         self.pin_memory = pin_memory
         self._grad_stage: torch.Tensor | None = None  # see _staged
+        # Lamb's whole-parameter norms: (owner params, per-piece sums) -> whole sums. None:
+        # each parameter's pieces are all here (megazero.optim.whole_norms; set by the build)
+        self.norm_reduce: Callable[[list[nn.Parameter], torch.Tensor], torch.Tensor] | None = None
         total = sum(p.model.numel() for p in self.pieces)
         if swapper is not None:
             # Masters are placeholders; the step points them at a slot of the swapper.
@@ -157,6 +160,10 @@ class MasterParams:
     # --- NVMe: masters and moments in swap files ------------------------------------------
 
     def _init_swap(self, make: Callable[[list[int]], OptimizerSwapper]) -> None:
+        if self.kind.whole_norms:
+            raise ConfigError(f"zero_optimization.offload_optimizer.device \"nvme\" streams "
+                              f"one sub-group at a time; {self.kind.name} needs every "
+                              "parameter's norm before any update: use device \"cpu\"")
         if self.kind.state != ("exp_avg", "exp_avg_sq"):
             raise ConfigError(f"zero_optimization.offload_optimizer.device \"nvme\" swaps Adam's "
                               f"state (master, exp_avg, exp_avg_sq); {self.kind.name} keeps "
@@ -264,6 +271,11 @@ class MasterParams:
             self._step(factor)
 
     def _step(self, factor: float) -> None:
+        if self.kind.whole_norms:  # Lamb: two phases around one norm reduction
+            from megazero.optim.whole_norms import step_whole_norms
+
+            step_whole_norms(self, factor)
+            return
         if self.swap is not None:
             def update(g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
                 self._bind(g, master, m, v)

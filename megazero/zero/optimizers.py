@@ -21,6 +21,10 @@ import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
+from megazero.optim.lamb import Lamb
+from megazero.optim.onebit import OneBitAdam
+from megazero.optim.onebit_lamb import OneBitLamb
+from megazero.optim.zeroone import ZeroOneAdam
 from megazero.zero.lion import Lion
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -34,6 +38,9 @@ class OptimizerKind:
     has_step: bool  # a per-parameter "step" counter (a scalar tensor) beside them
     hyper: tuple[str, ...]  # group settings taken from a caller's optimizer
     unsupported: tuple[str, ...]  # group flags that must be off
+    # the update needs each whole parameter's norm (Lamb): stepped in two phases around one
+    # reduction over the pieces' ranks (megazero.optim.whole_norms), not elementwise
+    whole_norms: bool = False
 
 
 _ADAM_HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -46,6 +53,16 @@ KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
                                    ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
                                    ("maximize",)),
     Lion: OptimizerKind("Lion", Lion, ("exp_avg",), False, ("lr", "betas", "weight_decay"), ()),
+    Lamb: OptimizerKind("Lamb", Lamb, ("exp_avg", "exp_avg_sq"), True,
+                        (*_ADAM_HYPER, "bias_correction", "max_coeff", "min_coeff"), (),
+                        whole_norms=True),
+    OneBitAdam: OptimizerKind("OneBitAdam", OneBitAdam, ("exp_avg", "exp_avg_sq"), True,
+                              (*_ADAM_HYPER, "bias_correction"), ()),
+    ZeroOneAdam: OptimizerKind("ZeroOneAdam", ZeroOneAdam, ("exp_avg", "exp_avg_sq"), True,
+                               (*_ADAM_HYPER, "bias_correction"), ()),
+    OneBitLamb: OptimizerKind("OneBitLamb", OneBitLamb,
+                              ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"), True,
+                              (*_ADAM_HYPER, "bias_correction", "max_coeff", "min_coeff"), ()),
 }
 #: What a checkpoint that records no optimizer holds (those were all written by Adam/AdamW).
 LEGACY_STATE = ("exp_avg", "exp_avg_sq")
@@ -59,7 +76,7 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
         names = ", ".join(f"torch.optim.{k.__name__}" for k in KINDS)
         raise ConfigError(f"optimizer {cls.__name__} cannot run on megazero's ZeRO fp32 master "
                           f"shards; use one of {names} (or the \"optimizer\" block: Adam, AdamW, "
-                          "SGD or Lion)")
+                          "SGD, Lion, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb)")
     if not isinstance(optimizer, type):
         for g in optimizer.param_groups:
             on = [k for k in kind.unsupported if g.get(k)]
@@ -72,13 +89,15 @@ def kind_of(optimizer: torch.optim.Optimizer | type) -> OptimizerKind:
 def config_class(cfg: OptimizerConfig) -> type[torch.optim.Optimizer]:
     """``adam``: Adam with L2 weight decay (added to the gradient, DeepSpeed's ``adam_w_mode:
     false``); ``adamw``: decoupled weight decay; ``sgd``: SGD (momentum, Nesterov, dampening;
-    L2 weight decay); ``lion``: :class:`megazero.zero.lion.Lion` (decoupled weight decay)."""
+    L2 weight decay); ``lion``: :class:`megazero.zero.lion.Lion` (decoupled weight decay);
+    ``lamb``: :class:`megazero.optim.lamb.Lamb` (DeepSpeed's rule and parameters)."""
     classes: dict[str, type[torch.optim.Optimizer]] = {
         "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-        "lion": Lion}
+        "lion": Lion, "lamb": Lamb, "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam,
+        "onebitlamb": OneBitLamb}
     if cfg.optimizer not in classes:
-        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd "
-                          "or lion")
+        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adam, adamw, sgd, "
+                          "lion, lamb, onebitadam, zerooneadam or onebitlamb")
     return classes[cfg.optimizer]
 
 
@@ -90,6 +109,31 @@ def config_defaults(cfg: OptimizerConfig) -> dict[str, Any]:
     if cfg.optimizer == "lion":
         return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2),
                 "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "lamb":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "max_coeff": cfg.lamb_max_coeff, "min_coeff": cfg.lamb_min_coeff}
+    if cfg.optimizer == "onebitadam":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "freeze_step": cfg.freeze_step, "cuda_aware": cfg.cuda_aware,
+                "comm_backend_name": cfg.comm_backend_name}
+    if cfg.optimizer == "onebitlamb":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "freeze_step": cfg.freeze_step, "max_coeff": cfg.lamb_max_coeff,
+                "min_coeff": cfg.lamb_min_coeff, "coeff_beta": cfg.coeff_beta,
+                "factor_max": cfg.factor_max, "factor_min": cfg.factor_min,
+                "factor_threshold": cfg.factor_threshold, "cuda_aware": cfg.cuda_aware,
+                "comm_backend_name": cfg.comm_backend_name}
+    if cfg.optimizer == "zerooneadam":
+        return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay, "bias_correction": cfg.bias_correction,
+                "var_freeze_step": cfg.var_freeze_step,
+                "var_update_scaler": cfg.var_update_scaler,
+                "local_step_scaler": cfg.local_step_scaler,
+                "local_step_clipper": cfg.local_step_clipper, "cuda_aware": cfg.cuda_aware,
+                "comm_backend_name": cfg.comm_backend_name}
     return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
             "weight_decay": cfg.weight_decay}
 
