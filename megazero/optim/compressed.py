@@ -130,3 +130,28 @@ class CompressedAllReduce:
         if self.log is not None:
             self.log.record(self.name, "compressed_allreduce", sign_b + scale_b,
                             "compressed_allreduce", sign_b + scale_b)
+
+
+class PhasedOptimizer(torch.optim.Optimizer):
+    """What the 1-bit optimizers share: the step count their phase (warm-up, compressed) is
+    decided from, and Adam's moments created on a parameter's first step."""
+
+    def _steps_done(self) -> int:
+        """Steps taken so far (every parameter has taken the same number)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state.get(p)
+                if st and "step" in st:
+                    return int(st["step"])
+        return 0
+
+    @staticmethod
+    def init_moments(st: dict[str, Any], p: torch.Tensor) -> bool:
+        """Create ``step``, ``exp_avg`` and ``exp_avg_sq`` on the first step; True if it did."""
+        if "exp_avg" in st:
+            return False
+        st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        st["exp_avg"] = torch.zeros_like(p)
+        st["exp_avg_sq"] = torch.zeros_like(p)
+        return True
+

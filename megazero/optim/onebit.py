@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from megazero.optim.compressed import CompressedAllReduce, error_buffers
+from megazero.optim.compressed import CompressedAllReduce, PhasedOptimizer, error_buffers
 
 
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitAdam(PhasedOptimizer):
     #: per-rank state (saved per rank, megazero.optim.onebit_state)
     rank_state = ("worker_error", "server_error")
 
@@ -62,14 +62,6 @@ class OneBitAdam(torch.optim.Optimizer):
         self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
         self.compress: CompressedAllReduce | None = None
         self.local_grads: Callable[[bool], None] | None = None
-
-    def _steps_done(self) -> int:
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state.get(p)
-                if st and "step" in st:
-                    return int(st["step"])
-        return 0
 
     @property
     def compressing(self) -> bool:
@@ -95,10 +87,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                if "exp_avg" not in st:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
+                self.init_moments(st, p)
                 st["step"] += 1
                 t = int(st["step"])
                 m, v = st["exp_avg"], st["exp_avg_sq"]

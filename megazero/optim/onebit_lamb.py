@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from megazero.optim.compressed import CompressedAllReduce, error_buffers
+from megazero.optim.compressed import CompressedAllReduce, PhasedOptimizer, error_buffers
 from megazero.optim.lamb import trust_ratio
 
 
-class OneBitLamb(torch.optim.Optimizer):
+class OneBitLamb(PhasedOptimizer):
     #: per-rank state (saved per rank, megazero.optim.onebit_state)
     rank_state = ("worker_error", "server_error", "lamb_coeff_freeze", "last_factor",
                   "scaling_coeff")
@@ -67,14 +67,6 @@ class OneBitLamb(torch.optim.Optimizer):
         self.whole: Any = None  # WholeParamNorms over this stage's params (tp), set by the build
         self.owner: dict[int, Any] = {}  # id(master) -> its model parameter (the whole's key)
 
-    def _steps_done(self) -> int:
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state.get(p)
-                if st and "step" in st:
-                    return int(st["step"])
-        return 0
-
     def sync_phase(self) -> None:
         if self.local_grads is not None:
             self.local_grads(self._steps_done() >= self.freeze_step)
@@ -104,10 +96,7 @@ class OneBitLamb(torch.optim.Optimizer):
         params = [p for p, _ in items]
         for p in params:
             st = self.state[p]
-            if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
+            if self.init_moments(st, p):
                 st["exp_avg_sq_fresh"] = torch.zeros_like(p)
                 st["lamb_coeff_freeze"] = torch.zeros((), dtype=torch.float64)
                 st["last_factor"] = torch.ones((), dtype=torch.float64)

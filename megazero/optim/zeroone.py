@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from megazero.optim.compressed import CompressedAllReduce, error_buffers
+from megazero.optim.compressed import CompressedAllReduce, PhasedOptimizer, error_buffers
 
 
-class ZeroOneAdam(torch.optim.Optimizer):
+class ZeroOneAdam(PhasedOptimizer):
     #: per-rank state (saved per rank, megazero.optim.onebit_state)
     rank_state = ("worker_error", "server_error", "momentum_accumulator", "lrs")
 
@@ -82,14 +82,6 @@ class ZeroOneAdam(torch.optim.Optimizer):
             self.frozen = True
         self.counted = t
 
-    def _steps_done(self) -> int:
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state.get(p)
-                if st and "step" in st:
-                    return int(st["step"])
-        return 0
-
     def full_step(self, t: int) -> bool:
         """Whether step t averages the gradients in full precision (refreshes the variance)."""
         return not self.frozen and t % self.var_interval == 0
@@ -124,10 +116,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                if "exp_avg" not in st:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
+                self.init_moments(st, p)
                 if "worker_error" not in st:
                     n = self.compress.world if multi and self.compress is not None else 1
                     st["worker_error"], st["server_error"] = error_buffers(p.numel(), n, p.device)
