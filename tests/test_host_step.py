@@ -70,22 +70,26 @@ def test_non_blocking_only_from_a_gpu_into_pinned_memory():
     assert [v.data_ptr() for v in views] == [dest.data_ptr(), dest[2:].data_ptr()]
 
 
-def test_pin_memory_default_follows_cuda(monkeypatch, tmp_path):
-    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-            "--micro-batch-size 1 --train-iters 1 --distributed-backend gloo "
-            "--zero-stage 1").split()
+def test_pin_memory_default_follows_the_backend(monkeypatch, tmp_path):
+    """Pinned offload buffers where the run's tensors are on a GPU (NCCL, chosen where CUDA is
+    available); a gloo run on the same machine keeps pageable ones."""
+    import megazero.config.merge as merge
 
-    def pin(block, cuda):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 1 --train-iters 1 --zero-stage 1").split()
+
+    def pin(block, cuda, *extra):
+        monkeypatch.setattr(merge, "_cuda_available", lambda: cuda)
         path = tmp_path / "ds.json"
         path.write_text(json.dumps({"zero_optimization": {"offload_optimizer": block}}))
-        return load_config(base + ["--deepspeed_config", str(path)], 1) \
+        return load_config(base + ["--deepspeed_config", str(path), *extra], 1) \
             .zero.offload_optimizer.pin_memory
 
-    assert pin({"device": "cpu"}, cuda=True) is True
-    assert pin({"device": "cpu"}, cuda=False) is False
-    assert pin({"device": "cpu", "pin_memory": False}, cuda=True) is False  # explicit wins
-    assert pin({"device": "cpu", "pin_memory": True}, cuda=False) is True
+    assert pin({"device": "cpu"}, True) is True
+    assert pin({"device": "cpu"}, False) is False
+    assert pin({"device": "cpu"}, True, "--distributed-backend", "gloo") is False
+    assert pin({"device": "cpu", "pin_memory": False}, True) is False  # explicit wins
+    assert pin({"device": "cpu", "pin_memory": True}, False) is True
 
 
 def test_fused_adam_on_cuda_masters():
