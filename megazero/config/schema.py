@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from megazero.config.moe_schema import MoEConfig
 from megazero.config.optim_schema import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import check as _check
 from megazero.config.rules import (
@@ -53,8 +54,11 @@ class ModelConfig:
     use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
     group_query_attention: bool = False  # Megatron's switch; the group count is num_query_groups
     model_preset: Literal["gpt2", "llama"] | None = None  # the preset the fields started from
+    moe: MoEConfig = field(default_factory=MoEConfig)  # Mixture of Experts; dense when unset
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # a config read back from JSON (checkpoint, converter)
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "vocab_size", "make_vocab_size_divisible_by"):
             v = getattr(self, name)

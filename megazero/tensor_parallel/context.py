@@ -42,8 +42,15 @@ class ParallelContext:
     params_dtype: torch.dtype = torch.float32
     tp_size: int = 1
     tp_rank: int = 0
+    # expert parallelism (MoE layers only): the group of ranks that split a layer's experts
+    ep_group: Group = None
+    ep_size: int = 1
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.ep_group is not None:
+            object.__setattr__(self, "ep_size", group_size(self.ep_group))
+            object.__setattr__(self, "ep_rank", group_rank(self.ep_group))
         if self.tp_group is not None:
             size, rank = group_size(self.tp_group), group_rank(self.tp_group)
             if (self.tp_size, self.tp_rank) not in ((1, 0), (size, rank)):
