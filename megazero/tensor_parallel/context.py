@@ -72,7 +72,9 @@ class ParallelContext:
         """This rank's context: ``topo``'s TP group, size and rank, and the given settings."""
         return cls(tp_group=topo.tp_group, sequence_parallel=sequence_parallel,
                    rng_tracker=rng_tracker, attention_backend=attention_backend,
-                   params_dtype=params_dtype, tp_size=topo.tp_size, tp_rank=topo.tp_rank)
+                   params_dtype=params_dtype, tp_size=topo.tp_size, tp_rank=topo.tp_rank,
+                   ep_group=topo.ep_group, ep_size=topo.ep_size if topo.ep_group is None else 1,
+                   ep_rank=topo.ep_rank if topo.ep_group is None else 0)
 
     def fork(self, stream: str) -> contextlib.AbstractContextManager[None]:
         """Draw random numbers from ``stream`` of the tracker (dropout); see
