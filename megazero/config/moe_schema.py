@@ -15,6 +15,8 @@ from megazero.config.rules import check as _check
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+#: Megatron's other balancing types, named so their refusal says why
+NOT_IMPLEMENTED_BALANCING = ("sinkhorn", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("allgather", "alltoall")
 
@@ -29,7 +31,8 @@ class MoEConfig:
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "none", "sinkhorn", "global_aux_loss"] = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False
@@ -57,6 +60,14 @@ class MoEConfig:
         _check(self.moe_router_score_function in SCORE_FUNCTIONS,
                f"--moe-router-score-function {self.moe_router_score_function!r}: expected one of "
                f"{SCORE_FUNCTIONS}")
+        kind = self.moe_router_load_balancing_type
+        _check(kind != "sinkhorn" or self.moe_expert_capacity_factor is None,
+               f"--moe-expert-capacity-factor {self.moe_expert_capacity_factor} does not apply "
+               "with --moe-router-load-balancing-type sinkhorn (Megatron drops no tokens there); "
+               "use aux_loss, seq_aux_loss or none with a capacity factor")
+        _check(kind not in NOT_IMPLEMENTED_BALANCING,
+               f"--moe-router-load-balancing-type {kind} is not implemented in megazero; use "
+               f"one of {LOAD_BALANCING_TYPES}")
         _check(self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
                f"--moe-router-load-balancing-type {self.moe_router_load_balancing_type!r}: "
                f"megazero implements {LOAD_BALANCING_TYPES}")

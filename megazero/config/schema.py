@@ -16,6 +16,7 @@ from megazero.config.moe_schema import MoEConfig
 from megazero.config.optim_schema import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import check as _check
 from megazero.config.rules import (
+    check_expert_grid,
     check_vpp_needs_pp,
     check_world_size,
     sequence_parallel_active,
@@ -181,12 +182,24 @@ class ParallelConfig:
     # Every process group's collective timeout; also the watchdog's limit for one iteration.
     distributed_timeout_minutes: float = 10.0
     world_size: int | None = None  # all ranks; None when the config is built without a launcher
+    # MoE layers' expert grid (etp x ep x edp x pp over the same ranks, megatron-core's order)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1  # Megatron's default is --tensor-model-parallel-size
 
     def __post_init__(self) -> None:
         _check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
                "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
         if self.world_size is not None:
             check_world_size(self.world_size, self.tp, self.pp)
+        _check(self.expert_model_parallel_size >= 1, "--expert-model-parallel-size must be "
+               f">= 1, got {self.expert_model_parallel_size}")
+        _check(self.expert_tensor_parallel_size == 1,
+               f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size}: megazero's "
+               "experts are not split by tensor parallelism (expert tensor parallel size 1); "
+               "drop the flag or set it to 1")
+        if self.world_size is not None:
+            check_expert_grid(self.world_size, self.expert_model_parallel_size,
+                              self.expert_tensor_parallel_size, self.pp)
         if self.num_layers_per_virtual_pipeline_stage is not None:
             _check(self.num_layers_per_virtual_pipeline_stage >= 1, "--num-layers-per-virtual-"
                    f"pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
@@ -322,7 +335,8 @@ class MegazeroConfig:
             raise ConfigError("the layout needs the world size; build the config with "
                               "load_config(argv, world_size)")
         return ParallelLayout(self.parallel.world_size, self.parallel.tp, self.parallel.pp,
-                              self.vpp)
+                              self.vpp, ep=self.parallel.expert_model_parallel_size,
+                              etp=self.parallel.expert_tensor_parallel_size)
 
 
 def field_choices(path: str) -> tuple[Any, ...] | None:
