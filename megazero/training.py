@@ -161,6 +161,11 @@ def _schedule(run: Run, data_iter, forward_only: bool,
         return default_loss_fn(per_token, batch) * scale
 
     m = run.cfg.model
+    count = num_microbatches or run.batching.num_microbatches
+    if m.moe.enabled:  # MoE auxiliary losses are scaled as each micro-batch's loss is
+        from megazero.moe.moe_utils import set_aux_loss_scale
+
+        set_aux_loss_scale(scale / count)
     losses = forward_backward(
         run.chunks, data_iter, run.topo,
         num_microbatches or run.batching.num_microbatches, m.seq_length,
@@ -228,6 +233,10 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
     with t.region("scheduler"):
         if result.updated:
             run.scheduler.step()
+    if run.cfg.model.moe.enabled:
+        from megazero.moe.router import update_expert_biases
+
+        update_expert_biases(run.chunks, run.topo, apply=result.updated)
     loss_sum, count, *summed_votes = result.sums
     return loss_sum / count, result, summed_votes
 
@@ -453,7 +462,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
                          env.world_size).register()
     watchdog = Watchdog(timeout.total_seconds(), env.rank, diagnose=peers.diagnose).start()
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
-                                  timeout=timeout)
+                                  timeout=timeout, ep=cfg.parallel.expert_model_parallel_size,
+                                  etp=cfg.parallel.expert_tensor_parallel_size,
+                                  expert_groups=cfg.model.moe.enabled)
     set_seed(cfg.train.seed, topo.pp_rank)
     if cfg.train.deterministic_mode:
         enable_deterministic_mode()

@@ -21,6 +21,7 @@ from megazero.config.moe_schema import MoEConfig
 from megazero.model.init import declare
 from megazero.moe import moe_utils as mu
 from megazero.tensor_parallel.mappings import Group, group_size
+from megazero.topology import ParallelTopology
 
 
 @dataclass
@@ -78,6 +79,14 @@ class TopKRouter(nn.Module):
                                  persistent=False)
         self.stats: RouterStats | None = None
         self._pending: torch.Tensor | None = None
+
+    def materialize_buffers(self, device: torch.device) -> None:
+        """Create the expert-bias buffers on ``device`` for a router built on the meta
+        device (both start at zero)."""
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(self, name, None)
+            if buf is not None and buf.is_meta:
+                setattr(self, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
 
     def _group_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.sum_group is None or group_size(self.sum_group) == 1:
@@ -178,3 +187,28 @@ class TopKRouter(nn.Module):
         self.expert_bias += self.moe.moe_router_bias_update_rate * torch.sign(
             counts.mean() - counts)
         counts.zero_()
+
+
+def routers(chunks: list[nn.Module]) -> list[TopKRouter]:
+    """Every router of this rank's model chunks, in layer order."""
+    return [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+
+
+@torch.no_grad()
+def update_expert_biases(chunks: list[nn.Module], topo: ParallelTopology, apply: bool = True
+                         ) -> None:
+    """End of a training step: each router's expert bias moves by the token counts of the
+    whole step, summed over every rank of its pipeline stage (the ``ep`` and ``edp`` groups
+    together cover the stage at expert tensor parallel size 1). ``apply`` False (a skipped
+    step) only resets the counts."""
+    for r in routers(chunks):
+        if r.expert_bias is None:
+            continue
+        if not apply:
+            r.local_tokens_per_expert.zero_()
+            continue
+        counts = r.local_tokens_per_expert
+        for group in (topo.ep_group, topo.edp_group):
+            if group is not None and group_size(group) > 1:
+                dist.all_reduce(counts, group=group)
+        r.update_expert_bias(None)

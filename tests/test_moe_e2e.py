@@ -1,0 +1,61 @@
+"""``pretrain_gpt.py`` with MoE layers trains the same model at every layout: expert parallel
+2 and 4, both dispatchers, grouped GEMM, TP2+SP, PP2 interleaved with a stage that holds no MoE
+layer, ZeRO 0-3. Losses, grad norms and validation loss (a function of every weight and
+expert bias) equal the one-process run to fp32 rounding. The model drops tokens (capacity
+factor 1.0), routes by sigmoid with the aux-loss-free expert bias, and has a gated shared
+expert, an aux loss and a z-loss, so every part of the router is in the comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megazero.testing.launch import LOSS_RTOL, TINY, check, read_metrics, run_training
+
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2",
+       "--moe-layer-freq", "2", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+       "--moe-expert-capacity-factor", "1.0", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "16",
+       "--moe-shared-expert-gate", "--train-iters", "4", "--eval-interval", "4",
+       "--eval-iters", "1", "--distributed-backend", "gloo"]
+
+LAYOUTS = [
+    (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+         "--moe-grouped-gemm", "--zero-stage", "1"]),
+    (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--zero-stage", "3"]),
+    (8, ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+         "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type",
+         "alltoall", "--zero-stage", "2"]),
+    (4, ["--expert-model-parallel-size", "4", "--zero-stage", "0"]),
+]
+
+
+def _validation(path) -> float:
+    recs = [json.loads(x) for x in open(path, encoding="utf-8")]
+    return [r for r in recs if "lm loss validation" in r][-1]["lm loss validation"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("moe") / "ref.jsonl"
+    check(run_training([*TINY, *MOE, "--log-json", str(ref)]))
+    return ref
+
+
+@pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=["ep2-a2a-grouped-z1", "tp2sp-ep2-z3",
+                                                       "tp2sp-pp2vpp-ep4-a2a-z2", "ep4-z0"])
+def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, layout):
+    a = read_metrics(reference)
+    assert len(a) == 4
+    got = tmp_path / "got.jsonl"
+    check(run_training([*TINY, *MOE, *layout, "--log-json", str(got)], nproc=nproc))
+    b = read_metrics(got)
+    assert sorted(b) == sorted(a)
+    for it in a:
+        assert b[it]["lm loss"] == pytest.approx(a[it]["lm loss"], rel=LOSS_RTOL), it
+        assert b[it]["grad-norm"] == pytest.approx(a[it]["grad-norm"], rel=1e-5), it
+    assert _validation(got) == pytest.approx(_validation(reference), rel=LOSS_RTOL)
