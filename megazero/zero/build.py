@@ -12,9 +12,9 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.deepspeed import unimplemented_zero_keys
 from megazero.config.rules import sequence_parallel_active
+from megazero.moe.grads import scale_expert_grads, split_expert_params
 from megazero.protocols import ParamStore
 from megazero.topology import ParallelTopology
-from megazero.moe.grads import scale_expert_grads, split_expert_params
 from megazero.zero.buffers import GradBuffer
 from megazero.zero.comm import GroupComm
 from megazero.zero.master import MasterParams
