@@ -177,6 +177,18 @@ def _schedule(run: Run, data_iter, forward_only: bool,
     return [x / scale for x in losses]
 
 
+def _moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
+    """The routers' scalars of the log interval (collective: every rank calls it)."""
+    moe = run.cfg.model.moe
+    if not moe.enabled:
+        return None
+    from megazero.moe.metrics import collect
+
+    assert moe.num_experts is not None
+    return collect(run.chunks, run.topo, run.cfg.model.num_layers, moe.num_experts, iterations,
+                   moe.moe_per_layer_logging)
+
+
 def _timed_get_batch(run: Run):
     fetch = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask)
     if not run.timers.enabled:
@@ -401,13 +413,14 @@ def train(run: Run) -> TrainState:
                 if st.iteration % log_interval == 0:
                     norm = None if result.skipped or math.isnan(result.grad_norm) else (
                         result.grad_norm)
+                    moe = _moe_metrics(run, log_interval)
                     run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
                                        run.scheduler.get_lr(), gbs,
                                        cfg.model.seq_length, result.loss_scale, norm,
                                        gpt_flops_per_iteration(cfg.model, gbs, vocab),
                                        run.topo.world_size, peak,
                                        overlapped=t.pop_overlapped(),
-                                       num_zeros=result.num_zeros)
+                                       num_zeros=result.num_zeros, moe=moe)
             spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)
             if pending is not None:  # the step after a save judges the weights it saved
                 if spiked:

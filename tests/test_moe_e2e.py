@@ -34,6 +34,10 @@ LAYOUTS = [
 ]
 
 
+MOE_SCALARS = ("load_balancing_loss", "z_loss", "moe/tokens_per_expert_min",
+               "moe/tokens_per_expert_max", "moe/dropped_token_fraction")
+
+
 def _validation(path) -> float:
     recs = [json.loads(x) for x in open(path, encoding="utf-8")]
     return [r for r in recs if "lm loss validation" in r][-1]["lm loss validation"]
@@ -41,8 +45,20 @@ def _validation(path) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    ref = tmp_path_factory.mktemp("moe") / "ref.jsonl"
-    check(run_training([*TINY, *MOE, "--log-json", str(ref)]))
+    d = tmp_path_factory.mktemp("moe")
+    ref = d / "ref.jsonl"
+    out = check(run_training([*TINY, *MOE, "--log-json", str(ref), "--tensorboard-dir",
+                              str(d / "tb"), "--moe-per-layer-logging"]))
+    # the log line and TensorBoard carry the routers' scalars under Megatron's names
+    assert "load_balancing_loss: " in out and "dropped tokens: " in out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(d / "tb"))
+    acc.Reload()
+    for tag in (*MOE_SCALARS, "moe/load_balancing_loss_layer_0",
+                "moe/load_balancing_loss_layer_2"):
+        assert [e.step for e in acc.Scalars(tag)] == [1, 2, 3, 4], tag
+    assert "moe/load_balancing_loss_layer_1" not in acc.Tags()["scalars"]  # a dense layer
     return ref
 
 
@@ -58,4 +74,7 @@ def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, lay
     for it in a:
         assert b[it]["lm loss"] == pytest.approx(a[it]["lm loss"], rel=LOSS_RTOL), it
         assert b[it]["grad-norm"] == pytest.approx(a[it]["grad-norm"], rel=1e-5), it
+        for k in MOE_SCALARS:  # routing, dropping and the losses are layout-independent
+            assert b[it][k] == pytest.approx(a[it][k], rel=1e-5, abs=1e-9), (it, k)
+    assert a[4]["moe/dropped_token_fraction"] > 0  # the capacity factor drops tokens
     assert _validation(got) == pytest.approx(_validation(reference), rel=LOSS_RTOL)

@@ -20,7 +20,7 @@ def build_mlp(config: ModelConfig, layer_number: int, parallel: ParallelContext)
     if config.moe.is_moe_layer(layer_number, config.num_layers):
         from megazero.moe.moe_layer import MoELayer  # the MoE package builds on this one
 
-        return MoELayer(config, parallel=parallel)
+        return MoELayer(config, parallel=parallel, layer_number=layer_number)
     return MLP(config, parallel=parallel)
 
 

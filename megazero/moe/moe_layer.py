@@ -25,7 +25,8 @@ from megazero.tensor_parallel.context import ParallelContext
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, parallel: ParallelContext | None = None):
+    def __init__(self, config: ModelConfig, *, parallel: ParallelContext | None = None,
+                 layer_number: int = 0):
         super().__init__()
         parallel = parallel or ParallelContext()
         moe = config.moe
@@ -45,6 +46,7 @@ class MoELayer(nn.Module):
         sp = parallel.sequence_parallel
         self.router = scope(TopKRouter(config, sum_group=parallel.tp_group if sp else None,
                                        sequence_parallel=sp), "router")
+        self.router.layer_number = layer_number
         self.experts = scope(Experts(config, self.first, self.local,
                                      dtype=parallel.params_dtype,
                                      grouped_gemm=moe.moe_grouped_gemm), "experts")

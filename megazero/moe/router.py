@@ -77,13 +77,18 @@ class TopKRouter(nn.Module):
             self.register_buffer("local_tokens_per_expert",
                                  torch.zeros(moe.num_experts, dtype=torch.float32),
                                  persistent=False)
+        self.layer_number = 0  # global layer index (set by the MoE layer), for the log
+        # the log interval's sums: balancing loss, z-loss, micro-batches, routed tokens, then
+        # the tokens each expert took (megazero.moe.metrics)
+        self.register_buffer("metrics_acc", torch.zeros(4 + moe.num_experts,
+                                                        dtype=torch.float64), persistent=False)
         self.stats: RouterStats | None = None
         self._pending: torch.Tensor | None = None
 
     def materialize_buffers(self, device: torch.device) -> None:
         """Create the expert-bias buffers on ``device`` for a router built on the meta
         device (both start at zero)."""
-        for name in ("expert_bias", "local_tokens_per_expert"):
+        for name in ("expert_bias", "local_tokens_per_expert", "metrics_acc"):
             buf = getattr(self, name, None)
             if buf is not None and buf.is_meta:
                 setattr(self, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
@@ -126,6 +131,11 @@ class TopKRouter(nn.Module):
         dropped = 1.0 - counts.sum() / (counts_before.sum().clamp(min=1.0))
         zl_total = self._group_sum(zl.detach() * x.shape[0]) / total_tokens
         self.stats = RouterStats(aux.detach(), zl_total, counts.detach(), dropped.detach())
+        if torch.is_grad_enabled():  # training forwards (a recomputed one runs once with grad)
+            self.metrics_acc += torch.cat([
+                torch.stack([aux.detach(), zl_total, torch.ones_like(zl_total),
+                             counts_before.sum()]).to(torch.float64),
+                counts.detach().to(torch.float64)])
         return probs, routing_map
 
     def _capacity(self, probs: torch.Tensor, routing_map: torch.Tensor, cap: int
