@@ -274,7 +274,9 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
     try:
         # each rank writes the ranges it owns, from where they live, a bucket at a time
         index = write_rank_tensors(infos, shapes, engine, step, c.tp, topo.tp_size, c.dp,
-                                   _rank_dir(c.tp, c.pp, c.dp), bucket_bytes, put)
+                                   _rank_dir(c.tp, c.pp, c.dp), bucket_bytes, put,
+                                   edp_rank=topo.edp_rank if topo.edp_group is not None
+                                   else None)
         opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
         put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration},
             f"{_rank_dir(c.tp, c.pp, c.dp)}/optim_rng.pt")

@@ -12,14 +12,7 @@ import json
 import pytest
 
 from megazero.testing.launch import LOSS_RTOL, TINY, check, read_metrics, run_training
-
-MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2",
-       "--moe-layer-freq", "2", "--moe-router-score-function", "sigmoid",
-       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
-       "--moe-expert-capacity-factor", "1.0", "--moe-aux-loss-coeff", "1e-2",
-       "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "16",
-       "--moe-shared-expert-gate", "--train-iters", "4", "--eval-interval", "4",
-       "--eval-iters", "1", "--distributed-backend", "gloo"]
+from megazero.testing.moe_runs import MOE
 
 LAYOUTS = [
     (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",

@@ -67,12 +67,14 @@ class TopKRouter(nn.Module):
                                                dtype=torch.float32))
         self.weight.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
         declare(self.weight, "normal", key="weight")
-        self.expert_bias: torch.Tensor | None
-        if not moe.moe_router_enable_expert_bias:
-            self.expert_bias = None
-        else:
-            self.register_buffer("expert_bias", torch.zeros(moe.num_experts,
-                                                            dtype=torch.float32))
+        self.expert_bias: nn.Parameter | None = None
+        if moe.moe_router_enable_expert_bias:
+            # Not trained by the optimizer (updated from the counts), but a parameter so that
+            # checkpoints save and load it with the weights, by its global name; fp32 always.
+            self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32),
+                                            requires_grad=False)
+            self.expert_bias.keep_fp32 = True  # type: ignore[attr-defined]
+            declare(self.expert_bias, "zeros", key="expert_bias")
             # counts of the current step (non-persistent: summed over micro-batches)
             self.register_buffer("local_tokens_per_expert",
                                  torch.zeros(moe.num_experts, dtype=torch.float32),
@@ -88,10 +90,16 @@ class TopKRouter(nn.Module):
     def materialize_buffers(self, device: torch.device) -> None:
         """Create the expert-bias buffers on ``device`` for a router built on the meta
         device (both start at zero)."""
-        for name in ("expert_bias", "local_tokens_per_expert", "metrics_acc"):
+        for name in ("local_tokens_per_expert", "metrics_acc"):
             buf = getattr(self, name, None)
             if buf is not None and buf.is_meta:
                 setattr(self, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
+        bias = self.expert_bias
+        if bias is not None and bias.is_meta:  # ZeRO-3 materialises only trainable weights
+            new = nn.Parameter(torch.zeros(bias.shape, dtype=torch.float32, device=device),
+                               requires_grad=False)
+            new.__dict__.update(bias.__dict__)  # init rule, keep_fp32
+            self.expert_bias = new
 
     def _group_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.sum_group is None or group_size(self.sum_group) == 1:
@@ -194,8 +202,8 @@ class TopKRouter(nn.Module):
         counts = self.local_tokens_per_expert
         if group is not None and group_size(group) > 1:
             dist.all_reduce(counts, group=group)
-        self.expert_bias += self.moe.moe_router_bias_update_rate * torch.sign(
-            counts.mean() - counts)
+        self.expert_bias.add_(self.moe.moe_router_bias_update_rate * torch.sign(
+            counts.mean() - counts))
         counts.zero_()
 
 

@@ -111,7 +111,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
     dtype = precision_config.params_dtype
     for chunk in chunks:
         for p in chunk.parameters():
-            if p.dtype != dtype:
+            if p.dtype != dtype and not getattr(p, "keep_fp32", False):  # MoE expert bias
                 p.data = p.data.to(dtype)
     comms = Comms.from_topology(topo, reduce_scatter_impl, shared_memory)
     # bf16 gradients accumulate and reduce in fp32 unless the config says otherwise
