@@ -153,7 +153,11 @@ def config_dict(config: Any) -> Any:
     """A dataclass config as plain JSON values (for config.json and experiment trackers)."""
     if is_dataclass(config):
         config = asdict(config)
-    return json.loads(json.dumps(config, default=str))
+
+    def value(o: Any) -> Any:  # a dataclass inside a plain dict (a model's MoE section)
+        return asdict(o) if is_dataclass(o) and not isinstance(o, type) else str(o)
+
+    return json.loads(json.dumps(config, default=value))
 
 
 def _barrier() -> None:
