@@ -50,6 +50,8 @@ BAD = [
     (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], 2,
      "--expert-tensor-parallel-size 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
+     "ZeRO stage 3 with --expert-model-parallel-size 2"),
 ]
 
 

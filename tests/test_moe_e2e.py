@@ -16,13 +16,14 @@ from megazero.testing.moe_runs import MOE
 
 LAYOUTS = [
     (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-         "--moe-grouped-gemm", "--zero-stage", "1"]),
+         "--moe-grouped-gemm", "--zero-stage", "1", "--recompute-granularity", "full",
+         "--recompute-method", "uniform"]),
     (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
          "--sequence-parallel", "--zero-stage", "3"]),
     (8, ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
          "--sequence-parallel", "--pipeline-model-parallel-size", "2",
          "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type",
-         "alltoall", "--zero-stage", "2"]),
+         "alltoall", "--zero-stage", "2", "--deepspeed_config", "OFFLOAD"]),
     (4, ["--expert-model-parallel-size", "4", "--zero-stage", "0"]),
 ]
 
@@ -55,12 +56,16 @@ def reference(tmp_path_factory):
     return ref
 
 
-@pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=["ep2-a2a-grouped-z1", "tp2sp-ep2-z3",
-                                                       "tp2sp-pp2vpp-ep4-a2a-z2", "ep4-z0"])
+@pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=[
+    "ep2-a2a-grouped-z1-recompute", "tp2sp-ep2-z3", "tp2sp-pp2vpp-ep4-a2a-z2-offload", "ep4-z0"])
 def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, layout):
     a = read_metrics(reference)
     assert len(a) == 4
     got = tmp_path / "got.jsonl"
+    offload = tmp_path / "offload.json"  # optimizer state offloaded to the host
+    offload.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {
+        "device": "cpu"}}}))
+    layout = [str(offload) if x == "OFFLOAD" else x for x in layout]
     check(run_training([*TINY, *MOE, *layout, "--log-json", str(got)], nproc=nproc))
     b = read_metrics(got)
     assert sorted(b) == sorted(a)
