@@ -45,3 +45,44 @@ def test_planner_meta_model_holds_this_ranks_experts():
     per_expert = 2 * (2 * 32 * 16)  # fc1 [f, h] and fc2 [h, f], 2 MoE layers
     assert expert_params(1) == 8 * per_expert
     assert expert_params(4) == 2 * per_expert
+
+
+def _moe_states_world(rank, world_size):
+    from dataclasses import replace as dc_replace
+
+    import torch
+
+    from megazero.planner.model_states import model_state_report
+    from megazero.planner.shapes import meta_chunks, shape_topology
+    from megazero.topology import ParallelTopology
+    from megazero.train_setup import build_model_and_optimizer
+
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "1",
+            "--train-iters", "1", "--num-experts", "4", "--moe-ffn-hidden-size", "24",
+            "--expert-model-parallel-size", "2"]
+    base = load_config(argv, world_size)
+    topo = ParallelTopology.build(ep=2, expert_groups=True)
+    rows = []
+    for stage in (0, 1, 2):
+        cfg = dc_replace(base, zero=dc_replace(base.zero, stage=stage, reduce_bucket_size=700))
+        _, engine = build_model_and_optimizer(cfg, topo, torch.device("cpu"))
+        engine.zero_grad()
+        assert engine.step().updated
+        mem = engine.memory_report()
+        layout = cfg.layout()
+        chunks = meta_chunks(cfg, shape_topology(layout, 0, topo.dp_rank, 0))
+        rep = model_state_report(chunks, cfg.zero, cfg.precision, dp=topo.dp_size,
+                                 dp_rank=topo.dp_rank, edp=layout.edp, edp_rank=topo.edp_rank)
+        rows.append((stage, (mem["bytes"], mem["padding_elements"]),
+                     (rep.bytes, rep.padding_elements)))
+    return rows
+
+
+def test_planner_model_states_equal_the_engine_with_expert_buffers():
+    """EP 2 on 2 ranks: expert buffers over an edp group of 1, dense ones over dp 2."""
+    from megazero.testing import run_distributed
+
+    for rows in run_distributed(_moe_states_world, 2, timeout=300):
+        for stage, measured, predicted in rows:
+            assert measured == predicted, stage
