@@ -50,10 +50,14 @@ def activation(h: torch.Tensor, config: ModelConfig) -> torch.Tensor:
 
 
 def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` needs 16-byte aligned strides; CPU builds take fp32 only."""
+    """``torch._grouped_mm`` needs 16-byte aligned strides; the CPU kernel takes fp32 (bf16
+    fails on strides, torch 2.13), the CUDA one bf16 (Hopper and newer)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cpu" and x.dtype != torch.float32:
+    want = torch.bfloat16 if x.device.type == "cuda" else torch.float32
+    if x.dtype != want or w.dtype != want or x.device.type not in ("cpu", "cuda"):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     item = x.element_size()
     return all((n * item) % 16 == 0 for n in (x.shape[-1], w.shape[-2]))
@@ -78,7 +82,10 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.counts = counts
         if _grouped_mm_usable(x, w):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            try:
+                return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            except RuntimeError:  # a layout this build's kernel refuses: the loop below
+                pass
         return torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(_segments(counts))])
 
     @staticmethod
@@ -88,9 +95,12 @@ class _GroupedLinear(torch.autograd.Function):
         dy = dy.contiguous()
         if _grouped_mm_usable(x, w) and _grouped_mm_usable(dy, w.transpose(-2, -1)):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            dx = torch._grouped_mm(dy, w, offs=offs)
-            dw = torch._grouped_mm(dy.t(), x, offs=offs)
-            return dx, dw, None
+            try:
+                dx = torch._grouped_mm(dy, w, offs=offs)
+                dw = torch._grouped_mm(dy.t(), x, offs=offs)
+                return dx, dw, None
+            except RuntimeError:  # as in forward
+                pass
         segs = _segments(counts)
         dx = torch.cat([dy[a:b] @ w[g] for g, (a, b) in enumerate(segs)])
         dw = torch.stack([dy[a:b].t() @ x[a:b] for a, b in segs])
