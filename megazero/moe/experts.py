@@ -16,7 +16,7 @@ numbers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +108,7 @@ class _GroupedLinear(torch.autograd.Function):
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    out: torch.Tensor = _GroupedLinear.apply(x, w, counts)
+    out: torch.Tensor = _GroupedLinear.apply(x, w, counts)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -132,16 +132,16 @@ class Experts(nn.Module):
             for e in range(first, first + count)})
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        experts = list(self.local_experts.values())
+        experts = [cast(ExpertMLP, e) for e in self.local_experts.values()]
         if self.grouped_gemm:
             return self._grouped(x, counts, experts)
         outs = []
         for expert, (a, b) in zip(experts, _segments(counts), strict=True):
             h = activation(expert.linear_fc1(x[a:b]), self.config)
-            outs.append(expert.linear_fc2(h))
+            outs.append(cast(torch.Tensor, expert.linear_fc2(h)))
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
-    def _grouped(self, x: torch.Tensor, counts: list[int], experts: list[nn.Module]
+    def _grouped(self, x: torch.Tensor, counts: list[int], experts: list[ExpertMLP]
                  ) -> torch.Tensor:
         w1 = torch.stack([e.linear_fc1.weight for e in experts])
         w2 = torch.stack([e.linear_fc2.weight for e in experts])

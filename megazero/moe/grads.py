@@ -56,4 +56,4 @@ def scale_expert_grads(experts: list[nn.Parameter], topo: ParallelTopology) -> l
     def hook(g: torch.Tensor) -> torch.Tensor:
         return g * factor
 
-    return [p.register_hook(hook) for p in experts]
+    return [p.register_hook(hook) for p in experts]  # type: ignore[no-untyped-call]

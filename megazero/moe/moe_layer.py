@@ -44,16 +44,17 @@ class MoELayer(nn.Module):
         self.first = ep_rank * self.local
         self.parallel = parallel
         sp = parallel.sequence_parallel
-        self.router = scope(TopKRouter(config, sum_group=parallel.tp_group if sp else None,
-                                       sequence_parallel=sp), "router")
+        self.router = TopKRouter(config, sum_group=parallel.tp_group if sp else None,
+                                 sequence_parallel=sp)
+        scope(self.router, "router")
         self.router.layer_number = layer_number
-        self.experts = scope(Experts(config, self.first, self.local,
-                                     dtype=parallel.params_dtype,
-                                     grouped_gemm=moe.moe_grouped_gemm), "experts")
+        self.experts = Experts(config, self.first, self.local, dtype=parallel.params_dtype,
+                               grouped_gemm=moe.moe_grouped_gemm)
+        scope(self.experts, "experts")
         self.shared_experts: SharedExpertMLP | None = None
         if moe.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = scope(SharedExpertMLP(config, parallel=parallel),
-                                        "shared_experts")
+            self.shared_experts = SharedExpertMLP(config, parallel=parallel)
+            scope(self.shared_experts, "shared_experts")
         self.dispatcher_cls = DISPATCHERS[moe.moe_token_dispatcher_type]
 
     def _pad_capacity(self, local_tokens: int) -> int | None:

@@ -128,7 +128,7 @@ def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tenso
     """``output`` unchanged, with ``aux_loss``'s gradient flowing when it is backpropagated."""
     if not (torch.is_grad_enabled() and aux_loss.requires_grad):
         return output
-    out: torch.Tensor = AuxLossScaler.apply(output, aux_loss)
+    out: torch.Tensor = AuxLossScaler.apply(output, aux_loss)  # type: ignore[no-untyped-call]
     return out
 
 

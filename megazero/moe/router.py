@@ -11,16 +11,17 @@ layout (Megatron counts per rank).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megazero.collectives import Group, group_size
 from megazero.config import ModelConfig
 from megazero.config.moe_schema import MoEConfig
 from megazero.model.init import declare
 from megazero.moe import moe_utils as mu
-from megazero.tensor_parallel.mappings import Group, group_size
 from megazero.topology import ParallelTopology
 
 
@@ -39,13 +40,13 @@ class _SumOverGroup(torch.autograd.Function):
     group's tokens keeps its own gradient (the loss is counted once per group)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -53,6 +54,9 @@ class TopKRouter(nn.Module):
     """``forward(x [T, H]) -> (probs [T, E], routing_map [T, E])``. Losses enter the
     backward through :func:`megazero.moe.moe_utils.attach_aux_loss` applied by the layer to
     its output (:meth:`attach_losses`)."""
+
+    local_tokens_per_expert: torch.Tensor  # buffers (registered in __init__)
+    metrics_acc: torch.Tensor
 
     def __init__(self, config: ModelConfig, *, sum_group: Group = None,
                  sequence_parallel: bool = False):
@@ -104,7 +108,7 @@ class TopKRouter(nn.Module):
     def _group_sum(self, x: torch.Tensor) -> torch.Tensor:
         if self.sum_group is None or group_size(self.sum_group) == 1:
             return x
-        out: torch.Tensor = _SumOverGroup.apply(x, self.sum_group)
+        out: torch.Tensor = _SumOverGroup.apply(x, self.sum_group)  # type: ignore[no-untyped-call]
         return out
 
     def forward(self, x: torch.Tensor, seq_batch: tuple[int, int] | None = None

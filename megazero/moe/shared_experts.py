@@ -33,7 +33,7 @@ class SharedExpertMLP(nn.Module):
             declare(self.gate_weight, "normal", key="gate_weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(x)
+        out: torch.Tensor = self.mlp(x)
         if self.gate_weight is not None:
             out = out * torch.sigmoid(torch.nn.functional.linear(x, self.gate_weight))
         return out

@@ -24,12 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.collectives import Group, group_rank, group_size
 from megazero.tensor_parallel.mappings import (
-    Group,
     all_gather_dim0,
     gather_from_sequence_parallel_region,
-    group_rank,
-    group_size,
     reduce_scatter_to_sequence_parallel_region,
 )
 
@@ -110,14 +108,15 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        back: torch.Tensor = _AllToAll.apply(grad.contiguous(), ctx.group, ctx.in_splits,
-                                             ctx.out_splits)
+        back: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
+            grad.contiguous(), ctx.group, ctx.in_splits, ctx.out_splits)
         return back, None, None, None
 
 
 def all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]
                ) -> torch.Tensor:
-    out: torch.Tensor = _AllToAll.apply(x, group, out_splits, in_splits)
+    out: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
+        x, group, out_splits, in_splits)
     return out
 
 
@@ -166,4 +165,6 @@ class AllToAllDispatcher:
         return unpermute(back, s["row_probs"], s["token_index"], s["t"])
 
 
-DISPATCHERS = {"allgather": AllGatherDispatcher, "alltoall": AllToAllDispatcher}
+Dispatcher = AllGatherDispatcher | AllToAllDispatcher
+DISPATCHERS: dict[str, type[AllGatherDispatcher] | type[AllToAllDispatcher]] = {
+    "allgather": AllGatherDispatcher, "alltoall": AllToAllDispatcher}
