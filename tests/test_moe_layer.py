@@ -211,3 +211,20 @@ def test_grouped_linear_forward_and_backward_equal_per_segment_mm(k):
     rx, rw = torch.autograd.grad(ref, (x, w), gy)
     torch.testing.assert_close(dx, rx)
     torch.testing.assert_close(dw, rw)
+
+
+def test_bf16_layer_routes_in_fp32_and_keeps_the_expert_bias_fp32():
+    cfg = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_grouped_gemm=True)
+    ref = _layer(cfg)
+    layer = _layer(cfg)
+    for p in layer.parameters():  # as the engine casts a bf16 run's weights
+        if not getattr(p, "keep_fp32", False):
+            p.data = p.data.to(torch.bfloat16)
+    assert layer.router.expert_bias.dtype == torch.float32
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(8))
+    y = layer(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref(x), rtol=3e-2, atol=3e-3)
+    y.float().sum().backward()
+    assert layer.router.weight.grad is not None

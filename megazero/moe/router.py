@@ -116,7 +116,8 @@ class TopKRouter(nn.Module):
         """``x``: ``[T, H]`` tokens of this rank; ``seq_batch``: the ``(s, b)`` shape the
         local tokens came from (``seq_aux_loss`` needs the sequences)."""
         moe = self.moe
-        logits = torch.nn.functional.linear(x.float(), self.weight)
+        # fp32 logits whatever the training dtype (the weight is cast with the model)
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())
         probs, routing_map = mu.topk_routing(
             logits, self.topk, score_function=moe.moe_router_score_function,
             pre_softmax=moe.moe_router_pre_softmax,
