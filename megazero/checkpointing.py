@@ -166,7 +166,11 @@ def config_dict(config: Any) -> Any:
     """A dataclass config as plain JSON values (for config.json and experiment trackers)."""
     if is_dataclass(config):
         config = asdict(config)
-    return json.loads(json.dumps(config, default=str))
+
+    def value(o: Any) -> Any:  # a dataclass inside a plain dict (a model's MoE section)
+        return asdict(o) if is_dataclass(o) and not isinstance(o, type) else str(o)
+
+    return json.loads(json.dumps(config, default=value))
 
 
 def _barrier() -> None:
@@ -287,7 +291,9 @@ def save_checkpoint(root: str, iteration: int, topo: ParallelTopology, *,
     try:
         # each rank writes the ranges it owns, from where they live, a bucket at a time
         index = write_rank_tensors(infos, shapes, engine, step, c.tp, topo.tp_size, c.dp,
-                                   _rank_dir(c.tp, c.pp, c.dp), bucket_bytes, put)
+                                   _rank_dir(c.tp, c.pp, c.dp), bucket_bytes, put,
+                                   edp_rank=topo.edp_rank if topo.edp_group is not None
+                                   else None)
         opaque = None if optimizer is None or engine is not None else optimizer.state_dict()
         put({"rng": get_rng_state(rng_tracker), "optimizer": opaque, "iteration": iteration,
              # 1-bit optimizers: this rank's error-feedback buffers (megazero.optim.onebit_state)

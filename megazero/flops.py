@@ -54,8 +54,29 @@ def gpt_flops_per_iteration(model: ModelConfig, global_batch_size: int,
     attention = 2 * 2 * s * h
     projection = 2 * h * h
     mlp = 2 * h * f * (2 if model.swiglu else 1) + 2 * f * h
-    per_token = layers * (qkv + attention + projection + mlp) + 2 * h * vocab
+    moe_layers = sum(model.moe.is_moe_layer(i, layers) for i in range(layers))
+    per_token = (layers * (qkv + attention + projection) + (layers - moe_layers) * mlp
+                 + moe_layers * moe_mlp_flops_per_token(model) + 2 * h * vocab)
     return 3.0 * global_batch_size * s * per_token
+
+
+def moe_mlp_flops_per_token(model: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE block, counting the *active* experts only (each
+    token passes k of them), as Megatron's ``num_floating_point_operations`` does: the router
+    ``2hE``, k experts' MLPs at ``--moe-ffn-hidden-size``, the shared expert and its gate.
+    Dropped tokens are not subtracted (the model FLOPs of the configuration)."""
+    moe, h = model.moe, model.hidden_size
+    if moe.num_experts is None:
+        return 0.0
+    glu = 2 if model.swiglu else 1
+    f = moe.moe_ffn_hidden_size or model.ffn_size
+    flops = 2 * h * moe.num_experts + moe.moe_router_topk * (2 * h * f * glu + 2 * f * h)
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared is not None:
+        flops += 2 * h * shared * glu + 2 * shared * h
+        if moe.moe_shared_expert_gate:
+            flops += 2 * h
+    return float(flops)
 
 
 def tflops_per_device(flops_per_iteration: float, seconds_per_iteration: float,

@@ -189,7 +189,8 @@ class Monitor:
                grad_norm: float | None, flops_per_iteration: float, world_size: int,
                peak_flops: float | None = None,
                overlapped: dict[str, float] | None = None,
-               num_zeros: float | None = None) -> None:
+               num_zeros: float | None = None,
+               moe: dict[str, float] | None = None) -> None:
         """Print the interval's log line and write every scalar sink; reset the interval.
 
         With ``wall_clock_breakdown`` the iterations' regions (:class:`Timers`) are printed on
@@ -210,9 +211,14 @@ class Monitor:
         breakdown_ms = {k: 1000.0 * v / s.iterations for k, v in s.breakdown.items()}
         overlapped_ms = {k: 1000.0 * v / s.iterations for k, v in (overlapped or {}).items()}
         loop_ms = 1000.0 * wall / s.iterations
-        print(format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
-                              global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
-                              tokens, tflops, mem, None, mfu, num_zeros), flush=True)
+        line = format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
+                               global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
+                               tokens, tflops, mem, None, mfu, num_zeros)
+        if moe:  # MoE routers' scalars (megazero.moe.metrics)
+            from megazero.moe.metrics import log_line_part
+
+            line += log_line_part(moe)
+        print(line, flush=True)
         if breakdown_ms:
             print(format_breakdown(breakdown_ms, loop_ms, overlapped_ms), flush=True)
         scalars: dict[str, float] = {"learning-rate": lr, "batch-size": global_batch_size,
@@ -225,6 +231,7 @@ class Monitor:
             scalars["grad-norm"] = grad_norm
         if num_zeros is not None:
             scalars["num-zeros"] = num_zeros
+        scalars.update(moe or {})
         scalars.update(self.memory_phases)
         scalars.update(breakdown_scalars(breakdown_ms, loop_ms, overlapped_ms))
         self.memory_phases = {}

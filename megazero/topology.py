@@ -27,11 +27,13 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megazero.config.rules import check_vpp_needs_pp, check_world_size
+from megazero.config.rules import check_expert_grid, check_vpp_needs_pp, check_world_size
 
 GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
 #: Built only when cp > 1 (at cp = 1 they are single ranks and the dp groups).
 CP_GROUP_KINDS = ("cp", "dp_cp")
+#: the expert grid's groups, built only for models with MoE layers
+EXPERT_GROUP_KINDS = ("ep", "etp", "edp")
 
 
 class TopologyError(ValueError):
@@ -42,6 +44,13 @@ class Coord(NamedTuple):
     pp: int
     dp: int
     tp: int
+
+
+class ExpertCoord(NamedTuple):
+    pp: int
+    edp: int
+    ep: int
+    etp: int
 
 
 @dataclass(frozen=True)
@@ -57,9 +66,11 @@ class ParallelLayout:
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
+    ep: int = 1  # expert-parallel size (the expert grid)
+    etp: int = 1  # expert-tensor-parallel size
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "cp"):
+        for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
@@ -68,10 +79,16 @@ class ParallelLayout:
                 raise TopologyError(f"vpp must be a positive integer or None, got {self.vpp!r}")
         check_vpp_needs_pp(self.pp, self.vpp, error=TopologyError)
         check_world_size(self.world_size, self.tp, self.pp, error=TopologyError, cp=self.cp)
+        check_expert_grid(self.world_size, self.ep, self.etp, self.pp, error=TopologyError)
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the replicas of each expert."""
+        return self.world_size // (self.etp * self.ep * self.pp)
 
     @property
     def num_chunks(self) -> int:
@@ -101,6 +118,22 @@ class ParallelLayout:
             )
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
+    def expert_coords(self, rank: int) -> ExpertCoord:
+        """``rank``'s place in the expert grid (order etp, ep, edp, pp: etp fastest)."""
+        self._check_rank(rank)
+        etp = rank % self.etp
+        ep = (rank // self.etp) % self.ep
+        edp = (rank // (self.etp * self.ep)) % self.edp
+        return ExpertCoord(pp=rank // (self.etp * self.ep * self.edp), edp=edp, ep=ep, etp=etp)
+
+    def expert_rank(self, pp: int, edp: int, ep: int, etp: int) -> int:
+        if not (0 <= pp < self.pp and 0 <= edp < self.edp and 0 <= ep < self.ep
+                and 0 <= etp < self.etp):
+            raise TopologyError(
+                f"expert coordinates (pp={pp}, edp={edp}, ep={ep}, etp={etp}) outside the grid "
+                f"pp<{self.pp}, edp<{self.edp}, ep<{self.ep}, etp<{self.etp}")
+        return etp + self.etp * (ep + self.ep * (edp + self.edp * pp))
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} outside world of size {self.world_size}")
@@ -127,8 +160,15 @@ class ParallelLayout:
         if kind == "dp_cp":
             return sorted(self.rank(c.pp, d, c.tp, x) for d in range(self.dp)
                           for x in range(self.cp))
+        if kind in EXPERT_GROUP_KINDS:
+            e = self.expert_coords(rank)
+            if kind == "ep":
+                return [self.expert_rank(e.pp, e.edp, i, e.etp) for i in range(self.ep)]
+            if kind == "etp":
+                return [self.expert_rank(e.pp, e.edp, e.ep, i) for i in range(self.etp)]
+            return [self.expert_rank(e.pp, i, e.ep, e.etp) for i in range(self.edp)]
         raise TopologyError(f"unknown group kind {kind!r}; expected one of "
-                            f"{GROUP_KINDS + CP_GROUP_KINDS}")
+                            f"{GROUP_KINDS + CP_GROUP_KINDS + EXPERT_GROUP_KINDS}")
 
     def all_groups(self, kind: str) -> list[list[int]]:
         """Every ``kind`` group of the world, ordered by their smallest rank."""
@@ -158,7 +198,8 @@ class ParallelTopology:
     @classmethod
     def build(
         cls, tp: int = 1, pp: int = 1, vpp: int | None = None, world_size: int | None = None,
-        rank: int | None = None, timeout: timedelta | None = None, cp: int = 1,
+        rank: int | None = None, timeout: timedelta | None = None, cp: int = 1, *,
+        ep: int = 1, etp: int = 1, expert_groups: bool = False,
     ) -> ParallelTopology:
         """Create every group of the layout. Must be called by all ranks, in the same order.
 
@@ -167,16 +208,21 @@ class ParallelTopology:
         ``timeout`` (``--distributed-timeout-minutes``) applies to every group's collectives;
         without it ``new_group`` would not inherit the main group's timeout but take the
         backend default (30 minutes for gloo).
+        ``expert_groups`` (a model with MoE layers): also the expert grid's ``ep``, ``etp`` and
+        ``edp`` groups of sizes ``ep``, ``etp`` and ``world / (etp * ep * pp)``.
         """
+        kinds = (GROUP_KINDS + (CP_GROUP_KINDS if cp > 1 else ())
+                 + (EXPERT_GROUP_KINDS if expert_groups else ()))
         if not dist.is_initialized():
             if (world_size or 1) != 1:
                 raise TopologyError("torch.distributed is not initialised; call init first")
-            return cls(ParallelLayout(1, tp, pp, vpp, cp), 0, {k: None for k in GROUP_KINDS})
+            return cls(ParallelLayout(1, tp, pp, vpp, cp, ep=ep, etp=etp), 0,
+                       {k: None for k in kinds})
         world_size = dist.get_world_size() if world_size is None else world_size
         rank = dist.get_rank() if rank is None else rank
-        layout = ParallelLayout(world_size, tp, pp, vpp, cp)
+        layout = ParallelLayout(world_size, tp, pp, vpp, cp, ep=ep, etp=etp)
         mine: dict[str, ProcessGroup | None] = {}
-        for kind in GROUP_KINDS + (CP_GROUP_KINDS if cp > 1 else ()):
+        for kind in kinds:
             for ranks in layout.all_groups(kind):
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
@@ -268,6 +314,44 @@ class ParallelTopology:
     @property
     def embedding_group(self) -> ProcessGroup | None:
         return self.groups.get("embedding")
+
+    # --- the expert grid ----------------------------------------------------------------------
+
+    @property
+    def expert_coord(self) -> ExpertCoord:
+        return self.layout.expert_coords(self.rank)
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_coord.ep
+
+    @property
+    def etp_size(self) -> int:
+        return self.layout.etp
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.edp
+
+    @property
+    def edp_rank(self) -> int:
+        return self.expert_coord.edp
+
+    @property
+    def ep_group(self) -> ProcessGroup | None:
+        return self.groups.get("ep")
+
+    @property
+    def edp_group(self) -> ProcessGroup | None:
+        return self.groups.get("edp")
+
+    @property
+    def etp_group(self) -> ProcessGroup | None:
+        return self.groups.get("etp")
 
     def ranks(self, kind: str) -> list[int]:
         """Global ranks of this process's ``kind`` group."""

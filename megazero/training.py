@@ -168,6 +168,11 @@ def _schedule(run: Run, data_iter, forward_only: bool,
         return default_loss_fn(per_token, batch) * scale
 
     m = run.cfg.model
+    count = num_microbatches or run.batching.num_microbatches
+    if m.moe.enabled:  # MoE auxiliary losses are scaled as each micro-batch's loss is
+        from megazero.moe.moe_utils import set_aux_loss_scale
+
+        set_aux_loss_scale(scale / count)
     losses = forward_backward(
         run.chunks, data_iter, run.topo,
         num_microbatches or run.batching.num_microbatches, m.seq_length // run.topo.cp_size,
@@ -177,6 +182,18 @@ def _schedule(run: Run, data_iter, forward_only: bool,
         grad_sync=None if forward_only else run.engine, activation_meter=activation_meter,
         microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage)
     return [x / scale for x in losses]
+
+
+def _moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
+    """The routers' scalars of the log interval (collective: every rank calls it)."""
+    moe = run.cfg.model.moe
+    if not moe.enabled:
+        return None
+    from megazero.moe.metrics import collect
+
+    assert moe.num_experts is not None
+    return collect(run.chunks, run.topo, run.cfg.model.num_layers, moe.num_experts, iterations,
+                   moe.moe_per_layer_logging)
 
 
 def _timed_get_batch(run: Run):
@@ -236,6 +253,10 @@ def train_step(run: Run, data_iter, exit_votes: Callable[[], list[float]] = lamb
     with t.region("scheduler"):
         if result.updated:
             run.scheduler.step()
+    if run.cfg.model.moe.enabled:
+        from megazero.moe.router import update_expert_biases
+
+        update_expert_biases(run.chunks, run.topo, apply=result.updated)
     loss_sum, count, *summed_votes = result.sums
     return loss_sum / count, result, summed_votes
 
@@ -408,13 +429,14 @@ def train(run: Run) -> TrainState:
                         result.grad_norm)
                     # 1-bit optimizers: the bytes the step's compressed exchange sent
                     run.monitor.memory_phases.update(exchange_scalars(run.engine))
+                    moe = _moe_metrics(run, log_interval)
                     run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
                                        run.scheduler.get_lr(), gbs,
                                        cfg.model.seq_length, result.loss_scale, norm,
                                        gpt_flops_per_iteration(cfg.model, gbs, vocab),
                                        run.topo.world_size, peak,
                                        overlapped=t.pop_overlapped(),
-                                       num_zeros=result.num_zeros)
+                                       num_zeros=result.num_zeros, moe=moe)
             spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)
             if pending is not None:  # the step after a save judges the weights it saved
                 if spiked:
@@ -469,7 +491,10 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
                          env.world_size).register()
     watchdog = Watchdog(timeout.total_seconds(), env.rank, diagnose=peers.diagnose).start()
     topo = ParallelTopology.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.vpp,
-                                  timeout=timeout, cp=cfg.parallel.cp)
+                                  timeout=timeout, cp=cfg.parallel.cp,
+                                  ep=cfg.parallel.expert_model_parallel_size,
+                                  etp=cfg.parallel.expert_tensor_parallel_size,
+                                  expert_groups=cfg.model.moe.enabled)
     set_seed(cfg.train.seed, topo.pp_rank)
     if cfg.train.deterministic_mode:
         enable_deterministic_mode()

@@ -54,6 +54,13 @@ GOLDEN_FLAGS = """
 --rotary-percent --rampup-batch-size --manual-gc --manual-gc-interval --no-manual-gc-eval
 --eod-mask-loss --log-num-zeros-in-grad
 --profile --use-pytorch-profiler --profile-step-start --profile-step-end --profile-ranks
+--expert-model-parallel-size --expert-tensor-parallel-size --num-experts --moe-ffn-hidden-size
+--moe-layer-freq --moe-router-topk --moe-router-score-function --moe-router-pre-softmax
+--moe-router-topk-scaling-factor --moe-router-load-balancing-type --moe-aux-loss-coeff
+--moe-z-loss-coeff --moe-router-enable-expert-bias --moe-router-bias-update-rate
+--moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
+--moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
+--moe-token-dispatcher-type --moe-per-layer-logging
 """.split()
 
 CHOICES = {

@@ -209,29 +209,40 @@ def merge_index(gathered: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_rank_tensors(infos: list[ParamInfo], shapes: dict[int, torch.Size], engine: Any,
                        step: float | None, tp_rank: int, tp_size: int, dp_rank: int,
-                       rank_dir: str, bucket_bytes: int, put: Callable[[Any, str], None]
-                       ) -> dict[str, Any]:
+                       rank_dir: str, bucket_bytes: int, put: Callable[[Any, str], None],
+                       edp_rank: int | None = None) -> dict[str, Any]:
     """Write this rank's ranges of weights and optimizer state under ``rank_dir`` (``step``:
     from :func:`step_count`); returns its index entries: one per tensor it wrote a range of
     (dp rank 0 lists every tensor it saves, with or without ranges, so tensors of no elements
-    are indexed too)."""
-    mine = [i for i in infos if i.dim is not None or tp_rank == 0]
+    are indexed too).
+
+    MoE experts (``param.expert``) are not replicated over TP but over their
+    expert-data-parallel group: every TP rank holds its own experts, and the first rank of
+    each expert's ``edp`` group (``edp_rank``) plays dp rank 0's part for it."""
+    edp_rank = dp_rank if edp_rank is None else edp_rank
+
+    def first_replica(i: ParamInfo) -> bool:
+        return (edp_rank if getattr(i.param, "expert", False) else dp_rank) == 0
+
+    mine = [i for i in infos if i.dim is not None or tp_rank == 0
+            or getattr(i.param, "expert", False)]
     trainable = {id(i.param): i for i in mine if i.param.requires_grad}
     by_pieces = engine is not None and engine.zero.stage > 0
     weights = BucketFiles(f"{rank_dir}/model", bucket_bytes, put)
-    if dp_rank == 0:
-        for i in mine:
-            if not (by_pieces and id(i.param) in trainable):
-                write_whole(weights, i, i.param)
+    for i in mine:
+        if first_replica(i) and not (by_pieces and id(i.param) in trainable):
+            write_whole(weights, i, i.param)
     if by_pieces:
         for pc in engine.masters.pieces:
             if id(pc.param) in trainable:
                 write_piece_weights(weights, trainable[id(pc.param)], pc)
     weights.flush()
     optim = None
-    if engine is not None and (engine.zero.stage > 0 or dp_rank == 0):
+    if engine is not None and (engine.zero.stage > 0 or dp_rank == 0 or edp_rank == 0):
         optim = BucketFiles(f"{rank_dir}/optim", bucket_bytes, put)
-        write_optimizer_ranges(optim, engine, trainable, step)
+        first = trainable if engine.zero.stage > 0 else {
+            k: i for k, i in trainable.items() if first_replica(i)}
+        write_optimizer_ranges(optim, engine, first, step)
         optim.flush()
     index: dict[str, Any] = {}
     for i in mine:
@@ -239,7 +250,7 @@ def write_rank_tensors(infos: list[ParamInfo], shapes: dict[int, torch.Size], en
         ranges = {"weight": weights.ranges.get(i.name, [])}
         if has_optim:
             ranges["optim"] = optim.ranges.get(i.name, []) if optim is not None else []
-        if dp_rank != 0 and not any(ranges.values()):
+        if not first_replica(i) and not any(ranges.values()):
             continue
         local = tuple(shapes[id(i.param)])
         index[i.name] = {

@@ -53,6 +53,33 @@ def _megatron_optimizer(value: str) -> str:
     return "adamw" if value == "adam" else value
 
 
+def _layer_freq(value: str) -> int | tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq``: an int N, or a list of 0/1 per layer written as a
+    Python expression of lists, ``+`` and ``*`` (``"([1]*3+[0])*2"``), evaluated without eval."""
+    import ast
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List | ast.Tuple):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+            a, b = ev(node.left), ev(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError(node)
+
+    try:
+        out = ev(ast.parse(value.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        out = None
+    if isinstance(out, int):
+        return out
+    if isinstance(out, list) and all(isinstance(v, int) for v in out):
+        return tuple(out)
+    raise ConfigError(f"--moe-layer-freq {value!r}: expected an integer N or a list of 0/1 per "
+                      "layer such as '[1,0,1,0]' or '([1]*3+[0])*2'")
+
+
 def _f(names: str, field: str, convert: Callable[[Any], Any] | None = None, **kw: Any) -> Flag:
     return Flag(tuple(names.split()), field, kw, convert)
 
@@ -82,6 +109,31 @@ FLAGS: tuple[Flag, ...] = (
     _f("--distributed-timeout-minutes", "parallel.distributed_timeout_minutes", **_FL,
        help="timeout of every process group's collectives, and the watchdog's limit for one "
             "iteration"),
+    _f("--expert-model-parallel-size", "parallel.expert_model_parallel_size", **_I),
+    _f("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size", **_I),
+    # Mixture of Experts
+    _f("--num-experts", "model.moe.num_experts", **_I),
+    _f("--moe-ffn-hidden-size", "model.moe.moe_ffn_hidden_size", **_I),
+    _f("--moe-layer-freq", "model.moe.moe_layer_freq", _layer_freq),
+    _f("--moe-router-topk", "model.moe.moe_router_topk", **_I),
+    _f("--moe-router-score-function", "model.moe.moe_router_score_function"),
+    _f("--moe-router-pre-softmax", "model.moe.moe_router_pre_softmax", **_ON),
+    _f("--moe-router-topk-scaling-factor", "model.moe.moe_router_topk_scaling_factor", **_FL),
+    _f("--moe-router-load-balancing-type", "model.moe.moe_router_load_balancing_type"),
+    _f("--moe-aux-loss-coeff", "model.moe.moe_aux_loss_coeff", **_FL),
+    _f("--moe-z-loss-coeff", "model.moe.moe_z_loss_coeff", **_FL),
+    _f("--moe-router-enable-expert-bias", "model.moe.moe_router_enable_expert_bias", **_ON),
+    _f("--moe-router-bias-update-rate", "model.moe.moe_router_bias_update_rate", **_FL),
+    _f("--moe-expert-capacity-factor", "model.moe.moe_expert_capacity_factor", **_FL),
+    _f("--moe-token-drop-policy", "model.moe.moe_token_drop_policy"),
+    _f("--moe-pad-expert-input-to-capacity", "model.moe.moe_pad_expert_input_to_capacity",
+       **_ON),
+    _f("--moe-grouped-gemm", "model.moe.moe_grouped_gemm", **_ON),
+    _f("--moe-shared-expert-intermediate-size",
+       "model.moe.moe_shared_expert_intermediate_size", **_I),
+    _f("--moe-shared-expert-gate", "model.moe.moe_shared_expert_gate", **_ON),
+    _f("--moe-token-dispatcher-type", "model.moe.moe_token_dispatcher_type"),
+    _f("--moe-per-layer-logging", "model.moe.moe_per_layer_logging", **_ON),
     # model
     _f("--model-preset", "model.model_preset",
        help="start the model from a preset; flags given explicitly override it"),

@@ -8,7 +8,8 @@ line per flag. Headings follow Megatron's argument groups. A flag's group comes 
 
 from __future__ import annotations
 
-GROUPS = ("model", "parallelism", "training", "learning rate", "validation", "data",
+GROUPS = ("model", "mixture of experts", "parallelism", "training", "learning rate", "validation",
+          "data",
           "checkpointing", "logging", "mixed precision", "ZeRO and DeepSpeed config",
           "distributed")
 
@@ -19,6 +20,28 @@ GROUP_OF_SECTION = {
 }
 
 GROUP_OF_FLAG = {
+    "--expert-model-parallel-size": "parallelism",
+    "--expert-tensor-parallel-size": "parallelism",
+    "--num-experts": "mixture of experts",
+    "--moe-ffn-hidden-size": "mixture of experts",
+    "--moe-layer-freq": "mixture of experts",
+    "--moe-router-topk": "mixture of experts",
+    "--moe-router-score-function": "mixture of experts",
+    "--moe-router-pre-softmax": "mixture of experts",
+    "--moe-router-topk-scaling-factor": "mixture of experts",
+    "--moe-router-load-balancing-type": "mixture of experts",
+    "--moe-aux-loss-coeff": "mixture of experts",
+    "--moe-z-loss-coeff": "mixture of experts",
+    "--moe-router-enable-expert-bias": "mixture of experts",
+    "--moe-router-bias-update-rate": "mixture of experts",
+    "--moe-expert-capacity-factor": "mixture of experts",
+    "--moe-token-drop-policy": "mixture of experts",
+    "--moe-pad-expert-input-to-capacity": "mixture of experts",
+    "--moe-grouped-gemm": "mixture of experts",
+    "--moe-shared-expert-intermediate-size": "mixture of experts",
+    "--moe-shared-expert-gate": "mixture of experts",
+    "--moe-token-dispatcher-type": "mixture of experts",
+    "--moe-per-layer-logging": "mixture of experts",
     "--lr": "learning rate", "--min-lr": "learning rate", "--lr-decay-style": "learning rate",
     "--lr-warmup-iters": "learning rate", "--lr-decay-iters": "learning rate",
     "--lr-warmup-fraction": "learning rate", "--lr-warmup-samples": "learning rate",
@@ -33,6 +56,51 @@ GROUP_OF_FLAG = {
 }
 
 HELP = {
+    # mixture of experts
+    "--expert-model-parallel-size":
+        "ranks that split each MoE layer's experts (EP); E must divide by it",
+    "--expert-tensor-parallel-size":
+        "ranks that split each expert's matrices (only 1 in megazero)",
+    "--num-experts":
+        "experts per MoE layer (E): the chosen layers' MLP becomes router + experts",
+    "--moe-ffn-hidden-size":
+        "each expert's hidden width (default: --ffn-hidden-size)",
+    "--moe-layer-freq":
+        "MoE layers: an int N (layer i when i % N == 0) or a 0/1 list per layer",
+    "--moe-router-topk":
+        "experts each token is routed to (k)",
+    "--moe-router-score-function":
+        "router scores: softmax over experts, or per-expert sigmoid",
+    "--moe-router-pre-softmax":
+        "softmax over all experts before choosing the top k",
+    "--moe-router-topk-scaling-factor":
+        "multiply the routing weights by this factor",
+    "--moe-router-load-balancing-type":
+        "balancing loss: switch loss per micro-batch (aux_loss), per sequence, or none",
+    "--moe-aux-loss-coeff":
+        "weight of the load-balancing loss (1e-2 is usual)",
+    "--moe-z-loss-coeff":
+        "weight of the router z-loss (1e-3 is usual)",
+    "--moe-router-enable-expert-bias":
+        "aux-loss-free balancing: a per-expert bias on sigmoid scores, updated each step",
+    "--moe-router-bias-update-rate":
+        "step of the expert-bias update, b += rate * sign(mean(c) - c)",
+    "--moe-expert-capacity-factor":
+        "tokens an expert takes, as a multiple of k T / E (default: dropless)",
+    "--moe-token-drop-policy":
+        "over capacity, keep the highest-weight tokens or the first ones",
+    "--moe-pad-expert-input-to-capacity":
+        "pad every expert's input to its capacity (fixed shapes)",
+    "--moe-grouped-gemm":
+        "run the local experts as one grouped GEMM instead of a loop",
+    "--moe-shared-expert-intermediate-size":
+        "width of a dense shared expert every token passes",
+    "--moe-shared-expert-gate":
+        "scale the shared expert's output by sigmoid(x g) per token",
+    "--moe-token-dispatcher-type":
+        "how tokens reach their experts' ranks: all-gather or all-to-all",
+    "--moe-per-layer-logging":
+        "log the balancing loss and expert counts of every MoE layer",
     # parallelism
     "--tensor-model-parallel-size": "ranks that split each layer's matrices (TP)",
     "--pipeline-model-parallel-size": "pipeline stages the layers are divided into (PP)",

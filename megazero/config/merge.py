@@ -41,6 +41,7 @@ from megazero.config.deepspeed import (
     get_path,
     json_field_values,
 )
+from megazero.config.moe_schema import MoEConfig
 from megazero.config.optim_schema import (
     AioConfig,
     OffloadConfig,
@@ -373,6 +374,9 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                           f"{merged['precision.bf16'][0]}); enable at most one of them")
 
     model_kw = _section("model", merged)
+    moe_kw = {f.split(".", 2)[2]: v for f, (_, v) in merged.items() if f.startswith("model.moe.")}
+    if moe_kw:
+        model_kw["moe"] = MoEConfig(**moe_kw)
     preset = model_kw.get("model_preset")
     model = ModelConfig.preset(preset, **model_kw) if preset else ModelConfig(**model_kw)
     parallel = ParallelConfig(**_section("parallel", merged, world_size=world_size))

@@ -58,6 +58,20 @@ def check_world_size_cp(world_size: int, tp: int, pp: int, cp: int,
     return world_size // grid
 
 
+def check_expert_grid(world_size: int, ep: int, etp: int, pp: int,
+                      error: type[Exception] = ConfigError) -> int:
+    """The expert grid ``etp x ep x edp x pp`` must tile the world; returns edp."""
+    grid = ep * etp * pp
+    if world_size % grid:
+        fits = [d for d in divisors(world_size // pp) if (world_size // pp) % (d * etp) == 0] \
+            if world_size % pp == 0 else []
+        raise error(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
+            f"--pipeline-model-parallel-size {pp} = {grid} does not divide the world size "
+            f"{world_size}; use an expert-parallel size from {fits}")
+    return world_size // grid
+
+
 def check_vpp_needs_pp(pp: int, vpp: int | None, flag: str | None = None,
                        error: type[Exception] = ConfigError) -> None:
     """Interleaving (more than one virtual chunk per stage) needs pipeline parallelism.
@@ -255,12 +269,45 @@ def check_rampup(rampup: tuple[int, int, int], global_batch: int, micro_batch: i
     return sizes
 
 
+def check_moe_layout(cfg: MegazeroConfig) -> None:
+    """MoE against the parallel layout: experts split evenly over the expert-parallel ranks,
+    expert parallelism only with experts, tensor parallelism only with sequence parallelism
+    (each TP rank then routes its own tokens; without SP they would be routed twice)."""
+    moe, p = cfg.model.moe, cfg.parallel
+    ep = p.expert_model_parallel_size
+    if moe.num_experts is None:
+        check(ep == 1, f"--expert-model-parallel-size {ep} needs a Mixture-of-Experts model; "
+              "add --num-experts E or drop the flag")
+        return
+    check(moe.num_experts % ep == 0,
+          f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size "
+          f"{ep}; use an expert-parallel size from "
+          f"{[d for d in divisors(moe.num_experts) if p.world_size % (d * p.pp) == 0]}"
+          if p.world_size is not None else f"{divisors(moe.num_experts)}")
+    check(p.tp == 1 or p.sequence_parallel,
+          f"--num-experts with --tensor-model-parallel-size {p.tp} needs --sequence-parallel "
+          "(each TP rank routes its own slice of the tokens); add --sequence-parallel")
+    check(cfg.zero.stage != 3 or ep == p.tp,
+          f"ZeRO stage 3 with --expert-model-parallel-size {ep} and "
+          f"--tensor-model-parallel-size {p.tp}: stage 3 shards MoE experts only when the two "
+          "sizes are equal (their data-parallel groups then coincide); make them equal or use "
+          "ZeRO stage 0-2")
+    freq = moe.moe_layer_freq
+    check(isinstance(freq, int) or len(freq) == cfg.model.num_layers,
+          f"--moe-layer-freq lists {0 if isinstance(freq, int) else len(freq)} layers but "
+          f"--num-layers is {cfg.model.num_layers}; give one 0/1 per layer")
+
+
 def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, pp = p.tp, p.pp
     check_tensor_parallel_split(m, tp, p.sequence_parallel)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
+    check_moe_layout(cfg)
+    check(cfg.model.moe.num_experts is None or p.cp == 1,
+          f"--num-experts with --context-parallel-size {p.cp}: MoE layers are not composed "
+          "with context parallelism yet; use --context-parallel-size 1 with MoE")
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
     if per_chunk is not None:

@@ -12,9 +12,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from megazero.config.moe_schema import MoEConfig
 from megazero.config.optim_schema import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import check as _check
 from megazero.config.rules import (
+    check_expert_grid,
     check_vpp_needs_pp,
     check_world_size,
     sequence_parallel_active,
@@ -53,8 +55,11 @@ class ModelConfig:
     use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
     group_query_attention: bool = False  # Megatron's switch; the group count is num_query_groups
     model_preset: Literal["gpt2", "llama"] | None = None  # the preset the fields started from
+    moe: MoEConfig = field(default_factory=MoEConfig)  # Mixture of Experts; dense when unset
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # a config read back from JSON (checkpoint, converter)
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "vocab_size", "make_vocab_size_divisible_by"):
             v = getattr(self, name)
@@ -181,6 +186,9 @@ class ParallelConfig:
     # the split (p2p ring, all_gather, a2a Ulysses); megatron-core's flags.
     context_parallel_size: int = 1
     cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
+    # MoE layers' expert grid (etp x ep x edp x pp over the same ranks, megatron-core's order)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1  # Megatron's default is --tensor-model-parallel-size
 
     def __post_init__(self) -> None:
         _check(self.tensor_model_parallel_size >= 1 and self.pipeline_model_parallel_size >= 1,
@@ -189,6 +197,15 @@ class ParallelConfig:
                f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
         if self.world_size is not None:
             check_world_size(self.world_size, self.tp, self.pp, cp=self.cp)
+        _check(self.expert_model_parallel_size >= 1, "--expert-model-parallel-size must be "
+               f">= 1, got {self.expert_model_parallel_size}")
+        _check(self.expert_tensor_parallel_size == 1,
+               f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size}: megazero's "
+               "experts are not split by tensor parallelism (expert tensor parallel size 1); "
+               "drop the flag or set it to 1")
+        if self.world_size is not None:
+            check_expert_grid(self.world_size, self.expert_model_parallel_size,
+                              self.expert_tensor_parallel_size, self.pp)
         if self.num_layers_per_virtual_pipeline_stage is not None:
             _check(self.num_layers_per_virtual_pipeline_stage >= 1, "--num-layers-per-virtual-"
                    f"pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
@@ -337,7 +354,9 @@ class MegazeroConfig:
             raise ConfigError("the layout needs the world size; build the config with "
                               "load_config(argv, world_size)")
         return ParallelLayout(self.parallel.world_size, self.parallel.tp, self.parallel.pp,
-                              self.vpp, self.parallel.cp)
+                              self.vpp, self.parallel.cp,
+                              ep=self.parallel.expert_model_parallel_size,
+                              etp=self.parallel.expert_tensor_parallel_size)
 
 
 def field_choices(path: str) -> tuple[Any, ...] | None:

@@ -32,7 +32,7 @@ import torch
 
 from megazero.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox", "mixtral")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 # Buffers some transformers versions keep in the state dict; they are derived, not weights.
 _DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
@@ -95,8 +95,9 @@ def _check_common(c: Mapping[str, Any]) -> None:
     if c.get("sliding_window") not in (None, 0):
         _refuse(f"sliding_window={c['sliding_window']}", "megazero attends to the full context")
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if c.get(key):
-            _refuse(f"{key}={c[key]} (mixture of experts)", "megazero models are dense")
+        if c.get(key) and model_type != "mixtral":
+            _refuse(f"{key}={c[key]} (mixture of experts)", "megazero imports Mixtral's "
+                    "experts; other MoE families are not converted yet")
 
 
 def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
@@ -141,7 +142,7 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
         _refuse(f"head_dim={c['head_dim']}", f"megazero uses hidden_size/heads = {h // heads}")
     groups = c.get("num_key_value_heads") or heads
     positions = c["max_position_embeddings"]
-    return ModelConfig(
+    llama = ModelConfig(
         num_layers=c["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
         num_query_groups=groups if groups != heads else None,
         group_query_attention=groups != heads, ffn_hidden_size=c["intermediate_size"],
@@ -151,6 +152,11 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
         untie_embeddings_and_output_weights=not tie,
         attention_dropout=float(c.get("attention_dropout", 0.0)), hidden_dropout=0.0,
         init_method_std=float(c.get("initializer_range", 0.02)), model_preset="llama")
+    if c["model_type"] == "mixtral":
+        from megazero.convert import hf_mixtral
+
+        return hf_mixtral.config_to_megazero(c, llama, _refuse)
+    return llama
 
 
 def megazero_preset(m: ModelConfig) -> str:
@@ -201,7 +207,10 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
             layer_norm_epsilon=m.norm_epsilon, resid_pdrop=m.hidden_dropout,
             embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             initializer_range=m.init_method_std, tie_word_embeddings=tie)
-    return dict(
+    if m.moe.enabled and preset != "llama":
+        _refuse(f"--num-experts with the {preset} block", "Mixtral (the Llama block with "
+                "experts) is the MoE architecture megazero exports")
+    llama = dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=m.vocab_size,
         hidden_size=m.hidden_size, intermediate_size=m.ffn_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.query_groups,
@@ -211,6 +220,11 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
         attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
         attention_dropout=m.attention_dropout,
         initializer_range=m.init_method_std, tie_word_embeddings=tie)
+    if m.moe.enabled:
+        from megazero.convert import hf_mixtral
+
+        return hf_mixtral.config_from_megazero(m, llama, _refuse)
+    return llama
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,9 +301,15 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
                     src(f"{p}self_attn.q_proj.{x}"), src(f"{p}self_attn.k_proj.{x}"),
                     src(f"{p}self_attn.v_proj.{x}"), heads, groups)
                 out[_layer(i, f"self_attention.linear_proj.{x}")] = src(f"{p}self_attn.o_proj.{x}")
+                if m.moe.enabled:
+                    continue
                 out[_layer(i, f"mlp.linear_fc1.{x}")] = torch.cat(
                     [src(f"{p}mlp.gate_proj.{x}"), src(f"{p}mlp.up_proj.{x}")], dim=0)
                 out[_layer(i, f"mlp.linear_fc2.{x}")] = src(f"{p}mlp.down_proj.{x}")
+            if m.moe.enabled:
+                from megazero.convert import hf_mixtral
+
+                out.update(hf_mixtral.mlp_to_megazero(m, i, src, set(hf_state)))
         out["decoder.final_layernorm.weight"] = src("model.norm.weight")
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
     if m.untie_embeddings_and_output_weights:
@@ -360,10 +380,16 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
                 out[f"{p}self_attn.k_proj.{x}"] = k
                 out[f"{p}self_attn.v_proj.{x}"] = v
                 out[f"{p}self_attn.o_proj.{x}"] = get(_layer(i, f"self_attention.linear_proj.{x}"))
+                if m.moe.enabled:
+                    continue
                 gate, up = get(_layer(i, f"mlp.linear_fc1.{x}")).chunk(2, dim=0)
                 out[f"{p}mlp.gate_proj.{x}"] = gate.contiguous()
                 out[f"{p}mlp.up_proj.{x}"] = up.contiguous()
                 out[f"{p}mlp.down_proj.{x}"] = get(_layer(i, f"mlp.linear_fc2.{x}"))
+            if m.moe.enabled:
+                from megazero.convert import hf_mixtral
+
+                out.update(hf_mixtral.mlp_from_megazero(m, i, get))
         out["model.norm.weight"] = get("decoder.final_layernorm.weight")
     out["lm_head.weight"] = head
     return cfg, {k: v.contiguous() for k, v in out.items()}

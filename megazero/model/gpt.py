@@ -181,6 +181,9 @@ class GPTModel(nn.Module):
             with torch.device("cpu"):
                 rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base)
             self.rotary = rotary.to(device)
+        for module in self.modules():  # MoE routers' expert-bias buffers (zeros at start)
+            if module is not self and hasattr(module, "materialize_buffers"):
+                module.materialize_buffers(device)
 
     def materialize(self, device: torch.device) -> None:
         """Finish a build on the meta device on ``device``: buffers, then every parameter

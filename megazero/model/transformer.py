@@ -15,6 +15,15 @@ from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM, checkpoint
 
 
+def build_mlp(config: ModelConfig, layer_number: int, parallel: ParallelContext) -> nn.Module:
+    """The dense MLP, or an MoE block on the layers ``--moe-layer-freq`` chooses."""
+    if config.moe.is_moe_layer(layer_number, config.num_layers):
+        from megazero.moe.moe_layer import MoELayer  # the MoE package builds on this one
+
+        return MoELayer(config, parallel=parallel, layer_number=layer_number)
+    return MLP(config, parallel=parallel)
+
+
 class TransformerLayer(nn.Module):
     """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` on ``[s(/t), b, h]``.
 
@@ -37,7 +46,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(*norm)
         self.self_attention = SelfAttention(config, parallel=parallel)
         self.pre_mlp_layernorm = build_norm(*norm)
-        self.mlp = MLP(config, parallel=parallel)
+        self.mlp = build_mlp(config, layer_number, parallel)
         for child, name in ((self.input_layernorm, "input_layernorm"),
                             (self.self_attention, "self_attention"),
                             (self.pre_mlp_layernorm, "pre_mlp_layernorm"), (self.mlp, "mlp")):

@@ -119,7 +119,8 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     chunks = meta_chunks(cfg, shape_topology(layout, pp_rank, 0, 0))
     sp = p.sequence_parallel_active
     rep = model_state_report(chunks, z, cfg.precision, dp=dp, tp=p.tp, pp=p.pp,
-                             sequence_parallel=sp, optimizer=cfg.optimizer)
+                             sequence_parallel=sp, optimizer=cfg.optimizer,
+                             edp=layout.edp if layout.ep != layout.tp else None)
     out = RankMemory(pp_rank)
     out.numel = sum(q.numel() for c in chunks for q in c.parameters())
     for kind, name in (("params", "weights"), ("grads", "gradients"),

@@ -100,9 +100,12 @@ def _units(chunk: nn.Module, dp: int, dp_rank: int, threshold: int
 def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: PrecisionConfig,
                        *, dp: int, dp_rank: int = 0, tp: int = 1, pp: int = 1,
                        sequence_parallel: bool = False,
-                       optimizer: OptimizerConfig | None = None) -> MemoryReport:
+                       optimizer: OptimizerConfig | None = None,
+                       edp: int | None = None, edp_rank: int = 0) -> MemoryReport:
     """The bytes ``engine.memory_report()`` reports after an optimizer step on this rank, for
-    the optimizer ``optimizer`` names (default: AdamW)."""
+    the optimizer ``optimizer`` names (default: AdamW). ``edp``: MoE experts have flat buffers
+    of their own over the expert-data-parallel group of that size (stages 0-2; pass it only
+    when that group is not the dp group, :func:`megazero.moe.grads.experts_need_own_group`)."""
     from megazero.zero.offload import OffloadPlan
     from megazero.zero.optimizers import state_layout
 
@@ -120,13 +123,18 @@ def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: Pre
         if not params:
             continue
         if zero.stage < 3:
-            total, shard_total, padding, own = _buffer(
-                params, zero.stage, dp, dp_rank, max(1, int(zero.reduce_bucket_size)), tp, pp,
-                sequence_parallel)
-            b["params"]["device"] += total * ps
-            b["grads"]["device"] += (total if zero.stage < 2 else shard_total) * gs
-            report.padding_elements += padding
-            pieces += own
+            experts = [p for p in params if getattr(p, "expert", False)] if edp else []
+            dense = [p for p in params if not getattr(p, "expert", False)] if edp else params
+            for group, size, rank in ((experts, edp or 1, edp_rank), (dense, dp, dp_rank)):
+                if not group:
+                    continue
+                total, shard_total, padding, own = _buffer(
+                    group, zero.stage, size, rank, max(1, int(zero.reduce_bucket_size)), tp, pp,
+                    sequence_parallel)
+                b["params"]["device"] += total * ps
+                b["grads"]["device"] += (total if zero.stage < 2 else shard_total) * gs
+                report.padding_elements += padding
+                pieces += own
         else:
             for padded, numel, persistent, own in _units(chunk, dp, dp_rank,
                                                   zero.stage3_param_persistence_threshold):

@@ -49,10 +49,18 @@ class ParallelContext:
     cp_size: int = 1
     cp_rank: int = 0
 
+    # expert parallelism (MoE layers only): the group of ranks that split a layer's experts
+    ep_group: Group = None
+    ep_size: int = 1
+    ep_rank: int = 0
+
     def __post_init__(self) -> None:
         if self.cp_group is not None:
             object.__setattr__(self, "cp_size", group_size(self.cp_group))
             object.__setattr__(self, "cp_rank", group_rank(self.cp_group))
+        if self.ep_group is not None:
+            object.__setattr__(self, "ep_size", group_size(self.ep_group))
+            object.__setattr__(self, "ep_rank", group_rank(self.ep_group))
         if self.tp_group is not None:
             size, rank = group_size(self.tp_group), group_rank(self.tp_group)
             if (self.tp_size, self.tp_rank) not in ((1, 0), (size, rank)):
@@ -78,7 +86,9 @@ class ParallelContext:
                    rng_tracker=rng_tracker, attention_backend=attention_backend,
                    params_dtype=params_dtype, tp_size=topo.tp_size, tp_rank=topo.tp_rank,
                    cp_group=topo.cp_group if topo.cp_size > 1 else None,
-                   cp_comm_type=cp_comm_type, cp_size=topo.cp_size, cp_rank=topo.cp_rank)
+                   cp_comm_type=cp_comm_type, cp_size=topo.cp_size, cp_rank=topo.cp_rank,
+                   ep_group=topo.ep_group, ep_size=topo.ep_size if topo.ep_group is None else 1,
+                   ep_rank=topo.ep_rank if topo.ep_group is None else 0)
 
     def fork(self, stream: str) -> contextlib.AbstractContextManager[None]:
         """Draw random numbers from ``stream`` of the tracker (dropout); see

@@ -79,6 +79,8 @@ def is_duplicate_copy(param: nn.Parameter, tp_rank: int) -> bool:
     """
     if getattr(param, "shared", False):
         return True
+    if getattr(param, "expert", False):
+        return False  # an MoE expert: its replicas are its expert-data-parallel group
     return not param_is_not_tensor_parallel_duplicate(param, tp_rank)
 
 

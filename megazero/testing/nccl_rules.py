@@ -181,6 +181,12 @@ class _Recorder:
                 return fn(*args, **kwargs)
             main = next((t for a in tensor_args for t in _tensors(bound.get(a))), None)
             desc = name if main is None else f"{name} {_describe(main)}"
+            if main is not None and name == "all_to_all_single" and (
+                    bound.get("output_split_sizes") is not None
+                    or bound.get("input_split_sizes") is not None):
+                # uneven splits: each rank's sizes differ by design (MoE token dispatch);
+                # NCCL pairs the calls by order and dtype
+                desc = f"{name} {str(main.dtype).replace('torch.', '')}[split]"
             if p2p:
                 desc = "p2p" if main is None else f"p2p {_describe(main)}"
                 peer = bound.get(root_arg) if root_arg else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -12,9 +13,11 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.deepspeed import unimplemented_zero_keys
 from megazero.config.rules import sequence_parallel_active
+from megazero.moe.grads import scale_expert_grads, split_expert_params
 from megazero.protocols import ParamStore
 from megazero.topology import ParallelTopology
 from megazero.zero.buffers import GradBuffer
+from megazero.zero.comm import GroupComm
 from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
 from megazero.zero.optimizer import Comms, ZeroOptimizer
@@ -109,17 +112,30 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
     dtype = precision_config.params_dtype
     for chunk in chunks:
         for p in chunk.parameters():
-            if p.dtype != dtype:
+            if p.dtype != dtype and not getattr(p, "keep_fp32", False):  # MoE expert bias
                 p.data = p.data.to(dtype)
     comms = Comms.from_topology(topo, reduce_scatter_impl, shared_memory)
     # bf16 gradients accumulate and reduce in fp32 unless the config says otherwise
     # (PrecisionConfig.grad_dtype); the buffers add each micro-batch's gradient into it
     grad_dtype = precision_config.grad_dtype
     stores: list[ParamStore] = []
+    expert_comms: Comms | None = None
     for chunk in chunks:
         params = [p for p in chunk.parameters() if p.requires_grad]
         if not params:
             continue
+        params, experts = split_expert_params(params, topo, zero_config.stage)
+        if experts:  # Mixture-of-Experts weights reduced over their own group
+            if expert_comms is None:
+                expert_comms = dataclasses.replace(comms, dp=GroupComm(
+                    topo.edp_group, "edp", comms.log, reduce_scatter_impl, shared_memory))
+            scale_expert_grads(experts, topo)
+            stores.append(GradBuffer(
+                experts, stage=zero_config.stage, dp=expert_comms.dp,
+                bucket_numel=max(1, int(zero_config.reduce_bucket_size)), grad_dtype=grad_dtype,
+                contiguous_gradients=zero_config.contiguous_gradients,
+                reduce_scatter=zero_config.reduce_scatter, overlap=zero_config.overlap_comm,
+                deferred_kind={}))
         kinds = deferred_kinds(params, topo, sequence_parallel)
         if zero_config.stage == 3:
             from megazero.zero.stage3 import Stage3Params

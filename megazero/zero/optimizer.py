@@ -200,6 +200,27 @@ class ZeroOptimizer:
             store.reduce_deferred()
         self._synced = True
 
+    def _stage0_norm_parts(self, pieces: Sequence[Any], tp_rank: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 0's squared norm and zero count: full gradients are identical on every
+        replica, so dense ones count on the first rank of their dp x cp group only and MoE
+        experts (replicated over their expert-data-parallel group) on edp rank 0 only. Another
+        replica contributes 0, or NaN if its gradients are not finite."""
+        sq = torch.zeros((), dtype=torch.float32)
+        zeros = torch.zeros((), dtype=torch.float64)
+        for expert in (False, True):
+            grads = [p.grad for p in pieces if getattr(p.param, "expert", False) == expert
+                     and not is_duplicate_copy(p.param, tp_rank)]
+            if expert and not grads:
+                continue
+            first = (self.topo.edp_rank if expert else self.topo.grad_rank) == 0
+            part = clip_grads.sum_of_squares(grads)
+            sq = sq + (part if first else part * 0.0)
+            if self.count_zeros_in_grad:
+                count = clip_grads.count_zeros(grads)
+                zeros = zeros + (count if first else count * 0)
+        return sq, zeros
+
     def step(self, loss_is_finite: bool = True, skip_nonfinite: bool = False,
              also_sum: Sequence[float] = ()) -> StepResult:
         """Clip and apply this step's gradients, unless a rank sees a non-finite value.
@@ -229,14 +250,14 @@ class ZeroOptimizer:
         # (as Megatron's --check-for-nan-in-loss-and-grad and DeepSpeed's fp16 check on the
         # norm), with no separate pass over the gradients.
         tp_rank = self.topo.tp_rank
-        owned = [p.grad for p in pieces if not is_duplicate_copy(p.param, tp_rank)]
-        sq = clip_grads.sum_of_squares(owned)
-        # Megatron's --log-num-zeros-in-grad: the same elements as the norm, counted once.
-        zeros = (clip_grads.count_zeros(owned) if self.count_zeros_in_grad
-                 else torch.zeros((), dtype=torch.float64))
-        if self.zero.stage == 0 and self.topo.grad_rank != 0:
-            sq = sq * 0.0  # 0, or NaN if this replica's gradients are not finite
-            zeros = zeros * 0
+        if self.zero.stage == 0:
+            sq, zeros = self._stage0_norm_parts(pieces, tp_rank)
+        else:
+            owned = [p.grad for p in pieces if not is_duplicate_copy(p.param, tp_rank)]
+            sq = clip_grads.sum_of_squares(owned)
+            # Megatron's --log-num-zeros-in-grad: the same elements as the norm, counted once.
+            zeros = (clip_grads.count_zeros(owned) if self.count_zeros_in_grad
+                     else torch.zeros((), dtype=torch.float64))
         scalars = torch.cat([
             sq.reshape(1).to(self.device, torch.float64),
             zeros.reshape(1).to(self.device, torch.float64),

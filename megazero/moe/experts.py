@@ -1,0 +1,161 @@
+"""The experts of one MoE layer held by this rank: a loop of small MLPs, or one grouped GEMM.
+
+Each expert is its own module stored under its *global* index (``experts.7.linear_fc1.weight``
+on whichever expert-parallel rank holds expert 7), and its init rule is keyed by that name, so
+every expert-parallel layout initialises, saves and loads the same experts (Megatron seeds
+experts from the EP rank, so its model changes with the EP size).
+
+Expert parameters are flagged ``expert = True``: their gradients are summed over the
+expert-data-parallel group rather than the data-parallel one.
+
+``--moe-grouped-gemm`` stacks the local experts' weights and runs each of fc1 and fc2 as one
+``torch._grouped_mm`` over the tokens sorted by expert (:func:`grouped_linear`), where the torch
+build, dtype and shapes support it, and as a loop of ``mm`` otherwise: both give the loop's
+numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.config import ModelConfig
+from megazero.model.init import declare_linear, scope
+
+
+class ExpertMLP(nn.Module):
+    """One expert: fc1 (``[2F, H]`` with SwiGLU: gate then up), activation, fc2 ``[H, F]``."""
+
+    def __init__(self, config: ModelConfig, ffn: int, dtype: torch.dtype):
+        super().__init__()
+        rows = 2 * ffn if config.swiglu else ffn
+        bias = config.add_bias_linear
+        self.linear_fc1 = nn.Linear(config.hidden_size, rows, bias=bias, dtype=dtype)
+        self.linear_fc2 = nn.Linear(ffn, config.hidden_size, bias=bias, dtype=dtype)
+        scope(declare_linear(self.linear_fc1), "linear_fc1")
+        scope(declare_linear(self.linear_fc2, depth_scaled=True), "linear_fc2")
+        for p in self.parameters():
+            p.expert = True  # type: ignore[attr-defined]
+
+
+def activation(h: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The dense MLP's activation (SwiGLU on ``[gate; up]``, or GELU)."""
+    if config.swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh" if config.openai_gelu else "none")
+
+
+def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` needs 16-byte aligned strides; the CPU kernel takes fp32 (bf16
+    fails on strides, torch 2.13), the CUDA one bf16 (Hopper and newer)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    want = torch.bfloat16 if x.device.type == "cuda" else torch.float32
+    if x.dtype != want or w.dtype != want or x.device.type not in ("cpu", "cuda"):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    item = x.element_size()
+    return all((n * item) % 16 == 0 for n in (x.shape[-1], w.shape[-2]))
+
+
+def _segments(counts: list[int]) -> list[tuple[int, int]]:
+    out, lo = [], 0
+    for c in counts:
+        out.append((lo, lo + c))
+        lo += c
+    return out
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[seg g] = x[seg g] @ w[g]^T`` for ``w`` ``[G, N, K]``; backward with grouped GEMMs
+    too (torch's own backward of ``_grouped_mm`` fails on CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, counts: list[int]
+                ) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts
+        if _grouped_mm_usable(x, w):
+            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            try:
+                return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            except RuntimeError:  # a layout this build's kernel refuses: the loop below
+                pass
+        return torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(_segments(counts))])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w = ctx.saved_tensors
+        counts = ctx.counts
+        dy = dy.contiguous()
+        if _grouped_mm_usable(x, w) and _grouped_mm_usable(dy, w.transpose(-2, -1)):
+            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            try:
+                dx = torch._grouped_mm(dy, w, offs=offs)
+                dw = torch._grouped_mm(dy.t(), x, offs=offs)
+                return dx, dw, None
+            except RuntimeError:  # as in forward
+                pass
+        segs = _segments(counts)
+        dx = torch.cat([dy[a:b] @ w[g] for g, (a, b) in enumerate(segs)])
+        dw = torch.stack([dy[a:b].t() @ x[a:b] for a, b in segs])
+        return dx, dw, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out: torch.Tensor = _GroupedLinear.apply(x, w, counts)  # type: ignore[no-untyped-call]
+    return out
+
+
+class Experts(nn.Module):
+    """The local experts ``[first, first + count)`` of a layer's ``num_experts``.
+
+    ``forward(x, counts)``: ``x`` holds the tokens sorted by local expert, ``counts[i]`` rows
+    for local expert ``i``; returns each row through its expert (no routing weight applied).
+    """
+
+    def __init__(self, config: ModelConfig, first: int, count: int, *,
+                 dtype: torch.dtype = torch.float32, grouped_gemm: bool = False):
+        super().__init__()
+        moe = config.moe
+        self.config = config
+        self.ffn = moe.moe_ffn_hidden_size or config.ffn_size
+        self.first = first
+        self.grouped_gemm = grouped_gemm
+        self.local_experts = nn.ModuleDict({
+            str(e): scope(ExpertMLP(config, self.ffn, dtype), str(e))
+            for e in range(first, first + count)})
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        experts = [cast(ExpertMLP, e) for e in self.local_experts.values()]
+        if self.grouped_gemm:
+            return self._grouped(x, counts, experts)
+        outs = []
+        for expert, (a, b) in zip(experts, _segments(counts), strict=True):
+            h = activation(expert.linear_fc1(x[a:b]), self.config)
+            outs.append(cast(torch.Tensor, expert.linear_fc2(h)))
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+    def _grouped(self, x: torch.Tensor, counts: list[int], experts: list[ExpertMLP]
+                 ) -> torch.Tensor:
+        w1 = torch.stack([e.linear_fc1.weight for e in experts])
+        w2 = torch.stack([e.linear_fc2.weight for e in experts])
+        h = grouped_linear(x, w1, counts)
+        if self.config.add_bias_linear:
+            h = h + self._per_row_bias([e.linear_fc1.bias for e in experts], counts)
+        h = activation(h, self.config)
+        y = grouped_linear(h, w2, counts)
+        if self.config.add_bias_linear:
+            y = y + self._per_row_bias([e.linear_fc2.bias for e in experts], counts)
+        return y
+
+    @staticmethod
+    def _per_row_bias(biases: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+        index = torch.repeat_interleave(torch.arange(len(counts), device=biases[0].device),
+                                        torch.tensor(counts, device=biases[0].device))
+        return torch.stack(biases)[index]

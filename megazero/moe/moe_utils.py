@@ -1,0 +1,137 @@
+"""The arithmetic of routing, as plain functions on tensors (no modules, no process groups):
+top-k scoring, capacity and token dropping, the load-balancing and z losses, and the autograd
+hook that adds an auxiliary loss's gradient without touching the main loss.
+
+Shapes: ``logits`` / ``probs`` / ``routing_map`` are ``[T, E]`` for ``T`` tokens and ``E``
+experts; ``probs`` is dense with zeros outside each token's chosen experts, ``routing_map`` the
+matching boolean mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
+                 pre_softmax: bool = False, scaling_factor: float | None = None,
+                 expert_bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)`` as megatron-core's ``topk_softmax_with_capacity`` computes them
+    before any capacity is applied.
+
+    softmax: the top-k logits, then a softmax over those k (``pre_softmax``: a softmax over all
+    E, then the top k of it). sigmoid: experts chosen by the top k of ``sigmoid(l) + bias``,
+    weighted by their unbiased sigmoid scores normalised to sum 1 (for k > 1). Finally the
+    weights are multiplied by ``scaling_factor``.
+    """
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, idx = torch.topk(scores, topk, dim=-1)
+        else:
+            top, idx = torch.topk(logits, topk, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        if expert_bias is not None:
+            _, idx = torch.topk(scores + expert_bias, topk, dim=-1)
+            weights = torch.gather(scores, 1, idx)
+        else:
+            weights, idx = torch.topk(scores, topk, dim=-1)
+        if topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score function {score_function!r}: expected softmax or sigmoid")
+    if scaling_factor is not None:
+        weights = weights * scaling_factor
+    probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, idx, weights)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return probs, routing_map
+
+
+def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The full ``[T, E]`` scores the balancing loss weighs: the softmax over all E, or the
+    sigmoid scores normalised per token (megatron-core's
+    ``compute_routing_scores_for_aux_loss``)."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    s = torch.sigmoid(logits.float())
+    return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
+    """Megatron's ``ceil(k * T / E * factor)`` (T: the tokens routed together)."""
+    return math.ceil(topk * num_tokens / num_experts * factor)
+
+
+def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
+                   policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep at most ``capacity`` tokens per expert: those with the highest weight
+    (``probs``) or the first ones in token order (``position``). Returns the masked
+    ``(probs, routing_map)``."""
+    num_tokens = routing_map.shape[0]
+    if capacity >= num_tokens:
+        return probs, routing_map
+    if policy == "probs":
+        key = probs.detach().masked_fill(~routing_map, -1.0)
+    elif policy == "position":
+        order = torch.arange(num_tokens, 0, -1, device=probs.device, dtype=torch.float32)
+        key = order.unsqueeze(1).expand_as(probs).masked_fill(~routing_map, -1.0)
+    else:
+        raise ValueError(f"drop policy {policy!r}: expected probs or position")
+    # stable sort keeps the earlier token on equal weights, on every layout alike
+    keep_idx = torch.sort(key, dim=0, descending=True, stable=True).indices[:capacity]
+    keep = torch.zeros_like(routing_map).scatter(0, keep_idx, True) & routing_map
+    return probs * keep, keep
+
+
+def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor,
+                               topk: int, num_tokens: int) -> torch.Tensor:
+    """``E / (k T^2) * sum_i (sum_x s_xi) c_i``: 1.0 when routing is perfectly balanced.
+    ``scores`` may be a shard of the ``T`` tokens (the sum over shards is the whole loss);
+    ``tokens_per_expert`` (``c``) counts all ``T``."""
+    e = scores.shape[-1]
+    return (scores.sum(dim=0) * tokens_per_expert).sum() * (e / (topk * num_tokens * num_tokens))
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss, ``mean_x logsumexp(l_x)^2``."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on ``output`` whose backward also sends gradient ``scale`` into ``aux_loss``.
+
+    An auxiliary loss computed inside a layer reaches the optimizer without being added to
+    the main loss (which, under pipeline parallelism, lives on another stage): the layer's
+    output carries it. ``scale`` is what the main loss is multiplied by before backward (loss
+    scale / micro-batches), set by the training loop through :attr:`main_loss_scale`.
+    """
+
+    main_loss_scale: float = 1.0
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, AuxLossScaler.main_loss_scale)
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """``output`` unchanged, with ``aux_loss``'s gradient flowing when it is backpropagated."""
+    if not (torch.is_grad_enabled() and aux_loss.requires_grad):
+        return output
+    out: torch.Tensor = AuxLossScaler.apply(output, aux_loss)  # type: ignore[no-untyped-call]
+    return out
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The factor the training loop applies to each micro-batch's loss before backward."""
+    AuxLossScaler.main_loss_scale = float(scale)
