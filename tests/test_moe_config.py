@@ -52,6 +52,8 @@ BAD = [
      "--expert-tensor-parallel-size 2"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
      "ZeRO stage 3 with --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--context-parallel-size", "2", "--attention-dropout", "0"], 2,
+     "--num-experts with --context-parallel-size 2"),
 ]
 
 
