@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazero.banner import local_parameter_share
 from megazero.config import ModelConfig
 from megazero.pipeline.partition import build_model_chunks
 from megazero.testing import run_distributed
 from megazero.topology import ParallelTopology
-from megazero.training import local_parameter_share
 
 # vocab 1100 pads to 1152 at tp 1, 1280 at tp 2, 1536 at tp 4: the pad rows differ by layout
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -69,3 +69,13 @@ def test_banner_counts_the_model_under_zero_3():
     z3 = banner_count(check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
                                           "--deepspeed_config", f.name], nproc=2)))
     assert z3 == one, (z3, one)
+
+
+def test_banner_names_the_moe_layout():
+    from megazero.testing.launch import TINY, check, run_training
+
+    out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
+                              "--num-experts", "4", "--moe-router-topk", "1",
+                              "--moe-expert-capacity-factor", "1.5"]))
+    assert ("> moe: 4 experts, top-1 (aux_loss), expert parallel 1, allgather dispatcher, "
+            "capacity factor 1.5") in out, out
