@@ -10,6 +10,8 @@ Takes pretrain_gpt.py's flags (same parser, same validation and messages) plus::
     --deepspeed-compat               (also print DeepSpeed's estimate_zero{2,3} numbers)
     --json                           (machine-readable output)
 
+pretrain_gpt.py's flags may follow a literal ``--`` (``... --world-size 8 -- --bf16``).
+
 Example: python tools/estimate_memory.py --model llama2-7b --world-size 8 --bf16 \
     --tensor-model-parallel-size 2 --zero-stage 1 --micro-batch-size 1 --global-batch-size 64
 """
@@ -58,6 +60,10 @@ def tool_parser(description: str) -> argparse.ArgumentParser:
 
 
 def run_argv(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """The preset's flags (less those the user gives) and the user's other flags. A literal
+    ``--`` only separates the tool's flags from pretrain_gpt.py's: argparse keeps it in
+    ``rest``, where the run's parser would take it, and every flag after it, as unknown."""
+    rest = [a for a in rest if a != "--"]
     model = (preset_argv(args.model) if args.model else
              hf_config_argv(args.hf_config) if args.hf_config else [])
     given = {a.split("=")[0] for a in rest if a.startswith("--")}

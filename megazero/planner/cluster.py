@@ -49,7 +49,8 @@ class Cluster:
     # the optimizer step on the device, parameters per second (0: not charged, as on GPUs
     # where it is a few milliseconds)
     device_adam_gparams_per_s: float = 0.0
-    # measured cost per collective kind (all_reduce, all_gather, reduce_scatter, send_recv):
+    # measured cost per collective kind (all_reduce, all_gather, reduce_scatter, send_recv,
+    # all_to_all):
     # [alpha microseconds per call, GB/s of ring wire bytes]; replaces the link bandwidths and
     # ``per_collective_latency_us`` for the kinds it names
     collectives: dict[str, list[float]] | None = None

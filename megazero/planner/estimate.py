@@ -22,6 +22,7 @@ from megazero.planner.activations import (
 )
 from megazero.planner.cluster import Cluster
 from megazero.planner.model_states import model_state_report
+from megazero.planner.onebit_states import ONEBIT_ITEMS
 from megazero.planner.shapes import meta_chunks, shape_topology
 
 FRAGMENTATION = 0.05  # CUDA caching-allocator allowance on top of the tracked peak (not on CPU)
@@ -30,7 +31,8 @@ FRAGMENTATION = 0.05  # CUDA caching-allocator allowance on top of the tracked p
 #: fp32 gradient copies on host masters go through one buffer kept between steps
 #: (megazero.zero.master.MasterParams._staged): live throughout, like the model states
 GRAD_STAGING_ITEM = "fp32 grad staging buffer (host)"
-STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments", GRAD_STAGING_ITEM)
+STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments", GRAD_STAGING_ITEM,
+               *ONEBIT_ITEMS)
 FRAGMENTATION_ITEM = "fragmentation allowance (5%)"
 
 
@@ -120,7 +122,8 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     sp = p.sequence_parallel_active
     rep = model_state_report(chunks, z, cfg.precision, dp=dp, tp=p.tp, pp=p.pp,
                              sequence_parallel=sp, optimizer=cfg.optimizer,
-                             edp=layout.edp if layout.ep != layout.tp else None)
+                             edp=layout.edp if layout.ep != layout.tp else None,
+                             extras=(onebit := {}))
     out = RankMemory(pp_rank)
     out.numel = sum(q.numel() for c in chunks for q in c.parameters())
     for kind, name in (("params", "weights"), ("grads", "gradients"),
@@ -129,6 +132,11 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             out.items[name] = rep.bytes[kind]["device"]
         if rep.bytes[kind]["offload"]:
             out.host[name] = rep.bytes[kind]["offload"]
+    # the 1-bit optimizers' error feedback etc. on lines of their own, beside the moments
+    held = out.host if rep.bytes["optimizer"]["offload"] else out.items
+    for name, nbytes in onebit.items():
+        held["fp32 masters + Adam moments"] -= nbytes
+        held[name] = nbytes
     sdpa_math = not flash and uses_sdpa_math(cfg, device_is_cpu)
     out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash,
                                                       sdpa_math)

@@ -20,6 +20,7 @@ from torch import nn
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import sequence_parallel_active
+from megazero.planner.onebit_states import onebit_state_bytes
 from megazero.zero.accounting import MemoryReport
 from megazero.zero.units import unit_param_groups
 
@@ -101,11 +102,14 @@ def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: Pre
                        *, dp: int, dp_rank: int = 0, tp: int = 1, pp: int = 1,
                        sequence_parallel: bool = False,
                        optimizer: OptimizerConfig | None = None,
-                       edp: int | None = None, edp_rank: int = 0) -> MemoryReport:
+                       edp: int | None = None, edp_rank: int = 0,
+                       extras: dict[str, int] | None = None) -> MemoryReport:
     """The bytes ``engine.memory_report()`` reports after an optimizer step on this rank, for
     the optimizer ``optimizer`` names (default: AdamW). ``edp``: MoE experts have flat buffers
     of their own over the expert-data-parallel group of that size (stages 0-2; pass it only
-    when that group is not the dp group, :func:`megazero.moe.grads.experts_need_own_group`)."""
+    when that group is not the dp group, :func:`megazero.moe.grads.experts_need_own_group`).
+    ``extras``: filled with the 1-bit optimizers' state beyond the moments, by term
+    (:mod:`megazero.planner.onebit_states`; already in the ``optimizer`` bytes)."""
     from megazero.zero.offload import OffloadPlan
     from megazero.zero.optimizers import state_layout
 
@@ -155,4 +159,8 @@ def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: Pre
     n = sum(split)
     b["optimizer"][place] += ((4 * n if copy else 0) + moments * 4 * n
                               + (STEP_BYTES * len(split) if has_step else 0))
+    onebit = onebit_state_bytes(optimizer, split, dp)  # error feedback and the like
+    b["optimizer"][place] += sum(onebit.values())
+    if extras is not None:
+        extras.update(onebit)
     return report

@@ -15,6 +15,11 @@
   p2p of one activation per micro-batch per chunk boundary each way (over the stage's NIC when
   the stages sit on different nodes; with Megatron's scatter/gather, 1/tp of it per NIC and an
   all-gather over NVLink);
+* MoE (:mod:`megazero.planner.moe_cost`): the compute counts the router, the ``k`` active
+  experts and any shared expert of each MoE layer; with expert parallelism the token
+  dispatcher's all-to-all (or all-gather + reduce-scatter) per MoE layer, forward and
+  backward, over NVLink or the NICs as the expert group sits; MFU then counts the active
+  parameters' FLOPs (:func:`megazero.flops.gpt_flops_per_iteration`);
 * tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
   4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), 6 of each with full
   recompute (the recomputed forward repeats its 2), over NVLink when the TP group fits in a
@@ -57,7 +62,14 @@ def gemm_flops_per_token(cfg: MegazeroConfig) -> tuple[float, float, float]:
     kv = m.query_groups * m.head_dim
     dense = 2 * (h * (h + 2 * kv) + h * h + (3 if m.swiglu else 2) * h * f)
     attn = 2 * 2 * s * h
-    return dense * m.num_layers, attn * m.num_layers, 2 * h * m.vocab_size
+    layers = dense * m.num_layers
+    if m.moe.num_experts is not None:  # MoE layers: router, k active experts, shared expert
+        from megazero.flops import moe_mlp_flops_per_token
+        from megazero.planner.moe_cost import moe_layers
+
+        layers += moe_layers(cfg) * (moe_mlp_flops_per_token(m)
+                                     - 2 * (3 if m.swiglu else 2) * h * f)
+    return layers, attn * m.num_layers, 2 * h * m.vocab_size
 
 
 @dataclass
@@ -86,7 +98,7 @@ class StepTime:
                 "model_flops_per_iteration": self.model_flops}
 
 
-RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 
 def alpha_beta(cluster: Cluster, kind: str, gbps: float) -> tuple[float, float]:
@@ -101,7 +113,8 @@ def alpha_beta(cluster: Cluster, kind: str, gbps: float) -> tuple[float, float]:
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:
     """Bytes one rank sends for a ``nbytes`` buffer over ``n`` ranks in a ring: ``2(n-1)/n`` of
-    it for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter, all of it for send/recv."""
+    it for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter (and for an all-to-all of
+    an ``nbytes`` send buffer: the share for the other ranks), all of it for send/recv."""
     return nbytes if kind == "send_recv" else RING[kind] * nbytes * (n - 1) / n
 
 
@@ -246,6 +259,10 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
                     gather = max(0.0, gather - per_mb / passes)
             comm = reduce + gather
         out.terms["data parallel"] = comm
+    if layout.ep > 1:  # the MoE token dispatcher's all-to-all or all-gather + reduce-scatter
+        from megazero.planner.moe_cost import moe_dispatch_seconds
+
+        out.terms["MoE dispatch"] = mb * moe_dispatch_seconds(cfg, cluster)
     offload = z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled)
     shard = params_per_rank / (rdp if z.stage else 1)
     if offload:
@@ -259,5 +276,9 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     # Megatron's formula (72 B s l h^2 ...) for MFU, so the number compares with papers
     out.model_flops = model_flops_per_iteration(gbs, m.seq_length, m.num_layers, h,
                                                 m.vocab_size)
+    if m.moe.num_experts is not None:  # MoE: the active parameters' FLOPs, GEMM by GEMM
+        from megazero.flops import gpt_flops_per_iteration
+
+        out.model_flops = gpt_flops_per_iteration(m, gbs)
     return out
 
