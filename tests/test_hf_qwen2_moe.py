@@ -66,6 +66,7 @@ def _qwen2(**kw):
 
 
 def _close(got, ref, what):
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
     err, bound = (got - ref).abs().max().item(), 1e-5 * ref.abs().max().item()
     assert err <= bound, f"{what}: max abs err {err:.3e} > {bound:.3e}"
 
@@ -186,3 +187,46 @@ def test_qwen2_dense_maps_qkv_biases_alone():
     with pytest.raises(ConversionError, match="sliding"):
         hf_to_megazero(_qwen2(use_sliding_window=True, sliding_window=8,
                               max_window_layers=0).config.to_dict(), hf.state_dict())
+
+
+def _imported_at_layouts(rank, world, mc, state, toks):
+    """This rank's logits of the imported model at TP 2 + SP and at EP 2 (both dispatchers)."""
+    from megazero.model import GPTModel
+    from megazero.tensor_parallel import gather_from_tensor_parallel_region
+    from megazero.tensor_parallel.context import ParallelContext
+    from megazero.topology import ParallelTopology
+
+    out = {}
+    for name, topo, sp, dispatcher in (
+            ("tp2+sp", ParallelTopology.build(tp=2, expert_groups=True), True, "allgather"),
+            ("ep2 allgather", ParallelTopology.build(ep=2, expert_groups=True), False,
+             "allgather"),
+            ("ep2 alltoall", ParallelTopology.build(ep=2, expert_groups=True), False,
+             "alltoall")):
+        cfg = replace(mc, moe=replace(mc.moe, moe_token_dispatcher_type=dispatcher))
+        model = GPTModel(cfg, topo, parallel=ParallelContext.from_topology(
+            topo, sequence_parallel=sp)).eval()
+        load_global_state(model, state, topo)
+        with torch.no_grad():
+            logits = model(toks)
+        if topo.tp_size > 1:
+            logits = gather_from_tensor_parallel_region(logits, topo.tp_group)
+        out[name] = logits[..., :VOCAB]
+    return out
+
+
+def test_imported_qwen2_moe_computes_the_same_at_tp2_and_ep2():
+    """The imported model (QKV biases, gated shared expert, dense and sparse layers) gives
+    transformers' logits at TP 2 with SP and at EP 2 with either dispatcher."""
+    from megazero.testing import run_distributed
+
+    hf = _qwen2_moe(False)
+    mc, state = hf_to_megazero(hf.config.to_dict(), hf.state_dict())
+    toks = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(toks).logits
+    for rank, result in enumerate(run_distributed(_imported_at_layouts, 2, mc, state, toks,
+                                                  timeout=240)):
+        assert len(result) == 3
+        for name, logits in result.items():
+            _close(logits, ref, f"rank {rank} {name}")
