@@ -89,3 +89,14 @@ def test_tp2_equals_tp1_with_qkv_bias():
     for result in run_distributed(_tp2_equals_tp1, 2, timeout=180):
         assert result["moved"] > 0.1
         assert result[False] > 0 and result[True] > 0  # the bias gradient is really compared
+
+
+def test_loading_without_the_saved_qkv_bias_names_the_flag():
+    from megazero.checkpointing import _config_difference
+
+    saved = {"model": {"add_bias_linear": False, "add_qkv_bias": True}}
+    assert _config_difference(saved, {"model": {"add_bias_linear": False,
+                                                "add_qkv_bias": False}}) == (
+        "--add-qkv-bias is False but the checkpoint was saved with True (config.json)")
+    # a checkpoint written before the flag existed has no key: nothing to compare
+    assert _config_difference({"model": {"add_bias_linear": False}}, saved) is None
