@@ -230,3 +230,29 @@ def test_imported_qwen2_moe_computes_the_same_at_tp2_and_ep2():
         assert len(result) == 3
         for name, logits in result.items():
             _close(logits, ref, f"rank {rank} {name}")
+
+
+def test_hub_style_qwen1_5_moe_config():
+    """A config.json as the Hub's Qwen1.5-MoE-A2.7B ships it (transformers 4.39: top-level
+    rope_theta, a window size with use_sliding_window false, no qkv_bias key)."""
+    from megazero.convert.hf import hf_config_to_megazero
+
+    c = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+         "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 5632,
+         "max_position_embeddings": 8192, "max_window_layers": 21, "num_attention_heads": 16,
+         "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+         "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+         "use_sliding_window": False, "vocab_size": 151936, "decoder_sparse_step": 1,
+         "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+         "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
+         "router_aux_loss_coef": 0.001}
+    m = hf_config_to_megazero(c)
+    assert (m.num_layers, m.hidden_size, m.ffn_size, m.rotary_base) == (24, 2048, 5632, 1e6)
+    assert (m.add_qkv_bias, m.add_bias_linear, m.untie_embeddings_and_output_weights) == (
+        True, False, True)
+    moe = m.moe
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (60, 4, 1408)
+    assert (moe.moe_layer_freq, moe.moe_router_pre_softmax) == (1, True)
+    assert (moe.moe_shared_expert_intermediate_size, moe.moe_shared_expert_gate) == (5632, True)
+    with pytest.raises(ConversionError, match="sliding"):
+        hf_config_to_megazero(dict(c, use_sliding_window=True))
