@@ -149,6 +149,7 @@ HELP = {
     "--norm-epsilon": "epsilon of the normalization layers",
     "--swiglu": "SwiGLU MLP instead of GELU",
     "--disable-bias-linear": "no bias in the linear layers",
+    "--add-qkv-bias": "a bias on the QKV projection even with --disable-bias-linear (Qwen2)",
     "--untie-embeddings-and-output-weights": "separate output layer instead of the embedding",
     "--attention-dropout": "dropout on the attention probabilities",
     "--hidden-dropout": "dropout on the residual branches",

@@ -47,6 +47,9 @@ class ModelConfig:
     swiglu: bool = False
     openai_gelu: bool = False  # tanh-approximated GELU (GPT-2's "gelu_new"), Megatron's flag
     add_bias_linear: bool = True
+    # a bias on the fused QKV linear whatever add_bias_linear says (Megatron's --add-qkv-bias;
+    # Qwen2's attention): read it through ``qkv_bias``
+    add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
@@ -100,6 +103,12 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The leading dims of each head that RoPE rotates; the rest pass through."""
         return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused QKV linear has a bias: every linear has one, or only QKV
+        (``--disable-bias-linear --add-qkv-bias``, Qwen2). The one place the rule lives."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def query_groups(self) -> int:

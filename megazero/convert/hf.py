@@ -8,6 +8,8 @@
   ``--add-bias-linear``), grouped-query attention, tied or untied head.
 * GPT-NeoX (``GPTNeoXForCausalLM``): RoPE, LayerNorm, GELU, biases, sequential residual; the
   megazero default block with ``--position-embedding-type rope`` (:mod:`megazero.convert.hf_neox`).
+* Mixtral and Qwen2 / Qwen2-MoE, the Llama block with experts or QKV biases
+  (:mod:`megazero.convert.hf_mixtral`, :mod:`megazero.convert.hf_qwen2`).
 
 Both directions are pure functions on in-memory state dicts. The megazero side is the *global*
 state: the ``state_dict`` names of the model built at tp=1, pp=1 (one ``GPTModel``), fp32, with
@@ -32,7 +34,9 @@ import torch
 
 from megazero.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox", "mixtral")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox", "mixtral", "qwen2", "qwen2_moe")
+#: the families whose experts are converted (the module that maps them: _moe_family)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 # Buffers some transformers versions keep in the state dict; they are derived, not weights.
 _DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
@@ -92,12 +96,13 @@ def _check_common(c: Mapping[str, Any]) -> None:
     model_type = c.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         _refuse(f"model_type={model_type!r}", f"supported: {SUPPORTED_MODEL_TYPES}")
-    if c.get("sliding_window") not in (None, 0):
+    # Qwen2 configs keep a window size with use_sliding_window false: no window then
+    if c.get("sliding_window") not in (None, 0) and c.get("use_sliding_window", True):
         _refuse(f"sliding_window={c['sliding_window']}", "megazero attends to the full context")
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if c.get(key) and model_type != "mixtral":
-            _refuse(f"{key}={c[key]} (mixture of experts)", "megazero imports Mixtral's "
-                    "experts; other MoE families are not converted yet")
+        if c.get(key) and model_type not in MOE_MODEL_TYPES:
+            _refuse(f"{key}={c[key]} (mixture of experts)", "megazero imports Mixtral's and "
+                    "Qwen2-MoE's experts; other MoE families are not converted yet")
 
 
 def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
@@ -156,6 +161,10 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
         from megazero.convert import hf_mixtral
 
         return hf_mixtral.config_to_megazero(c, llama, _refuse)
+    if c["model_type"] in ("qwen2", "qwen2_moe"):
+        from megazero.convert import hf_qwen2
+
+        return hf_qwen2.config_to_megazero(c, llama, _refuse)
     return llama
 
 
@@ -208,8 +217,8 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
             embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             initializer_range=m.init_method_std, tie_word_embeddings=tie)
     if m.moe.enabled and preset != "llama":
-        _refuse(f"--num-experts with the {preset} block", "Mixtral (the Llama block with "
-                "experts) is the MoE architecture megazero exports")
+        _refuse(f"--num-experts with the {preset} block", "Mixtral and Qwen2-MoE (the Llama "
+                "block with experts) are the MoE architectures megazero exports")
     llama = dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=m.vocab_size,
         hidden_size=m.hidden_size, intermediate_size=m.ffn_size, num_hidden_layers=m.num_layers,
@@ -220,11 +229,23 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
         attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
         attention_dropout=m.attention_dropout,
         initializer_range=m.init_method_std, tie_word_embeddings=tie)
+    from megazero.convert import hf_qwen2
+
+    if hf_qwen2.is_qwen2(m) or hf_qwen2.is_qwen2_moe(m):  # QKV biases alone, a shared expert
+        return hf_qwen2.config_from_megazero(m, llama, _refuse)
     if m.moe.enabled:
         from megazero.convert import hf_mixtral
 
         return hf_mixtral.config_from_megazero(m, llama, _refuse)
     return llama
+
+
+def _moe_family(model_type: str) -> Any:
+    """The module mapping the sparse MLP of ``model_type``: ``mlp_to_megazero(m, i, src,
+    names)`` and ``mlp_from_megazero(m, i, get)`` for each MoE layer ``i``."""
+    from megazero.convert import hf_mixtral, hf_qwen2
+
+    return hf_qwen2 if model_type == "qwen2_moe" else hf_mixtral
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,15 +322,18 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
                     src(f"{p}self_attn.q_proj.{x}"), src(f"{p}self_attn.k_proj.{x}"),
                     src(f"{p}self_attn.v_proj.{x}"), heads, groups)
                 out[_layer(i, f"self_attention.linear_proj.{x}")] = src(f"{p}self_attn.o_proj.{x}")
-                if m.moe.enabled:
+                if m.moe.is_moe_layer(i, m.num_layers):
                     continue
                 out[_layer(i, f"mlp.linear_fc1.{x}")] = torch.cat(
                     [src(f"{p}mlp.gate_proj.{x}"), src(f"{p}mlp.up_proj.{x}")], dim=0)
                 out[_layer(i, f"mlp.linear_fc2.{x}")] = src(f"{p}mlp.down_proj.{x}")
-            if m.moe.enabled:
-                from megazero.convert import hf_mixtral
-
-                out.update(hf_mixtral.mlp_to_megazero(m, i, src, set(hf_state)))
+            if m.qkv_bias and not m.add_bias_linear:  # Qwen2: biases on q, k, v alone
+                out[_layer(i, "self_attention.linear_qkv.bias")] = fuse_qkv(
+                    src(f"{p}self_attn.q_proj.bias"), src(f"{p}self_attn.k_proj.bias"),
+                    src(f"{p}self_attn.v_proj.bias"), heads, groups)
+            if m.moe.is_moe_layer(i, m.num_layers):
+                out.update(_moe_family(hf_config["model_type"]).mlp_to_megazero(
+                    m, i, src, set(hf_state)))
         out["decoder.final_layernorm.weight"] = src("model.norm.weight")
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
     if m.untie_embeddings_and_output_weights:
@@ -380,16 +404,20 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
                 out[f"{p}self_attn.k_proj.{x}"] = k
                 out[f"{p}self_attn.v_proj.{x}"] = v
                 out[f"{p}self_attn.o_proj.{x}"] = get(_layer(i, f"self_attention.linear_proj.{x}"))
-                if m.moe.enabled:
+                if m.moe.is_moe_layer(i, m.num_layers):
                     continue
                 gate, up = get(_layer(i, f"mlp.linear_fc1.{x}")).chunk(2, dim=0)
                 out[f"{p}mlp.gate_proj.{x}"] = gate.contiguous()
                 out[f"{p}mlp.up_proj.{x}"] = up.contiguous()
                 out[f"{p}mlp.down_proj.{x}"] = get(_layer(i, f"mlp.linear_fc2.{x}"))
-            if m.moe.enabled:
-                from megazero.convert import hf_mixtral
-
-                out.update(hf_mixtral.mlp_from_megazero(m, i, get))
+            if m.qkv_bias and not m.add_bias_linear:  # Qwen2: biases on q, k, v alone
+                q, k, v = split_qkv(get(_layer(i, "self_attention.linear_qkv.bias")), heads,
+                                    groups, d)
+                out[f"{p}self_attn.q_proj.bias"] = q
+                out[f"{p}self_attn.k_proj.bias"] = k
+                out[f"{p}self_attn.v_proj.bias"] = v
+            if m.moe.is_moe_layer(i, m.num_layers):
+                out.update(_moe_family(cfg["model_type"]).mlp_from_megazero(m, i, get))
         out["model.norm.weight"] = get("decoder.final_layernorm.weight")
     out["lm_head.weight"] = head
     return cfg, {k: v.contiguous() for k, v in out.items()}

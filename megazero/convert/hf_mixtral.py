@@ -62,7 +62,9 @@ def config_from_megazero(m: ModelConfig, llama: dict[str, Any],
                 ("--moe-router-enable-expert-bias", "Mixtral has no expert bias")
                 if moe.moe_router_enable_expert_bias else None,
                 ("--add-bias-linear", "Mixtral's linears have no bias")
-                if m.add_bias_linear else None]
+                if m.add_bias_linear else None,
+                ("--add-qkv-bias", "Mixtral's attention has no bias")
+                if m.add_qkv_bias else None]
     for p in problems:
         if p is not None:
             refuse(*p)
@@ -76,8 +78,48 @@ def config_from_megazero(m: ModelConfig, llama: dict[str, Any],
     return out
 
 
-def _expert(i: int, e: int, rest: str) -> str:
+def expert_name(i: int, e: int, rest: str) -> str:
+    """megazero's global name of expert ``e`` of layer ``i`` (``rest``: ``linear_fc1.weight``)."""
     return f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest}"
+
+
+def experts_from_split(i: int, e_count: int, src: Callable[[str], torch.Tensor], prefix: str,
+                       gate: str, up: str, down: str) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s experts from the per-expert layout ``{prefix}{e}.{gate|up|down}``
+    (Mixtral's ``w1``/``w3``/``w2``, Qwen2-MoE's ``gate_proj``/``up_proj``/``down_proj``)."""
+    out: dict[str, torch.Tensor] = {}
+    for e in range(e_count):
+        p = f"{prefix}{e}."
+        out[expert_name(i, e, "linear_fc1.weight")] = torch.cat([src(p + gate), src(p + up)],
+                                                                dim=0)
+        out[expert_name(i, e, "linear_fc2.weight")] = src(p + down)
+    return out
+
+
+def experts_from_fused(i: int, e_count: int, gate_up: torch.Tensor, down: torch.Tensor
+                       ) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s experts from transformers 5's fused ``gate_up_proj`` ``[E, 2F, H]`` (rows
+    ``[gate; up]``, megazero's ``linear_fc1``) and ``down_proj`` ``[E, H, F]``."""
+    out: dict[str, torch.Tensor] = {}
+    for e in range(e_count):
+        out[expert_name(i, e, "linear_fc1.weight")] = gate_up[e].contiguous()
+        out[expert_name(i, e, "linear_fc2.weight")] = down[e].contiguous()
+    return out
+
+
+def experts_to_split(i: int, e_count: int, get: Callable[[str], torch.Tensor], prefix: str,
+                     gate: str, up: str, down: str) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`experts_from_split`: the layout every transformers version loads."""
+    out: dict[str, torch.Tensor] = {}
+    for e in range(e_count):
+        p = f"{prefix}{e}."
+        g, u = get(expert_name(i, e, "linear_fc1.weight")).chunk(2, dim=0)
+        out[p + gate], out[p + up] = g.contiguous(), u.contiguous()
+        out[p + down] = get(expert_name(i, e, "linear_fc2.weight"))
+    return out
+
+
+_W = ("w1.weight", "w3.weight", "w2.weight")  # Mixtral's gate, up, down
 
 
 def mlp_to_megazero(m: ModelConfig, i: int, src: Callable[[str], torch.Tensor],
@@ -85,23 +127,14 @@ def mlp_to_megazero(m: ModelConfig, i: int, src: Callable[[str], torch.Tensor],
     """Layer ``i``'s router and experts from whichever layout the HF state uses."""
     e_count = m.moe.num_experts
     assert e_count is not None
-    out: dict[str, torch.Tensor] = {}
     legacy = f"model.layers.{i}.block_sparse_moe."
     if f"{legacy}gate.weight" in names:
-        out[f"decoder.layers.{i}.mlp.router.weight"] = src(f"{legacy}gate.weight")
-        for e in range(e_count):
-            p = f"{legacy}experts.{e}."
-            out[_expert(i, e, "linear_fc1.weight")] = torch.cat(
-                [src(p + "w1.weight"), src(p + "w3.weight")], dim=0)
-            out[_expert(i, e, "linear_fc2.weight")] = src(p + "w2.weight")
-        return out
+        return {f"decoder.layers.{i}.mlp.router.weight": src(f"{legacy}gate.weight"),
+                **experts_from_split(i, e_count, src, f"{legacy}experts.", *_W)}
     p = f"model.layers.{i}.mlp."
-    out[f"decoder.layers.{i}.mlp.router.weight"] = src(p + "gate.weight")
-    gate_up, down = src(p + "experts.gate_up_proj"), src(p + "experts.down_proj")
-    for e in range(e_count):
-        out[_expert(i, e, "linear_fc1.weight")] = gate_up[e].contiguous()
-        out[_expert(i, e, "linear_fc2.weight")] = down[e].contiguous()
-    return out
+    return {f"decoder.layers.{i}.mlp.router.weight": src(p + "gate.weight"),
+            **experts_from_fused(i, e_count, src(p + "experts.gate_up_proj"),
+                                 src(p + "experts.down_proj"))}
 
 
 def mlp_from_megazero(m: ModelConfig, i: int, get: Callable[[str], torch.Tensor]
@@ -110,10 +143,5 @@ def mlp_from_megazero(m: ModelConfig, i: int, get: Callable[[str], torch.Tensor]
     e_count = m.moe.num_experts
     assert e_count is not None
     p = f"model.layers.{i}.block_sparse_moe."
-    out = {f"{p}gate.weight": get(f"decoder.layers.{i}.mlp.router.weight")}
-    for e in range(e_count):
-        gate, up = get(_expert(i, e, "linear_fc1.weight")).chunk(2, dim=0)
-        out[f"{p}experts.{e}.w1.weight"] = gate.contiguous()
-        out[f"{p}experts.{e}.w3.weight"] = up.contiguous()
-        out[f"{p}experts.{e}.w2.weight"] = get(_expert(i, e, "linear_fc2.weight"))
-    return out
+    return {f"{p}gate.weight": get(f"decoder.layers.{i}.mlp.router.weight"),
+            **experts_to_split(i, e_count, get, f"{p}experts.", *_W)}

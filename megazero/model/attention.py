@@ -140,7 +140,7 @@ class SelfAttention(nn.Module):
         self.local_groups = config.query_groups // tp
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * d
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, parallel=parallel, bias=config.add_bias_linear,
+            config.hidden_size, qkv_size, parallel=parallel, bias=config.qkv_bias,
             init_method=_NO_INIT)
         self.core_attention = CoreAttention(config.attention_dropout, parallel=parallel)
         self.linear_proj = RowParallelLinear(

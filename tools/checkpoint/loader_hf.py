@@ -1,5 +1,6 @@
-"""Loader plug-in of ``tools/checkpoint/convert.py --loader hf``: a Hugging Face GPT-2 or Llama
-directory (``save_pretrained`` output, offline) -> megazero's model config and global state.
+"""Loader plug-in of ``tools/checkpoint/convert.py --loader hf``: a Hugging Face model
+directory (``save_pretrained`` output of an architecture :mod:`megazero.convert.hf` lists,
+offline) -> megazero's model config and global state.
 
 ``load(args)`` reads ``args.load_dir`` and returns ``(model_config_dict, global_state,
 tokenizer_info)``: the :class:`~megazero.config.ModelConfig` fields as a dict, the global state
