@@ -69,4 +69,31 @@ def hf_config_argv(path: str) -> list[str]:
         argv += ["--group-query-attention", "--num-query-groups", str(kv)]
     if c.get("tie_word_embeddings", False):
         argv.remove("--untie-embeddings-and-output-weights")
+    if c.get("qkv_bias") or c.get("model_type") in ("qwen2", "qwen2_moe"):
+        argv.append("--add-qkv-bias")  # Qwen2's attention: biases on q, k, v only
+    return argv + _moe_argv(c)
+
+
+def _moe_argv(c: dict) -> list[str]:
+    """MoE flags of a Mixtral (``num_local_experts``) or Qwen2-MoE (``num_experts``) config,
+    the mapping ``tools/checkpoint/convert.py`` uses; [] for a dense model."""
+    experts = c.get("num_local_experts") or (c.get("num_experts")
+                                              if c.get("model_type") == "qwen2_moe" else None)
+    if not experts:
+        return []
+    argv = ["--num-experts", str(experts), "--moe-router-topk",
+            str(c.get("num_experts_per_tok", 2))]
+    if c.get("model_type") == "qwen2_moe":
+        layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step", 1))
+        dense = set(c.get("mlp_only_layers") or ())
+        sparse = [int(i not in dense and step >= 1 and (i + 1) % step == 0)
+                  for i in range(layers)]
+        argv += ["--moe-ffn-hidden-size", str(c["moe_intermediate_size"])]
+        if not all(sparse):
+            argv += ["--moe-layer-freq", "[" + ",".join(map(str, sparse)) + "]"]
+        if c.get("shared_expert_intermediate_size"):
+            argv += ["--moe-shared-expert-intermediate-size",
+                     str(c["shared_expert_intermediate_size"]), "--moe-shared-expert-gate"]
+        if not c.get("norm_topk_prob", False):
+            argv.append("--moe-router-pre-softmax")
     return argv

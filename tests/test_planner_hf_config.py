@@ -1,0 +1,59 @@
+"""``--hf-config`` (tools/estimate_memory.py, plan_layout.py) reads a Hub config.json as the model
+``tools/checkpoint/convert.py`` builds from it, MoE included: a Mixtral or Qwen2-MoE config is
+not estimated as a dense model."""
+
+import json
+
+import pytest
+
+from megazero.config import load_config
+from megazero.convert.hf import hf_config_to_megazero
+from megazero.planner.presets import hf_config_argv
+
+MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+           "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+           "max_position_embeddings": 32768, "rope_theta": 1e6, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+QWEN2_MOE = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+             "num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 512,
+             "moe_intermediate_size": 128, "shared_expert_intermediate_size": 512,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000,
+             "max_position_embeddings": 2048, "rope_theta": 1e6, "num_experts": 8,
+             "num_experts_per_tok": 2, "norm_topk_prob": False, "decoder_sparse_step": 2,
+             "mlp_only_layers": [], "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+             "use_sliding_window": False}
+
+
+@pytest.mark.parametrize("hf", [MIXTRAL, QWEN2_MOE], ids=["mixtral", "qwen2_moe"])
+def test_the_estimator_reads_the_converters_moe_model(hf, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    got = load_config(hf_config_argv(str(path)), world_size=1).model
+    want = hf_config_to_megazero(hf)
+    assert got.moe.enabled
+    for field in ("num_experts", "moe_router_topk", "moe_layer_freq",
+                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                  "moe_router_pre_softmax"):
+        assert getattr(got.moe, field) == getattr(want.moe, field), field
+    assert (got.moe.moe_ffn_hidden_size or got.ffn_size) == (
+        want.moe.moe_ffn_hidden_size or want.ffn_size)
+    assert (got.num_layers, got.hidden_size, got.query_groups, got.vocab_size) == (
+        want.num_layers, want.hidden_size, want.query_groups, want.vocab_size)
+    assert got.qkv_bias == want.qkv_bias
+
+
+def test_mixtral_8x7b_counts_its_published_parameters(tmp_path):
+    """46.7B parameters (Mistral AI's figure for Mixtral 8x7B), not the 7B of a dense model."""
+    import subprocess
+    import sys
+
+    from megazero.testing.launch import REPO
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL))
+    out = subprocess.run([sys.executable, "tools/estimate_memory.py", "--hf-config", str(path),
+                          "--world-size", "8"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert "parameters on the worst rank (pp stage 0): 46,702,792,704" in out.stdout, (
+        out.stdout + out.stderr)
