@@ -17,8 +17,9 @@ from megazero.topology import ParallelTopology
 
 def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology,
                           shapes: dict[int, torch.Size] | None = None) -> float:
-    """This rank's share of the model's parameter count; summed over one data-parallel replica
-    (the tp x pp ranks) it is the count of the model itself, the same at every layout.
+    """This rank's share of the model's parameter count; summed over every rank and divided by
+    the dense replicas (dp x cp) it is the count of the model itself, the same at every layout
+    (MoE experts, replicated over their expert-data-parallel group instead, weighed to match).
 
     Copies that duplicate another rank's (:func:`~megazero.tensor_parallel.utils.
     is_duplicate_copy`: a tensor every TP rank holds whole counts on TP rank 0, the last stage's
@@ -34,7 +35,11 @@ def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology,
             if is_duplicate_copy(p, topo.tp_rank):
                 continue
             numel = math.prod(shapes[id(p)]) if shapes and id(p) in shapes else p.numel()
-            share += numel * getattr(p, "vocab_size", 1) / getattr(p, "padded_vocab_size", 1)
+            # an MoE expert has edp replicas where a dense tensor has dp (x cp): weigh it so
+            # that the sum over every rank, divided by the dense replicas, counts it once
+            copies = topo.grad_size / topo.edp_size if getattr(p, "expert", False) else 1.0
+            share += numel * copies * getattr(p, "vocab_size", 1) / getattr(
+                p, "padded_vocab_size", 1)
     return share
 
 

@@ -334,6 +334,10 @@ class ParallelTopology:
         return self.layout.etp
 
     @property
+    def etp_rank(self) -> int:
+        return self.expert_coord.etp
+
+    @property
     def edp_size(self) -> int:
         return self.layout.edp
 

@@ -48,8 +48,8 @@ BAD = [
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
     (["--num-experts", "8", "--moe-layer-freq", "[1,0,1]"], 1, "--moe-layer-freq lists 3"),
     (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], 2,
-     "--expert-tensor-parallel-size 2"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "18", "--expert-tensor-parallel-size",
+      "4"], 4, "--moe-ffn-hidden-size 18 is not divisible by --expert-tensor-parallel-size 4"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
      "ZeRO stage 3 with --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--context-parallel-size", "2", "--attention-dropout", "0"], 2,
@@ -63,6 +63,16 @@ def test_bad_moe_input_is_one_config_error_line(argv, world, part):
         load_config(BASE + argv, world_size=world)
     msg = str(err.value)
     assert part in msg and "\n" not in msg, msg
+
+
+def test_lamb_with_split_experts_is_one_config_error_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(BASE + ["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+                    world_size=2, ds_config={"optimizer": {"type": "Lamb",
+                                                           "params": {"lr": 1e-3}}})
+    msg = str(err.value)
+    assert "optimizer lamb (optimizer.type) with --expert-model-parallel-size 1 x " \
+        "--expert-tensor-parallel-size 2" in msg and "\n" not in msg, msg
 
 
 def test_bad_moe_input_is_one_line_for_a_launched_job():

@@ -1,9 +1,10 @@
 """``pretrain_gpt.py`` with MoE layers trains the same model at every layout: expert parallel
-2 and 4, both dispatchers, grouped GEMM, TP2+SP, PP2 interleaved with a stage that holds no MoE
-layer, ZeRO 0-3. Losses, grad norms and validation loss (a function of every weight and
-expert bias) equal the one-process run to fp32 rounding. The model drops tokens (capacity
-factor 1.0), routes by sigmoid with the aux-loss-free expert bias, and has a gated shared
-expert, an aux loss and a z-loss, so every part of the router is in the comparison."""
+2 and 4, expert tensor parallel 2 (alone and with EP 2 x TP 2), both dispatchers, grouped
+GEMM, TP2+SP, PP2 interleaved with a stage that holds no MoE layer, ZeRO 0-3. Losses, grad
+norms and validation loss (a function of every weight and expert bias) equal the one-process
+run to fp32 rounding. The model drops tokens (capacity factor 1.0), routes by sigmoid with
+the aux-loss-free expert bias, and has a gated shared expert, an aux loss and a z-loss, so
+every part of the router is in the comparison."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ LAYOUTS = [
          "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type",
          "alltoall", "--zero-stage", "2", "--deepspeed_config", "OFFLOAD"]),
     (4, ["--expert-model-parallel-size", "4", "--zero-stage", "0"]),
+    (2, ["--expert-tensor-parallel-size", "2", "--moe-grouped-gemm", "--zero-stage", "1"]),
+    (4, ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
+         "--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--moe-token-dispatcher-type", "alltoall", "--zero-stage", "2"]),
 ]
 
 
@@ -53,12 +58,20 @@ def reference(tmp_path_factory):
                 "moe/load_balancing_loss_layer_2"):
         assert [e.step for e in acc.Scalars(tag)] == [1, 2, 3, 4], tag
     assert "moe/load_balancing_loss_layer_1" not in acc.Tags()["scalars"]  # a dense layer
-    return ref
+    return ref, _parameter_count(out)
+
+
+def _parameter_count(out: str) -> str:
+    """The banner's parameter count: every expert counted once, whatever the layout."""
+    line = next(x for x in out.splitlines() if x.startswith("> model:"))
+    return line[line.index("parameters ("):]
 
 
 @pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=[
-    "ep2-a2a-grouped-z1-recompute", "tp2sp-ep2-z3", "tp2sp-pp2vpp-ep4-a2a-z2-offload", "ep4-z0"])
+    "ep2-a2a-grouped-z1-recompute", "tp2sp-ep2-z3", "tp2sp-pp2vpp-ep4-a2a-z2-offload", "ep4-z0",
+    "etp2-grouped-z1", "tp2sp-ep2-etp2-a2a-z2"])
 def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, layout):
+    reference, count = reference
     a = read_metrics(reference)
     assert len(a) == 4
     got = tmp_path / "got.jsonl"
@@ -66,7 +79,8 @@ def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, lay
     offload.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {
         "device": "cpu"}}}))
     layout = [str(offload) if x == "OFFLOAD" else x for x in layout]
-    check(run_training([*TINY, *MOE, *layout, "--log-json", str(got)], nproc=nproc))
+    out = check(run_training([*TINY, *MOE, *layout, "--log-json", str(got)], nproc=nproc))
+    assert _parameter_count(out) == count
     b = read_metrics(got)
     assert sorted(b) == sorted(a)
     for it in a:

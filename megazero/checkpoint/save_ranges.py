@@ -218,7 +218,9 @@ def write_rank_tensors(infos: list[ParamInfo], shapes: dict[int, torch.Size], en
 
     MoE experts (``param.expert``) are not replicated over TP but over their
     expert-data-parallel group: every TP rank holds its own experts, and the first rank of
-    each expert's ``edp`` group (``edp_rank``) plays dp rank 0's part for it."""
+    each expert's ``edp`` group (``edp_rank``) plays dp rank 0's part for it. An expert split
+    by expert tensor parallelism is indexed as pieces of its own group (``ParamInfo.shard``),
+    and fc2's bias, whole on every rank of that group, is saved by its rank 0."""
     edp_rank = dp_rank if edp_rank is None else edp_rank
 
     def first_replica(i: ParamInfo) -> bool:
@@ -226,6 +228,8 @@ def write_rank_tensors(infos: list[ParamInfo], shapes: dict[int, torch.Size], en
 
     mine = [i for i in infos if i.dim is not None or tp_rank == 0
             or getattr(i.param, "expert", False)]
+    # a tensor the expert-tensor-parallel ranks hold whole is saved by their rank 0
+    mine = [i for i in mine if not getattr(i.param, "expert_tp_duplicate", False)]
     trainable = {id(i.param): i for i in mine if i.param.requires_grad}
     by_pieces = engine is not None and engine.zero.stage > 0
     weights = BucketFiles(f"{rank_dir}/model", bucket_bytes, put)
@@ -253,9 +257,10 @@ def write_rank_tensors(infos: list[ParamInfo], shapes: dict[int, torch.Size], en
         if not first_replica(i) and not any(ranges.values()):
             continue
         local = tuple(shapes[id(i.param)])
+        rank, size = i.shard or (tp_rank, tp_size)  # an expert's own split group, or TP
         index[i.name] = {
             "shape": i.global_shape(local, tp_size), "dim": i.dim, "stride": i.stride,
-            "tp": tp_size if i.dim is not None else 1, "vocab": i.vocab,
+            "tp": size if i.dim is not None else 1, "vocab": i.vocab,
             "dtype": str(i.param.dtype), "optim": has_optim, "piece_shape": list(local),
-            "tp_rank": tp_rank if i.dim is not None else 0, "ranges": ranges}
+            "tp_rank": rank if i.dim is not None else 0, "ranges": ranges}
     return index

@@ -46,11 +46,18 @@ class ParamInfo:
     dim: int | None  # TP split dim, None when replicated over TP
     stride: int
     vocab: int | None  # unpadded rows, for vocabulary-parallel tensors
+    # (rank, size) of the group splitting an MoE expert under expert tensor parallelism;
+    # None: split over TP (or not split)
+    shard: tuple[int, int] | None = None
+
+    def split(self, tp_rank: int, tp_size: int) -> tuple[int, int]:
+        """This rank's place in the group the tensor is split over."""
+        return self.shard or (tp_rank, tp_size)
 
     def global_shape(self, local_shape: tuple[int, ...], tp: int) -> list[int]:
         shape = list(local_shape)
         if self.dim is not None:
-            shape[self.dim] *= tp
+            shape[self.dim] *= self.split(0, tp)[1]
         if self.vocab is not None:
             shape[0] = self.vocab
         return shape
@@ -67,9 +74,11 @@ def param_infos(models: list[nn.Module], pp_rank: int, pp_size: int) -> list[Par
             else:
                 name = (f"pp{pp_rank}." if pp_size > 1 else "") + f"model{i}.{key}"
             tp_split = getattr(p, "tensor_model_parallel", False)
+            own = getattr(p, "expert_tp_shard", None)
             out.append(ParamInfo(name, p, i, dup, p.partition_dim if tp_split else None,
                                  getattr(p, "partition_stride", 1) if tp_split else 1,
-                                 getattr(p, "vocab_size", None)))
+                                 getattr(p, "vocab_size", None),
+                                 (int(own[0]), int(own[1])) if own is not None else None))
     return out
 
 
@@ -85,6 +94,7 @@ def assemble(entry: dict[str, Any], pieces: list[torch.Tensor]) -> torch.Tensor:
 def slice_for(full: torch.Tensor, info: ParamInfo, local_shape: tuple[int, ...], tp_rank: int,
               tp_size: int) -> torch.Tensor:
     """This rank's TP shard of a global tensor, vocabulary rows re-padded with zeros."""
+    tp_rank, tp_size = info.split(tp_rank, tp_size)
     if info.vocab is not None:
         rows = local_shape[0] * (tp_size if info.dim == 0 else 1)
         if rows > full.shape[0]:
@@ -120,6 +130,7 @@ def read_slice(entry: dict[str, Any], piece: Any, info: ParamInfo,
     temporary at all. ``tally(n)`` is told the bytes taken from the saved pieces (what the mmap
     pages read from disk hold).
     """
+    tp_rank, tp_size = info.split(tp_rank, tp_size)
     r0, r1 = rows if rows is not None else (0, local_shape[0] if local_shape else 0)
     dim, k = info.dim, info.stride
     whole = entry["dim"] is None and entry["tp"] == 1

@@ -287,11 +287,23 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
     check(p.tp == 1 or p.sequence_parallel,
           f"--num-experts with --tensor-model-parallel-size {p.tp} needs --sequence-parallel "
           "(each TP rank routes its own slice of the tokens); add --sequence-parallel")
-    check(cfg.zero.stage != 3 or ep == p.tp,
-          f"ZeRO stage 3 with --expert-model-parallel-size {ep} and "
-          f"--tensor-model-parallel-size {p.tp}: stage 3 shards MoE experts only when the two "
-          "sizes are equal (their data-parallel groups then coincide); make them equal or use "
-          "ZeRO stage 0-2")
+    etp = p.expert_tensor_parallel_size
+    ffn = moe.moe_ffn_hidden_size or cfg.model.ffn_size
+    check(ffn % etp == 0,
+          f"--moe-ffn-hidden-size {ffn} is not divisible by --expert-tensor-parallel-size "
+          f"{etp} (each rank holds 1/{etp} of every expert's hidden units); use a size from "
+          f"{[d for d in divisors(ffn) if d <= 64]} or another hidden size")
+    check(cfg.zero.stage != 3 or ep * etp == p.tp,
+          f"ZeRO stage 3 with --expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
+          f"{etp} and --tensor-model-parallel-size {p.tp}: stage 3 shards MoE experts only when "
+          "ep x etp equals tp (their data-parallel groups then coincide); make them equal or "
+          "use ZeRO stage 0-2")
+    lamb = cfg.optimizer.optimizer in ("lamb", "onebitlamb")
+    check(not lamb or ep * etp == 1,
+          f"optimizer {cfg.optimizer.optimizer} (optimizer.type) with "
+          f"--expert-model-parallel-size {ep} x "
+          f"--expert-tensor-parallel-size {etp}: Lamb's whole-parameter norms are not summed "
+          "over the expert groups; use adam/adamw, or expert-parallel sizes 1")
     freq = moe.moe_layer_freq
     check(isinstance(freq, int) or len(freq) == cfg.model.num_layers,
           f"--moe-layer-freq lists {0 if isinstance(freq, int) else len(freq)} layers but "

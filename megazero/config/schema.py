@@ -208,10 +208,8 @@ class ParallelConfig:
             check_world_size(self.world_size, self.tp, self.pp, cp=self.cp)
         _check(self.expert_model_parallel_size >= 1, "--expert-model-parallel-size must be "
                f">= 1, got {self.expert_model_parallel_size}")
-        _check(self.expert_tensor_parallel_size == 1,
-               f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size}: megazero's "
-               "experts are not split by tensor parallelism (expert tensor parallel size 1); "
-               "drop the flag or set it to 1")
+        _check(self.expert_tensor_parallel_size >= 1, "--expert-tensor-parallel-size must be "
+               f">= 1, got {self.expert_tensor_parallel_size}")
         if self.world_size is not None:
             check_expert_grid(self.world_size, self.expert_model_parallel_size,
                               self.expert_tensor_parallel_size, self.pp)

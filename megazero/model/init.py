@@ -42,6 +42,7 @@ from torch import nn
 from megazero.config import ModelConfig
 from megazero.errors import MegazeroError
 from megazero.host_resident import host_empty
+from megazero.tensor_parallel.utils import shard_rank_size
 
 if TYPE_CHECKING:
     from megazero.topology import ParallelTopology
@@ -160,6 +161,7 @@ def normal_at(key: int, index: torch.Tensor, ws: dict[str, torch.Tensor] | None 
 
 def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     """Shape of the unpadded tp=1 tensor that ``param`` is a shard of."""
+    _, tp_size = shard_rank_size(param, 0, tp_size)
     shape = list(param.shape)
     if getattr(param, "vocab_size", None) is not None:
         shape[0] = param.vocab_size
@@ -177,6 +179,7 @@ def shard_indices(param: torch.Tensor, tp_rank: int, tp_size: int) -> list[torch
     pad).
     """
     idx = [torch.arange(n, dtype=torch.int64, device="cpu") for n in param.shape]
+    tp_rank, tp_size = shard_rank_size(param, tp_rank, tp_size)
     if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
         dim, local = param.partition_dim, param.shape[param.partition_dim]
         stride = 1 if getattr(param, "vocab_size", None) is not None else getattr(

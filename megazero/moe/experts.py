@@ -22,23 +22,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.collectives import Group
 from megazero.config import ModelConfig
+from megazero.errors import ConfigError
 from megazero.model.init import declare_linear, scope
+from megazero.moe.expert_tp import add_once
+from megazero.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 
 class ExpertMLP(nn.Module):
-    """One expert: fc1 (``[2F, H]`` with SwiGLU: gate then up), activation, fc2 ``[H, F]``."""
+    """One expert: fc1 (``[2F, H]`` with SwiGLU: gate then up), activation, fc2 ``[H, F]``.
 
-    def __init__(self, config: ModelConfig, ffn: int, dtype: torch.dtype):
+    Under expert tensor parallelism (``etp_size`` > 1) this rank holds fc1's rows
+    ``[F/etp]`` of each half (column-parallel, stride 2 with SwiGLU) and fc2's matching columns
+    (row-parallel); fc2's bias is held whole and added by etp rank 0 only
+    (:mod:`megazero.moe.expert_tp`). The shard attributes name the etp group's rank and size
+    (``expert_tp_shard``), so init and checkpoints cut the same global tensors."""
+
+    def __init__(self, config: ModelConfig, ffn: int, dtype: torch.dtype, etp_rank: int = 0,
+                 etp_size: int = 1):
         super().__init__()
-        rows = 2 * ffn if config.swiglu else ffn
+        if ffn % etp_size:
+            raise ConfigError(f"--moe-ffn-hidden-size {ffn} is not divisible by "
+                              f"--expert-tensor-parallel-size {etp_size}; use a multiple of it")
+        local = ffn // etp_size
+        rows = 2 * local if config.swiglu else local
         bias = config.add_bias_linear
         self.linear_fc1 = nn.Linear(config.hidden_size, rows, bias=bias, dtype=dtype)
-        self.linear_fc2 = nn.Linear(ffn, config.hidden_size, bias=bias, dtype=dtype)
+        self.linear_fc2 = nn.Linear(local, config.hidden_size, bias=bias, dtype=dtype)
         scope(declare_linear(self.linear_fc1), "linear_fc1")
         scope(declare_linear(self.linear_fc2, depth_scaled=True), "linear_fc2")
         for p in self.parameters():
             p.expert = True  # type: ignore[attr-defined]
+        if etp_size > 1:
+            shard = (etp_rank, etp_size)
+            stride = 2 if config.swiglu else 1
+            for split in (self.linear_fc1.weight, self.linear_fc1.bias):
+                if split is not None:
+                    set_tensor_model_parallel_attributes(split, 0, stride)
+                    split.expert_tp_shard = shard  # type: ignore[attr-defined]
+            set_tensor_model_parallel_attributes(self.linear_fc2.weight, 1)
+            self.linear_fc2.weight.expert_tp_shard = shard  # type: ignore[attr-defined]
+            if self.linear_fc2.bias is not None:  # whole on every etp rank: counted on rank 0
+                self.linear_fc2.bias.expert_tp_duplicate = etp_rank != 0  # type: ignore
 
 
 def activation(h: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -117,18 +143,22 @@ class Experts(nn.Module):
 
     ``forward(x, counts)``: ``x`` holds the tokens sorted by local expert, ``counts[i]`` rows
     for local expert ``i``; returns each row through its expert (no routing weight applied).
+    With expert tensor parallelism (``etp_group`` of more than one rank) each expert is this
+    rank's slice and the result is a partial output, to be summed over the group.
     """
 
     def __init__(self, config: ModelConfig, first: int, count: int, *,
-                 dtype: torch.dtype = torch.float32, grouped_gemm: bool = False):
+                 dtype: torch.dtype = torch.float32, grouped_gemm: bool = False,
+                 etp_group: Group = None, etp_rank: int = 0, etp_size: int = 1):
         super().__init__()
         moe = config.moe
         self.config = config
         self.ffn = moe.moe_ffn_hidden_size or config.ffn_size
         self.first = first
         self.grouped_gemm = grouped_gemm
+        self.etp_group = etp_group
         self.local_experts = nn.ModuleDict({
-            str(e): scope(ExpertMLP(config, self.ffn, dtype), str(e))
+            str(e): scope(ExpertMLP(config, self.ffn, dtype, etp_rank, etp_size), str(e))
             for e in range(first, first + count)})
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -138,7 +168,10 @@ class Experts(nn.Module):
         outs = []
         for expert, (a, b) in zip(experts, _segments(counts), strict=True):
             h = activation(expert.linear_fc1(x[a:b]), self.config)
-            outs.append(cast(torch.Tensor, expert.linear_fc2(h)))
+            y = F.linear(h, expert.linear_fc2.weight)
+            if expert.linear_fc2.bias is not None:
+                y = add_once(y, expert.linear_fc2.bias, self.etp_group)
+            outs.append(y)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
     def _grouped(self, x: torch.Tensor, counts: list[int], experts: list[ExpertMLP]
@@ -151,7 +184,8 @@ class Experts(nn.Module):
         h = activation(h, self.config)
         y = grouped_linear(h, w2, counts)
         if self.config.add_bias_linear:
-            y = y + self._per_row_bias([e.linear_fc2.bias for e in experts], counts)
+            y = add_once(y, self._per_row_bias([e.linear_fc2.bias for e in experts], counts),
+                         self.etp_group)
         return y
 
     @staticmethod

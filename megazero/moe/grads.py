@@ -6,7 +6,7 @@ expert-parallel peers. Summing an expert's gradient over ``edp`` adds the contri
 every token of the step; dividing by the data-parallel size (as the dense weights are
 averaged) makes it the gradient of the same mean loss the one-process run minimises.
 
-When the ``edp`` groups are the ``dp`` groups (``EP == TP``, both 1 included) the experts
+When the ``edp`` groups are the ``dp`` groups (``EP x ETP == TP``, all 1 included) the experts
 share the dense flat buffers; otherwise they get their own buffers over ``edp`` and a gradient
 hook pre-multiplies by ``edp / dp`` (the buffer divides by its group's size, ``edp``).
 """
@@ -26,7 +26,7 @@ def is_expert(param: nn.Parameter) -> bool:
 
 def experts_need_own_group(topo: ParallelTopology) -> bool:
     """Whether this rank's ``edp`` group differs from its ``dp`` group."""
-    if topo.ep_size == 1 and topo.tp_size == 1:
+    if topo.ep_size == 1 and topo.tp_size == 1 and topo.etp_size == 1:
         return False
     return topo.ranks("edp") != topo.ranks("dp")
 

@@ -4,8 +4,8 @@ shared experts (megatron-core's ``MoELayer``).
 ``y = sum_{e in top-k(x)} p_e FFN_e(x) + shared(x)``, on ``[s(/t), b, h]`` activations as the
 dense MLP takes them. Under sequence parallelism each TP rank routes its own slice of tokens
 (the router sums counts and scores over the TP group so capacity and the balancing loss see
-the whole micro-batch); experts are split over the expert-parallel group, expert tensor
-parallel size 1.
+the whole micro-batch); experts are split over the expert-parallel group, and each expert
+over the expert-tensor-parallel group (:mod:`megazero.moe.expert_tp`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 from megazero.config import ModelConfig
 from megazero.errors import ConfigError
 from megazero.model.init import scope
+from megazero.moe.expert_tp import ExpertTensorParallelRegion
 from megazero.moe.experts import Experts
 from megazero.moe.moe_utils import expert_capacity
 from megazero.moe.router import TopKRouter
@@ -49,7 +50,8 @@ class MoELayer(nn.Module):
         scope(self.router, "router")
         self.router.layer_number = layer_number
         self.experts = Experts(config, self.first, self.local, dtype=parallel.params_dtype,
-                               grouped_gemm=moe.moe_grouped_gemm)
+                               grouped_gemm=moe.moe_grouped_gemm, etp_group=parallel.etp_group,
+                               etp_rank=parallel.etp_rank, etp_size=parallel.etp_size)
         scope(self.experts, "experts")
         self.shared_experts: SharedExpertMLP | None = None
         if moe.moe_shared_expert_intermediate_size is not None:
@@ -75,7 +77,9 @@ class MoELayer(nn.Module):
         dispatcher = self.dispatcher_cls(self.num_experts, self.first, self.local,
                                          self.parallel.ep_group, self._pad_capacity(s * b))
         rows, counts = dispatcher.dispatch(x, probs, routing_map)
-        out = dispatcher.combine(self.experts(rows, counts)).to(hidden.dtype)
+        etp = ExpertTensorParallelRegion(self.parallel.etp_group)
+        rows, counts = etp.gather(rows, counts)
+        out = dispatcher.combine(etp.scatter(self.experts(rows, counts))).to(hidden.dtype)
         y = out.view(s, b, h)
         if self.shared_experts is not None:
             y = y + self.shared_experts(hidden)

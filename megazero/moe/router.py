@@ -221,9 +221,9 @@ def routers(chunks: list[nn.Module]) -> list[TopKRouter]:
 def update_expert_biases(chunks: list[nn.Module], topo: ParallelTopology, apply: bool = True
                          ) -> None:
     """End of a training step: each router's expert bias moves by the token counts of the
-    whole step, summed over every rank of its pipeline stage (the ``ep`` and ``edp`` groups
-    together cover the stage at expert tensor parallel size 1). ``apply`` False (a skipped
-    step) only resets the counts."""
+    whole step, summed over every rank of its pipeline stage (the ``etp``, ``ep`` and ``edp``
+    groups together cover the stage: each rank's own tokens counted once).
+    ``apply`` False (a skipped step) only resets the counts."""
     for r in routers(chunks):
         if r.expert_bias is None:
             continue
@@ -231,7 +231,7 @@ def update_expert_biases(chunks: list[nn.Module], topo: ParallelTopology, apply:
             r.local_tokens_per_expert.zero_()
             continue
         counts = r.local_tokens_per_expert
-        for group in (topo.ep_group, topo.edp_group):
+        for group in (topo.etp_group, topo.ep_group, topo.edp_group):
             if group is not None and group_size(group) > 1:
                 dist.all_reduce(counts, group=group)
         r.update_expert_bias(None)

@@ -14,7 +14,9 @@ routing probability and sums the rows of each token back in place.
   are all-gathered first so every rank knows what it receives), then sorts the rows it got
   from ``(source rank, local expert)`` into ``(local expert, source rank)`` order.
 
-Both use expert tensor parallel size 1: a rank computes whole experts.
+Under expert tensor parallelism the layer gathers the dispatched rows over the expert tensor
+group before its experts run and reduce-scatters their partial outputs before ``combine``
+(:mod:`megazero.moe.expert_tp`): the dispatchers work on whole experts' rows either way.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Mo
     key = (cfg.model, topo.tp_size, topo.pp_size, topo.pp_rank, topo.tp_rank,
            cfg.parallel.num_layers_per_virtual_pipeline_stage,
            sequence_parallel_active(cfg.parallel.sequence_parallel, topo.tp_size),
-           cfg.precision.params_dtype, topo.ep_size, topo.ep_rank)  # MoE: this rank's experts
+           cfg.precision.params_dtype, topo.ep_size, topo.ep_rank,  # MoE: this rank's experts
+           topo.etp_size, topo.etp_rank)  # and its slice of each
     if key not in _CACHE:
         if len(_CACHE) > 64:
             _CACHE.clear()

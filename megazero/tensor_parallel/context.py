@@ -53,6 +53,10 @@ class ParallelContext:
     ep_group: Group = None
     ep_size: int = 1
     ep_rank: int = 0
+    # expert tensor parallelism: the group that splits each expert's fc1 (columns) and fc2 (rows)
+    etp_group: Group = None
+    etp_size: int = 1
+    etp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.cp_group is not None:
@@ -61,6 +65,9 @@ class ParallelContext:
         if self.ep_group is not None:
             object.__setattr__(self, "ep_size", group_size(self.ep_group))
             object.__setattr__(self, "ep_rank", group_rank(self.ep_group))
+        if self.etp_group is not None:
+            object.__setattr__(self, "etp_size", group_size(self.etp_group))
+            object.__setattr__(self, "etp_rank", group_rank(self.etp_group))
         if self.tp_group is not None:
             size, rank = group_size(self.tp_group), group_rank(self.tp_group)
             if (self.tp_size, self.tp_rank) not in ((1, 0), (size, rank)):
@@ -88,7 +95,10 @@ class ParallelContext:
                    cp_group=topo.cp_group if topo.cp_size > 1 else None,
                    cp_comm_type=cp_comm_type, cp_size=topo.cp_size, cp_rank=topo.cp_rank,
                    ep_group=topo.ep_group, ep_size=topo.ep_size if topo.ep_group is None else 1,
-                   ep_rank=topo.ep_rank if topo.ep_group is None else 0)
+                   ep_rank=topo.ep_rank if topo.ep_group is None else 0,
+                   etp_group=topo.etp_group,
+                   etp_size=topo.etp_size if topo.etp_group is None else 1,
+                   etp_rank=topo.etp_rank if topo.etp_group is None else 0)
 
     def fork(self, stream: str) -> contextlib.AbstractContextManager[None]:
         """Draw random numbers from ``stream`` of the tracker (dropout); see

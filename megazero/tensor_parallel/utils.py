@@ -79,21 +79,34 @@ def is_duplicate_copy(param: nn.Parameter, tp_rank: int) -> bool:
     """
     if getattr(param, "shared", False):
         return True
-    if getattr(param, "expert", False):
-        return False  # an MoE expert: its replicas are its expert-data-parallel group
+    if getattr(param, "expert", False):  # its replicas are its expert-data-parallel group,
+        # and a tensor the expert-tensor-parallel ranks hold whole counts on their rank 0
+        return bool(getattr(param, "expert_tp_duplicate", False))
     return not param_is_not_tensor_parallel_duplicate(param, tp_rank)
+
+
+def shard_rank_size(param: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``(rank, size)`` in the group that splits ``param``: an MoE expert split by expert
+    tensor parallelism names its own (``expert_tp_shard``), every other tensor is split over
+    the TP group (``tp_rank``, ``tp_size``)."""
+    own = getattr(param, "expert_tp_shard", None)
+    return (int(own[0]), int(own[1])) if own is not None else (tp_rank, tp_size)
 
 
 def gather_full_param(param: torch.Tensor, topo: ParallelTopology,
                       unpad: bool = True) -> torch.Tensor:
-    """The full (tp=1) tensor of ``param``, reassembled from the TP group; collective over
-    ``topo.tp_group`` for sharded parameters. Vocab padding is removed unless ``unpad=False``.
+    """The full (tp=1) tensor of ``param``, reassembled from the TP group (an expert's from the
+    expert-tensor-parallel group); collective over that group for sharded parameters. Vocab
+    padding is removed unless ``unpad=False``.
     """
     data = param.detach()
-    if getattr(param, "tensor_model_parallel", False) and topo.tp_size > 1:
+    expert_tp = getattr(param, "expert_tp_shard", None) is not None
+    size = topo.etp_size if expert_tp else topo.tp_size
+    if getattr(param, "tensor_model_parallel", False) and size > 1:
         dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
         moved = data.movedim(dim, -1).contiguous()
-        shards = all_gather_last_dim(moved, topo.tp_group).chunk(topo.tp_size, dim=-1)
+        group = topo.etp_group if expert_tp else topo.tp_group
+        shards = all_gather_last_dim(moved, group).chunk(size, dim=-1)
         data = unshard_tensor([s.movedim(-1, dim) for s in shards], dim, stride)
     vocab = getattr(param, "vocab_size", None)
     if unpad and vocab is not None:
@@ -108,8 +121,9 @@ def shard_full_param(full: torch.Tensor, param: torch.Tensor,
     if padded is not None and full.shape[0] < padded:
         full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
     if getattr(param, "tensor_model_parallel", False):
+        rank, size = shard_rank_size(param, topo.tp_rank, topo.tp_size)
         full = shard_tensor(full, param.partition_dim, getattr(param, "partition_stride", 1),
-                            topo.tp_rank, topo.tp_size)
+                            rank, size)
     return full
 
 
@@ -133,7 +147,7 @@ def full_model_state_dict(model: nn.Module, topo: ParallelTopology, grads: bool 
 
 def _with_attrs(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "vocab_size",
-                 "padded_vocab_size"):
+                 "padded_vocab_size", "expert_tp_shard"):
         if hasattr(like, attr):
             setattr(t, attr, getattr(like, attr))
     return t
@@ -151,5 +165,6 @@ def broadcast_check_equal(x: torch.Tensor, group: Group) -> bool:
 __all__ = [
     "divide", "shard_tensor", "unshard_tensor", "gather_full_param", "shard_full_param",
     "full_model_state_dict", "param_is_not_tensor_parallel_duplicate", "split_dim",
+    "shard_rank_size",
     "group_rank", "broadcast_check_equal",
 ]
