@@ -98,6 +98,20 @@ def test_alltoall_across_nodes_takes_the_slower_of_nvlink_and_nic():
     assert t["MoE dispatch"] == pytest.approx(mb * L * (counts + 4 * a2a), rel=1e-12)
 
 
+def test_expert_tensor_parallel_gathers_and_reduce_scatters_the_routed_rows():
+    # ETP 2 alone (EP 1: no dispatcher traffic), then with EP 2 and the all-to-all
+    rows = K * B * S * H * 4
+    frac = 1 / 2
+    etp = coll(AG, 2 * rows * frac) + coll(RS, 2 * rows * frac)  # over the etp group
+    _, mb, t = moe_terms(["--expert-tensor-parallel-size", "2"])
+    assert t["MoE dispatch"] == pytest.approx(mb * L * 2 * etp, rel=1e-12)  # fwd + bwd
+    cols = {"all_gather": list(AG), "reduce_scatter": list(RS), "all_to_all": list(A2A)}
+    _, mb, t = moe_terms(["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size",
+                          "2", "--moe-token-dispatcher-type", "alltoall"], collectives=cols)
+    a2a = 4 * coll(A2A, rows / 2) + coll(AG, 8 * 2 * E / 2)
+    assert t["MoE dispatch"] == pytest.approx(mb * L * (a2a + 2 * etp), rel=1e-12)
+
+
 def test_no_dispatch_term_at_ep1_and_mfu_counts_active_parameters():
     from megazero.flops import gpt_flops_per_iteration
 

@@ -1,8 +1,8 @@
 """What the MoE token dispatcher's communication costs in the step-time model.
 
 Per MoE layer and micro-batch, a rank routes its own ``T = b s / tp`` tokens (sequence
-parallelism splits them over TP; experts are whole, expert tensor parallel size 1) to the
-experts of its expert-parallel group of ``ep`` ranks (:mod:`megazero.moe.token_dispatcher`):
+parallelism splits them over TP) to the experts of its expert-parallel group of ``ep`` ranks
+(:mod:`megazero.moe.token_dispatcher`):
 
 * ``alltoall``: forward all-gathers the per-expert counts (``ep x E`` int64) and sends the
   ``R`` routed rows (``R = k T`` dropless, balanced; ``E x capacity`` padded to capacity) of
@@ -13,6 +13,10 @@ experts of its expert-parallel group of ``ep`` ranks (:mod:`megazero.moe.token_d
   routing map (``ep T E``, 4 and 1 bytes) and reduce-scatters the experts' sums (``ep T h``);
   backward reduce-scatters the tokens' and probabilities' gradients and all-gathers the
   output's.
+
+* expert tensor parallelism (``etp`` > 1, :mod:`megazero.moe.expert_tp`): the ``R`` rows a
+  rank's experts receive are all-gathered over the ``etp`` group before the experts and the
+  partial outputs reduce-scattered after them (``etp R h`` each), and the reverse in backward.
 
 A fully recomputed layer runs its forward, collectives included, a second time. Nothing here
 overlaps compute (the experts wait for their rows). Links: the expert grid orders ranks
@@ -80,6 +84,18 @@ def dispatcher_collectives(cfg: MegazeroConfig) -> list[tuple[str, float]]:
     return fwd * fwd_passes + bwd
 
 
+def expert_tp_collectives(cfg: MegazeroConfig) -> list[tuple[str, float]]:
+    """``(kind, buffer bytes)`` of the expert-tensor-parallel gather and reduce-scatter of one
+    MoE layer per micro-batch (forward, twice with full recompute, and backward)."""
+    moe, etp = cfg.model.moe, cfg.layout().etp
+    if moe.num_experts is None or etp == 1:
+        return []
+    rows = float(etp * routed_rows(cfg) * cfg.model.hidden_size
+                 * cfg.precision.params_dtype.itemsize)
+    fwd_passes = 2 if cfg.parallel.recompute.granularity == "full" else 1
+    return [("all_gather", rows), ("reduce_scatter", rows)] * (fwd_passes + 1)
+
+
 def all_to_all_seconds(cluster: Cluster, nbytes: float, ep: int, etp: int) -> float:
     """One all-to-all of a ``nbytes`` send buffer over an expert-parallel group: each peer
     gets ``nbytes / ep``; peers on the node over NVLink, the others over the rank's NIC share
@@ -110,4 +126,7 @@ def moe_dispatch_seconds(cfg: MegazeroConfig, cluster: Cluster) -> float:
             per_layer += all_to_all_seconds(cluster, nbytes, ep, etp)
         else:
             per_layer += collective_seconds(cluster, kind, nbytes, ep, ring_bw)
+    etp_bw = dp_link_gbps(cluster, 1, etp)  # neighbouring ranks
+    for kind, nbytes in expert_tp_collectives(cfg):
+        per_layer += collective_seconds(cluster, kind, nbytes, etp, etp_bw)
     return per_layer * moe_layers(cfg) / cfg.parallel.pp

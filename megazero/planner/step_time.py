@@ -259,7 +259,7 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
                     gather = max(0.0, gather - per_mb / passes)
             comm = reduce + gather
         out.terms["data parallel"] = comm
-    if layout.ep > 1:  # the MoE token dispatcher's all-to-all or all-gather + reduce-scatter
+    if layout.ep * layout.etp > 1:  # the MoE dispatcher's and the expert tensor group's traffic
         from megazero.planner.moe_cost import moe_dispatch_seconds
 
         out.terms["MoE dispatch"] = mb * moe_dispatch_seconds(cfg, cluster)
