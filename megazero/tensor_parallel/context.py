@@ -53,6 +53,8 @@ class ParallelContext:
     ep_group: Group = None
     ep_size: int = 1
     ep_rank: int = 0
+    # TP x CP (MoE routers count one micro-batch over it); None: the tp or the cp group alone
+    tp_cp_group: Group = None
 
     def __post_init__(self) -> None:
         if self.cp_group is not None:
@@ -88,7 +90,9 @@ class ParallelContext:
                    cp_group=topo.cp_group if topo.cp_size > 1 else None,
                    cp_comm_type=cp_comm_type, cp_size=topo.cp_size, cp_rank=topo.cp_rank,
                    ep_group=topo.ep_group, ep_size=topo.ep_size if topo.ep_group is None else 1,
-                   ep_rank=topo.ep_rank if topo.ep_group is None else 0)
+                   ep_rank=topo.ep_rank if topo.ep_group is None else 0,
+                   tp_cp_group=topo.tp_cp_group if topo.cp_size > 1 and topo.tp_size > 1
+                   else None)
 
     def fork(self, stream: str) -> contextlib.AbstractContextManager[None]:
         """Draw random numbers from ``stream`` of the tracker (dropout); see
