@@ -109,3 +109,14 @@ def test_context_parallel_router_equals_the_whole_micro_batch(results, layout):
         for n, p in ref.named_parameters():
             summed = sum(torch.tensor(r[2][n]) for r in got) / cp
             torch.testing.assert_close(summed, p.grad, rtol=1e-5, atol=1e-6, msg=f"{what} {n}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_token_rows_place_the_cp_shares_in_the_whole_micro_batch(cp):
+    from megazero.context_parallel.split import split
+    from megazero.moe.moe_utils import zigzag_token_rows
+
+    s, b = 16, 3
+    whole = torch.arange(s * b).view(s, b)  # token rows as the router flattens [s, b]
+    shares = torch.cat([split(whole, 0, r, cp).reshape(-1) for r in range(cp)])
+    assert torch.equal(whole.reshape(-1)[zigzag_token_rows(s, b, cp)], shares)

@@ -1,7 +1,8 @@
 """``pretrain_gpt.py`` with MoE layers and context parallelism trains the one-process model:
-expert parallelism over the CP ranks of one sequence (CP 2 x EP 2), over CP and data replicas
-(CP 2 x DP 2 x EP 4), with its edp group apart from dp x cp (CP 2 x DP 2 x EP 2), and with
-TP 2 + SP x CP 2 (EP 2, ZeRO 3); both dispatchers. The model (megazero.testing.moe_runs)
+expert parallelism over the CP ranks of one sequence (CP 2 x EP 2, with PP 2 interleaved and a
+stage without MoE layers), over CP and data replicas (CP 2 x DP 2 x EP 4), with its edp group
+apart from dp x cp (CP 2 x DP 2 x EP 2), and with TP 2 + SP x CP 2 (EP 2, ZeRO 3); both
+dispatchers. The model (megazero.testing.moe_runs)
 drops tokens by position, routes by sigmoid with the expert bias, and has an aux loss, a
 z-loss and a gated shared expert. Losses, grad norms, the MoE scalars, the validation loss and
 the final weights and expert biases equal the one-process run to fp32 rounding."""
@@ -23,7 +24,8 @@ RUN = [*TINY, *MOE, "--moe-token-drop-policy", "position", "--lr-decay-iters", "
        "--save-interval", "4", "--disable-bias-linear"]
 CP2 = ["--context-parallel-size", "2"]
 LAYOUTS = [
-    (2, [*CP2, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+    (4, [*CP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+         "1", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
          "--zero-stage", "1"]),
     (4, [*CP2, "--expert-model-parallel-size", "2", "--zero-stage", "0",
          "--recompute-granularity", "full", "--recompute-method", "uniform"]),
@@ -51,7 +53,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=[
-    "cp2-ep2-a2a-z1", "cp2-dp2-ep2-z0-recompute", "cp2-dp2-ep4-a2a-grouped-z2-allgather-cp",
+    "pp2vpp-cp2-ep2-a2a-z1", "cp2-dp2-ep2-z0-recompute", "cp2-dp2-ep4-a2a-grouped-z2-allgather-cp",
     "tp2sp-cp2-ep2-z3"])
 def test_moe_with_context_parallelism_trains_the_one_process_model(reference, tmp_path,
                                                                    nproc, layout):

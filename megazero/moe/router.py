@@ -178,10 +178,10 @@ class TopKRouter(nn.Module):
         rows = None
         if self.cp_size > 1:
             assert seq_batch is not None, "dropping under CP needs the (seq, batch) shape"
-            rows = mu.zigzag_token_rows(seq_batch[0] * size, seq_batch[1], self.cp_size)
-            rows = rows.to(every.device)
-            every = torch.empty_like(every).index_copy_(0, rows, every)
-            every_map = torch.empty_like(every_map).index_copy_(0, rows, every_map)
+            rows = mu.zigzag_token_rows(seq_batch[0] * size, seq_batch[1], self.cp_size,
+                                        every.device)
+            in_order = torch.argsort(rows)  # gathered rows in sequence order
+            every, every_map = every[in_order], every_map[in_order]
         _, keep = mu.apply_capacity(every, every_map, cap, self.moe.moe_token_drop_policy)
         if rows is not None:
             keep = keep[rows]
