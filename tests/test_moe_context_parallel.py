@@ -5,7 +5,8 @@ of the whole micro-batch. On 4 gloo ranks, CP 4 and TP 2 + SP x CP 2: each rank'
 share of the one-rank layer's; as in training, each rank back-propagates CP times its share
 (the CP loss, megazero.context_parallel.loss), so its input gradient is CP times its share of
 the one-rank one and the router's and experts' gradients summed over the ranks and divided by
-CP (what the dp x cp gradient average does) equal the one-rank gradients."""
+CP (what the dp x cp gradient average does) equal the one-rank gradients. The world runs
+under the NCCL rules (no host tensor reaches a collective; every rank's collectives agree)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def _world(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_world, 4, timeout=300)
+    return run_distributed(_world, 4, timeout=300, nccl_rules=True)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["cp4", "tp2sp-cp2"])
