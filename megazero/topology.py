@@ -34,6 +34,10 @@ GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
 CP_GROUP_KINDS = ("cp", "dp_cp")
 #: the expert grid's groups, built only for models with MoE layers
 EXPERT_GROUP_KINDS = ("ep", "etp", "edp")
+#: TP x CP: the ranks holding the tokens of one micro-batch of one data replica (an MoE
+#: router counts over it); built only for MoE models with tp > 1 and cp > 1 (otherwise it is
+#: the tp or the cp group)
+TP_CP_GROUP_KIND = "tp_cp"
 
 
 class TopologyError(ValueError):
@@ -160,6 +164,9 @@ class ParallelLayout:
         if kind == "dp_cp":
             return sorted(self.rank(c.pp, d, c.tp, x) for d in range(self.dp)
                           for x in range(self.cp))
+        if kind == TP_CP_GROUP_KIND:  # sorted: cp-major, tp-minor (zigzag shares' order)
+            return sorted(self.rank(c.pp, c.dp, t, x) for t in range(self.tp)
+                          for x in range(self.cp))
         if kind in EXPERT_GROUP_KINDS:
             e = self.expert_coords(rank)
             if kind == "ep":
@@ -168,7 +175,8 @@ class ParallelLayout:
                 return [self.expert_rank(e.pp, e.edp, e.ep, i) for i in range(self.etp)]
             return [self.expert_rank(e.pp, i, e.ep, e.etp) for i in range(self.edp)]
         raise TopologyError(f"unknown group kind {kind!r}; expected one of "
-                            f"{GROUP_KINDS + CP_GROUP_KINDS + EXPERT_GROUP_KINDS}")
+                            f"{GROUP_KINDS + CP_GROUP_KINDS + EXPERT_GROUP_KINDS}"
+                            f" or {TP_CP_GROUP_KIND!r}")
 
     def all_groups(self, kind: str) -> list[list[int]]:
         """Every ``kind`` group of the world, ordered by their smallest rank."""
@@ -209,10 +217,12 @@ class ParallelTopology:
         without it ``new_group`` would not inherit the main group's timeout but take the
         backend default (30 minutes for gloo).
         ``expert_groups`` (a model with MoE layers): also the expert grid's ``ep``, ``etp`` and
-        ``edp`` groups of sizes ``ep``, ``etp`` and ``world / (etp * ep * pp)``.
+        ``edp`` groups of sizes ``ep``, ``etp`` and ``world / (etp * ep * pp)``, and with
+        both tp > 1 and cp > 1 the ``tp_cp`` group (:attr:`ParallelTopology.tp_cp_group`).
         """
         kinds = (GROUP_KINDS + (CP_GROUP_KINDS if cp > 1 else ())
-                 + (EXPERT_GROUP_KINDS if expert_groups else ()))
+                 + (EXPERT_GROUP_KINDS if expert_groups else ())
+                 + ((TP_CP_GROUP_KIND,) if expert_groups and cp > 1 and tp > 1 else ()))
         if not dist.is_initialized():
             if (world_size or 1) != 1:
                 raise TopologyError("torch.distributed is not initialised; call init first")
@@ -298,6 +308,19 @@ class ParallelTopology:
     @property
     def tp_group(self) -> ProcessGroup | None:
         return self.groups.get("tp")
+
+    @property
+    def tp_cp_group(self) -> ProcessGroup | None:
+        """The TP x CP ranks of this rank's data replica and stage (megatron-core's
+        tensor-and-context-parallel group): together they hold one micro-batch's tokens. The
+        tp group at cp = 1, the cp group at tp = 1; its own group (built for MoE models)
+        otherwise. Group rank ``cp * TP + tp``: the shares concatenated in group order are the
+        CP ranks' zigzag shares in CP order, each cut into its TP (sequence-parallel) slices."""
+        if self.layout.cp == 1:
+            return self.tp_group
+        if self.layout.tp == 1:
+            return self.cp_group
+        return self.groups.get(TP_CP_GROUP_KIND)
 
     @property
     def pp_group(self) -> ProcessGroup | None:

@@ -52,9 +52,21 @@ BAD = [
       "4"], 4, "--moe-ffn-hidden-size 18 is not divisible by --expert-tensor-parallel-size 4"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
      "ZeRO stage 3 with --expert-model-parallel-size 2"),
-    (["--num-experts", "4", "--context-parallel-size", "2", "--attention-dropout", "0"], 2,
-     "--num-experts with --context-parallel-size 2"),
+    (["--num-experts", "4", "--context-parallel-size", "2", "--attention-dropout", "0",
+      "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], 4,
+     "does not divide the world size 4"),
 ]
+
+
+def test_moe_with_context_parallelism_carves_the_expert_grid_from_the_whole_world():
+    """megatron-core's expert grid counts the CP ranks: edp = world / (etp ep pp), and expert
+    parallelism may span CP ranks."""
+    cfg = load_config(BASE + ["--num-experts", "4", "--context-parallel-size", "2",
+                              "--attention-dropout", "0", "--expert-model-parallel-size", "2"],
+                      world_size=8)
+    layout = cfg.layout()
+    assert (layout.cp, layout.dp, layout.ep, layout.edp) == (2, 4, 2, 4)
+    assert layout.all_groups("ep")[0] == layout.all_groups("cp")[0] == [0, 1]
 
 
 @pytest.mark.parametrize("argv,world,part", BAD, ids=[b[2][:30] for b in BAD])

@@ -68,3 +68,67 @@ def test_an_expert_grid_that_does_not_tile_the_world_is_one_line_naming_the_flag
         ParallelLayout(8, 2, 1, ep=3)
     msg = str(err.value)
     assert "\n" not in msg and "--expert-model-parallel-size 3" in msg and "[1, 2, 4, 8]" in msg
+
+
+# With context parallelism the expert grid is carved from the same world (megatron-core):
+# edp = world / (etp ep pp) counts the CP ranks, and expert parallelism may span CP ranks.
+GOLDEN_CP = {
+    # (world, tp, cp, pp, ep): {kind: every group}
+    (8, 2, 2, 1, 2): {
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "tp_cp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "edp": [[0, 2, 4, 6], [1, 3, 5, 7]],  # the dp_cp groups: EP == TP
+    },
+    (8, 2, 2, 1, 4): {
+        "ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    },
+    (4, 1, 2, 1, 2): {
+        "cp": [[0, 1], [2, 3]],
+        "dp": [[0, 2], [1, 3]],
+        "dp_cp": [[0, 1, 2, 3]],
+        "tp_cp": [[0, 1], [2, 3]],
+        "ep": [[0, 1], [2, 3]],  # the CP ranks of one sequence
+        "edp": [[0, 2], [1, 3]],
+    },
+    (4, 1, 2, 1, 4): {"ep": [[0, 1, 2, 3]], "edp": [[r] for r in range(4)]},
+    (8, 1, 2, 2, 2): {
+        "cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    },
+}
+
+
+@pytest.mark.parametrize("key", list(GOLDEN_CP))
+def test_expert_groups_with_context_parallelism_match_the_golden_tables(key):
+    world, tp, cp, pp, ep = key
+    layout = ParallelLayout(world, tp, pp, cp=cp, ep=ep)
+    assert layout.edp == world // (ep * pp)
+    for kind, groups in GOLDEN_CP[key].items():
+        assert layout.all_groups(kind) == groups, kind
+
+
+@pytest.mark.parametrize("key", list(GOLDEN_CP))
+def test_expert_grads_with_context_parallelism_are_scaled_to_the_mean_loss(key):
+    """Experts share the dense buffers exactly when their edp group is the dp x cp group;
+    otherwise their gradient (summed over edp, divided there by edp) is pre-multiplied by
+    edp / (dp cp): each CP rank back-propagates CP times its share of the loss."""
+    import torch
+
+    from megazero.moe.grads import experts_need_own_group, scale_expert_grads
+    from megazero.topology import ParallelTopology
+
+    world, tp, cp, pp, ep = key
+    layout = ParallelLayout(world, tp, pp, cp=cp, ep=ep)
+    for rank in range(world):
+        topo = ParallelTopology(layout, rank, {})
+        own = experts_need_own_group(topo)
+        assert own == (layout.group_ranks("edp", rank) != layout.group_ranks("dp_cp", rank))
+        p = torch.nn.Parameter(torch.ones(2))
+        scale_expert_grads([p], topo)
+        p.sum().backward()
+        assert p.grad.tolist() == [layout.edp / (layout.dp * cp)] * 2

@@ -317,9 +317,6 @@ def validate(cfg: MegazeroConfig) -> None:
     check_tensor_parallel_split(m, tp, p.sequence_parallel)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
-    check(cfg.model.moe.num_experts is None or p.cp == 1,
-          f"--num-experts with --context-parallel-size {p.cp}: MoE layers are not composed "
-          "with context parallelism yet; use --context-parallel-size 1 with MoE")
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
     if per_chunk is not None:

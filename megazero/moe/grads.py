@@ -3,12 +3,19 @@
 An expert's replicas are its expert-data-parallel (``edp``) group, not the data-parallel one:
 with expert parallelism each rank holds ``E / EP`` experts and receives tokens from its
 expert-parallel peers. Summing an expert's gradient over ``edp`` adds the contributions of
-every token of the step; dividing by the data-parallel size (as the dense weights are
-averaged) makes it the gradient of the same mean loss the one-process run minimises.
+every token of the step; dividing by the size of the dense gradient group (as the dense
+weights are averaged) makes it the gradient of the same mean loss the one-process run
+minimises.
 
-When the ``edp`` groups are the ``dp`` groups (``EP x ETP == TP``, all 1 included) the experts
-share the dense flat buffers; otherwise they get their own buffers over ``edp`` and a gradient
-hook pre-multiplies by ``edp / dp`` (the buffer divides by its group's size, ``edp``).
+That group is ``dp`` x ``cp`` (:attr:`~megazero.topology.ParallelTopology.grad_group`): under
+context parallelism each CP rank back-propagates ``CP`` times its share of the loss
+(:mod:`megazero.context_parallel.loss`), so every token's gradient reaches its expert ``CP``
+times too large and the sum over ``edp`` is divided by ``dp * cp``, not ``dp``.
+
+When the ``edp`` groups are the dense gradient groups (``EP x ETP == TP``, all 1 included) the
+experts share the dense flat buffers; otherwise they get their own buffers over ``edp`` and a
+gradient hook pre-multiplies by ``edp / (dp * cp)`` (the buffer divides by its group's size,
+``edp``).
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ def is_expert(param: nn.Parameter) -> bool:
 
 
 def experts_need_own_group(topo: ParallelTopology) -> bool:
-    """Whether this rank's ``edp`` group differs from its ``dp`` group."""
+    """Whether this rank's ``edp`` group differs from its dense gradient group (``dp``, or
+    ``dp_cp`` under context parallelism)."""
     if topo.ep_size == 1 and topo.tp_size == 1 and topo.etp_size == 1:
         return False
-    return topo.ranks("edp") != topo.ranks("dp")
+    return topo.ranks("edp") != topo.ranks("dp_cp" if topo.cp_size > 1 else "dp")
 
 
 def split_expert_params(params: list[nn.Parameter], topo: ParallelTopology, stage: int
@@ -47,9 +55,9 @@ def split_expert_params(params: list[nn.Parameter], topo: ParallelTopology, stag
 
 
 def scale_expert_grads(experts: list[nn.Parameter], topo: ParallelTopology) -> list[object]:
-    """Multiply each expert gradient by ``edp / dp`` as it is produced (see the module
+    """Multiply each expert gradient by ``edp / (dp * cp)`` as it is produced (see the module
     docstring); returns the hook handles."""
-    factor = topo.edp_size / topo.dp_size
+    factor = topo.edp_size / topo.grad_size
     if factor == 1.0:
         return []
 

@@ -4,7 +4,7 @@ Each router accumulates, over the training forwards of a log interval (recompute
 excluded: they run with gradients only once), its balancing loss (unscaled: 1.0 at perfect
 balance), its z-loss (unscaled), the tokens routed before dropping and the tokens each expert
 took. :func:`collect` sums these over every rank with one all-reduce (the counts are already
-summed over the TP group, so only TP rank 0 contributes) and turns them into scalars:
+summed over the TP x CP group, so only its first rank contributes) and turns them into scalars:
 
 - ``load_balancing_loss``, ``z_loss``: mean over micro-batches, replicas and MoE layers
   (Megatron's names, its log line and TensorBoard tags);
@@ -35,7 +35,7 @@ def collect(chunks: list[nn.Module], topo: ParallelTopology, num_layers: int,
     device = mine[0].weight.device if mine else torch.device("cpu")
     table = torch.zeros(num_layers, COUNTS + num_experts, dtype=torch.float64, device=device)
     for r in mine:
-        if topo.tp_rank == 0:
+        if topo.tp_rank == 0 and topo.cp_rank == 0:
             table[r.layer_number] += r.metrics_acc.to(device, torch.float64)
         r.metrics_acc.zero_()
     if dist.is_available() and dist.is_initialized() and topo.world_size > 1:

@@ -5,7 +5,9 @@ shared experts (megatron-core's ``MoELayer``).
 dense MLP takes them. Under sequence parallelism each TP rank routes its own slice of tokens
 (the router sums counts and scores over the TP group so capacity and the balancing loss see
 the whole micro-batch); experts are split over the expert-parallel group, and each expert
-over the expert-tensor-parallel group (:mod:`megazero.moe.expert_tp`).
+over the expert-tensor-parallel group (:mod:`megazero.moe.expert_tp`). Under context
+parallelism each CP rank routes its zigzag share of the sequence, and the router counts over
+the TP x CP group (:func:`token_group`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megazero.collectives import Group, group_size
 from megazero.config import ModelConfig
 from megazero.errors import ConfigError
 from megazero.model.init import scope
@@ -23,6 +26,21 @@ from megazero.moe.router import TopKRouter
 from megazero.moe.shared_experts import SharedExpertMLP
 from megazero.moe.token_dispatcher import DISPATCHERS
 from megazero.tensor_parallel.context import ParallelContext
+
+
+def token_group(parallel: ParallelContext) -> Group:
+    """The ranks whose tokens make one micro-batch of one data replica (the router's sum
+    group): TP under sequence parallelism, CP, or TP x CP; None when this rank holds them all.
+    """
+    if parallel.cp_size > 1:
+        if parallel.tp_size == 1:
+            return parallel.cp_group
+        if parallel.tp_cp_group is None:
+            raise ConfigError("an MoE layer with tensor and context parallelism needs the "
+                              "TP x CP group; build its ParallelContext with "
+                              "ParallelContext.from_topology")
+        return parallel.tp_cp_group
+    return parallel.tp_group if parallel.sequence_parallel else None
 
 
 class MoELayer(nn.Module):
@@ -45,8 +63,9 @@ class MoELayer(nn.Module):
         self.first = ep_rank * self.local
         self.parallel = parallel
         sp = parallel.sequence_parallel
-        self.router = TopKRouter(config, sum_group=parallel.tp_group if sp else None,
-                                 sequence_parallel=sp)
+        self.token_group = token_group(parallel)
+        self.router = TopKRouter(config, sum_group=self.token_group, sequence_parallel=sp,
+                                 cp_size=parallel.cp_size)
         scope(self.router, "router")
         self.router.layer_number = layer_number
         self.experts = Experts(config, self.first, self.local, dtype=parallel.params_dtype,
@@ -60,13 +79,13 @@ class MoELayer(nn.Module):
         self.dispatcher_cls = DISPATCHERS[moe.moe_token_dispatcher_type]
 
     def _pad_capacity(self, local_tokens: int) -> int | None:
-        """Rows per expert when inputs are padded to capacity (tokens of the TP group: each
-        rank's experts see that many at most from each source rank)."""
+        """Rows per expert when inputs are padded to capacity (tokens of the router's group:
+        each rank's experts see that many at most from each source rank)."""
         moe = self.config.moe
         if not moe.moe_pad_expert_input_to_capacity:
             return None
         assert moe.moe_expert_capacity_factor is not None
-        total = local_tokens * (self.parallel.tp_size if self.parallel.sequence_parallel else 1)
+        total = local_tokens * (1 if self.token_group is None else group_size(self.token_group))
         return expert_capacity(total, self.num_experts, moe.moe_router_topk,
                                moe.moe_expert_capacity_factor)
 

@@ -88,6 +88,19 @@ def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int
     return probs * keep, keep
 
 
+def zigzag_token_rows(seq_len: int, batch: int, cp_size: int,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """Where each row of the CP ranks' ``[s/cp * b]`` token shares, concatenated in CP rank
+    order, sits in the whole micro-batch's ``[s * b]`` rows (row = position * b + sequence).
+    The shares are the zigzag chunks (:mod:`megazero.context_parallel.split`), so the
+    concatenation is not in sequence order; ``whole[rows] == cat(shares)``."""
+    from megazero.context_parallel.split import local_positions
+
+    positions = torch.cat([local_positions(seq_len, r, cp_size, device)
+                           for r in range(cp_size)])
+    return (positions[:, None] * batch + torch.arange(batch, device=device)).reshape(-1)
+
+
 def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor,
                                topk: int, num_tokens: int) -> torch.Tensor:
     """``E / (k T^2) * sum_i (sum_x s_xi) c_i``: 1.0 when routing is perfectly balanced.

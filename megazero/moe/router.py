@@ -6,6 +6,13 @@ data-parallel replica: with sequence parallelism a TP rank holds a slice of them
 expert counts and score sums are summed over ``sum_group`` (the TP group) before the capacity
 and the losses are computed. Capacity and dropping are therefore the same at every TP/EP
 layout (Megatron counts per rank).
+
+With context parallelism ``sum_group`` is the TP x CP group: each CP rank holds two of the
+``2·CP`` zigzag chunks of every sequence, so the group's tokens are the micro-batch in another
+order. Dropping puts them back in sequence order first (the ``position`` policy, and the ties
+of ``probs``, depend on it). The auxiliary losses' gradients are multiplied by ``cp_size``: CP
+ranks' gradients are averaged over the ``dp_cp`` group like the main loss's, which each CP rank
+back-propagates ``CP`` times (:mod:`megazero.context_parallel.loss`).
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ class TopKRouter(nn.Module):
     metrics_acc: torch.Tensor
 
     def __init__(self, config: ModelConfig, *, sum_group: Group = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cp_size: int = 1):
         super().__init__()
         moe = config.moe
         assert moe.num_experts is not None
@@ -67,6 +74,7 @@ class TopKRouter(nn.Module):
         self.num_experts = moe.num_experts
         self.topk = moe.moe_router_topk
         self.sum_group = sum_group
+        self.cp_size = cp_size  # the zigzag split of the sum group's tokens (module docstring)
         self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size,
                                                dtype=torch.float32))
         self.weight.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
@@ -128,7 +136,7 @@ class TopKRouter(nn.Module):
         if moe.moe_expert_capacity_factor is not None:
             cap = mu.expert_capacity(total_tokens, self.num_experts, self.topk,
                                      moe.moe_expert_capacity_factor)
-            probs, routing_map = self._capacity(probs, routing_map, cap)
+            probs, routing_map = self._capacity(probs, routing_map, cap, seq_batch)
         counts = self._group_sum(routing_map.sum(dim=0).float())
         aux = self._balancing_loss(logits, counts_before, total_tokens, seq_batch)
         zl = mu.z_loss(logits) if moe.moe_z_loss_coeff is not None else logits.new_zeros(())
@@ -138,6 +146,8 @@ class TopKRouter(nn.Module):
         if moe.moe_z_loss_coeff is not None and zl.requires_grad:
             tp = 1 if self.sum_group is None else group_size(self.sum_group)
             pending = pending + moe.moe_z_loss_coeff / tp * zl
+        if self.cp_size > 1:  # averaged over CP like the main loss (module docstring)
+            pending = pending * self.cp_size
         self._pending = pending if pending.requires_grad else None
         if self.expert_bias is not None and torch.is_grad_enabled():
             self.local_tokens_per_expert += routing_map.sum(dim=0).float().detach()
@@ -151,10 +161,12 @@ class TopKRouter(nn.Module):
                 counts.detach().to(torch.float64)])
         return probs, routing_map
 
-    def _capacity(self, probs: torch.Tensor, routing_map: torch.Tensor, cap: int
+    def _capacity(self, probs: torch.Tensor, routing_map: torch.Tensor, cap: int,
+                  seq_batch: tuple[int, int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drop over the whole micro-batch: with a sum group the group's tokens are gathered
-        (all ranks then choose the same tokens) and each rank keeps its own rows."""
+        (all ranks then choose the same tokens) and each rank keeps its own rows; with CP
+        they are chosen in sequence order, as the one-rank run sees them."""
         if self.sum_group is None or group_size(self.sum_group) == 1:
             return mu.apply_capacity(probs, routing_map, cap, self.moe.moe_token_drop_policy)
         size = group_size(self.sum_group)
@@ -162,8 +174,17 @@ class TopKRouter(nn.Module):
         dist.all_gather(parts, probs.detach().contiguous(), group=self.sum_group)
         maps = [torch.empty_like(routing_map) for _ in range(size)]
         dist.all_gather(maps, routing_map.contiguous(), group=self.sum_group)
-        _, keep = mu.apply_capacity(torch.cat(parts), torch.cat(maps), cap,
-                                    self.moe.moe_token_drop_policy)
+        every, every_map = torch.cat(parts), torch.cat(maps)
+        rows = None
+        if self.cp_size > 1:
+            assert seq_batch is not None, "dropping under CP needs the (seq, batch) shape"
+            rows = mu.zigzag_token_rows(seq_batch[0] * size, seq_batch[1], self.cp_size,
+                                        every.device)
+            in_order = torch.argsort(rows)  # gathered rows in sequence order
+            every, every_map = every[in_order], every_map[in_order]
+        _, keep = mu.apply_capacity(every, every_map, cap, self.moe.moe_token_drop_policy)
+        if rows is not None:
+            keep = keep[rows]
         rank = dist.get_rank(self.sum_group)
         n = probs.shape[0]
         mine = keep[rank * n:(rank + 1) * n]

@@ -57,6 +57,8 @@ class ParallelContext:
     etp_group: Group = None
     etp_size: int = 1
     etp_rank: int = 0
+    # TP x CP (MoE routers count one micro-batch over it); None: the tp or the cp group alone
+    tp_cp_group: Group = None
 
     def __post_init__(self) -> None:
         if self.cp_group is not None:
@@ -98,7 +100,9 @@ class ParallelContext:
                    ep_rank=topo.ep_rank if topo.ep_group is None else 0,
                    etp_group=topo.etp_group,
                    etp_size=topo.etp_size if topo.etp_group is None else 1,
-                   etp_rank=topo.etp_rank if topo.etp_group is None else 0)
+                   etp_rank=topo.etp_rank if topo.etp_group is None else 0,
+                   tp_cp_group=topo.tp_cp_group if topo.cp_size > 1 and topo.tp_size > 1
+                   else None)
 
     def fork(self, stream: str) -> contextlib.AbstractContextManager[None]:
         """Draw random numbers from ``stream`` of the tracker (dropout); see
