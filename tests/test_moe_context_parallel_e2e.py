@@ -2,7 +2,8 @@
 expert parallelism over the CP ranks of one sequence (CP 2 x EP 2, with PP 2 interleaved and a
 stage without MoE layers), over CP and data replicas (CP 2 x DP 2 x EP 4), with its edp group
 apart from dp x cp (CP 2 x DP 2 x EP 2), and with TP 2 + SP x CP 2 (EP 2, ZeRO 3); both
-dispatchers. The model (megazero.testing.moe_runs)
+dispatchers; and with every expert split over CP 2 x DP 2's expert tensor group (ETP 2). The
+model (megazero.testing.moe_runs)
 drops tokens by position, routes by sigmoid with the expert bias, and has an aux loss, a
 z-loss and a gated shared expert. Losses, grad norms, the MoE scalars, the validation loss and
 the final weights and expert biases equal the one-process run to fp32 rounding."""
@@ -33,6 +34,8 @@ LAYOUTS = [
          "--moe-grouped-gemm", "--zero-stage", "2", "--cp-comm-type", "all_gather"]),
     (4, [*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--expert-model-parallel-size", "2", "--zero-stage", "3"]),
+    (4, [*CP2, "--expert-tensor-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+         "--zero-stage", "1"]),
 ]
 MOE_SCALARS = ("load_balancing_loss", "z_loss", "moe/tokens_per_expert_min",
                "moe/tokens_per_expert_max", "moe/dropped_token_fraction")
@@ -54,7 +57,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=[
     "pp2vpp-cp2-ep2-a2a-z1", "cp2-dp2-ep2-z0-recompute", "cp2-dp2-ep4-a2a-grouped-z2-allgather-cp",
-    "tp2sp-cp2-ep2-z3"])
+    "tp2sp-cp2-ep2-z3", "cp2-dp2-etp2-a2a-z1"])
 def test_moe_with_context_parallelism_trains_the_one_process_model(reference, tmp_path,
                                                                    nproc, layout):
     got = tmp_path / "got.jsonl"

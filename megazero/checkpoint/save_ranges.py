@@ -195,12 +195,11 @@ def merge_index(gathered: list[dict[str, Any]]) -> dict[str, Any]:
         for kind, pieces in t.get("ranges", {}).items():
             for r, lst in enumerate(pieces):
                 lst.sort(key=lambda x: x[1])
-                pos = 0
+                pos, tiled = 0, True  # each range starts where the previous one ended
                 for _, lo, hi in lst:
-                    if lo != pos:
-                        break
+                    tiled = tiled and lo == pos and lo < hi
                     pos = hi
-                if pos != n or any(lo >= hi for _, lo, hi in lst):
+                if pos != n or not tiled:
                     raise RuntimeError(
                         f"the saved ranges of {name} ({kind}, TP piece {r}) do not cover its "
                         f"{n} elements exactly once: {[(lo, hi) for _, lo, hi in lst][:8]}")
