@@ -50,11 +50,17 @@ BAD = [
     (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], 2,
      "--expert-tensor-parallel-size 2"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
-     "ZeRO stage 3 with --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--context-parallel-size", "2", "--attention-dropout", "0"], 2,
      "--num-experts with --context-parallel-size 2"),
 ]
+
+
+def test_zero3_with_an_expert_data_parallel_group_apart_from_dp_is_accepted():
+    # EP 2, TP 1: edp (2) is not dp (4); stage 3 partitions the experts over edp
+    cfg = load_config(BASE + ["--num-experts", "4", "--expert-model-parallel-size", "2",
+                              "--zero-stage", "3"], world_size=4)
+    layout = cfg.layout()
+    assert (cfg.zero.stage, layout.dp, layout.edp) == (3, 4, 2)
 
 
 @pytest.mark.parametrize("argv,world,part", BAD, ids=[b[2][:30] for b in BAD])

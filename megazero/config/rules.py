@@ -287,11 +287,6 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
     check(p.tp == 1 or p.sequence_parallel,
           f"--num-experts with --tensor-model-parallel-size {p.tp} needs --sequence-parallel "
           "(each TP rank routes its own slice of the tokens); add --sequence-parallel")
-    check(cfg.zero.stage != 3 or ep == p.tp,
-          f"ZeRO stage 3 with --expert-model-parallel-size {ep} and "
-          f"--tensor-model-parallel-size {p.tp}: stage 3 shards MoE experts only when the two "
-          "sizes are equal (their data-parallel groups then coincide); make them equal or use "
-          "ZeRO stage 0-2")
     freq = moe.moe_layer_freq
     check(isinstance(freq, int) or len(freq) == cfg.model.num_layers,
           f"--moe-layer-freq lists {0 if isinstance(freq, int) else len(freq)} layers but "

@@ -275,7 +275,10 @@ class GatheredParameters:
         if modify and dist.is_available() and dist.is_initialized():
             for p in self.params:
                 group = getattr(p, "mz_group", None)
-                if group is None and getattr(p, "mz_engine", None) is not None:
+                store = getattr(p, "mz_stage3_store", None)
+                if group is None and store is not None:  # a MoE expert's unit: its edp group
+                    group = store.unit_of_param[id(p)].comm.group
+                elif group is None and getattr(p, "mz_engine", None) is not None:
                     group = p.mz_engine.comms.dp.group
                 dist.broadcast(p.data, src=self.modifier_rank, group=group)
         for p in self.params:
