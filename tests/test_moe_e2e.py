@@ -1,6 +1,7 @@
 """``pretrain_gpt.py`` with MoE layers trains the same model at every layout: expert parallel
 2 and 4, both dispatchers, grouped GEMM, TP2+SP, PP2 interleaved with a stage that holds no MoE
-layer, ZeRO 0-3. Losses, grad norms and validation loss (a function of every weight and
+layer, ZeRO 0-3 (at ZeRO 3 also with the experts partitioned over an expert-data-parallel group
+apart from the data-parallel one, with PP2 and with parameters offloaded to the host). Losses, grad norms and validation loss (a function of every weight and
 expert bias) equal the one-process run to fp32 rounding. The model drops tokens (capacity
 factor 1.0), routes by sigmoid with the aux-loss-free expert bias, and has a gated shared
 expert, an aux loss and a z-loss, so every part of the router is in the comparison."""
@@ -25,6 +26,14 @@ LAYOUTS = [
          "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type",
          "alltoall", "--zero-stage", "2", "--deepspeed_config", "OFFLOAD"]),
     (4, ["--expert-model-parallel-size", "4", "--zero-stage", "0"]),
+    # ZeRO 3 with experts partitioned over edp = 2, dense weights over dp = 4 (EP != TP)
+    (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--deepspeed_config",
+         "PARAM_OFFLOAD"]),
+    (4, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+         "--moe-grouped-gemm", "--zero-stage", "3"]),
+    (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method",
+         "uniform"]),
 ]
 
 
@@ -57,7 +66,8 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=[
-    "ep2-a2a-grouped-z1-recompute", "tp2sp-ep2-z3", "tp2sp-pp2vpp-ep4-a2a-z2-offload", "ep4-z0"])
+    "ep2-a2a-grouped-z1-recompute", "tp2sp-ep2-z3", "tp2sp-pp2vpp-ep4-a2a-z2-offload", "ep4-z0",
+    "ep2-edp2-z3-offload-param", "ep2-edp2-a2a-grouped-z3", "pp2-ep2-z3-recompute"])
 def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, layout):
     a = read_metrics(reference)
     assert len(a) == 4
@@ -65,7 +75,13 @@ def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, lay
     offload = tmp_path / "offload.json"  # optimizer state offloaded to the host
     offload.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {
         "device": "cpu"}}}))
-    layout = [str(offload) if x == "OFFLOAD" else x for x in layout]
+    param_offload = tmp_path / "param_offload.json"  # stage-3 shards on the host, prefetched
+    param_offload.write_text(json.dumps({"zero_optimization": {
+        "offload_param": {"device": "cpu"}, "overlap_comm": True,
+        "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 40,
+        "stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 2000}}))
+    files = {"OFFLOAD": str(offload), "PARAM_OFFLOAD": str(param_offload)}
+    layout = [files.get(x, x) for x in layout]
     check(run_training([*TINY, *MOE, *layout, "--log-json", str(got)], nproc=nproc))
     b = read_metrics(got)
     assert sorted(b) == sorted(a)
