@@ -1,10 +1,11 @@
 """``pretrain_gpt.py`` with MoE layers trains the same model at every layout: expert parallel
 2 and 4, both dispatchers, grouped GEMM, TP2+SP, PP2 interleaved with a stage that holds no MoE
 layer, ZeRO 0-3 (at ZeRO 3 also with the experts partitioned over an expert-data-parallel group
-apart from the data-parallel one, with PP2 and with parameters offloaded to the host). Losses, grad norms and validation loss (a function of every weight and
-expert bias) equal the one-process run to fp32 rounding. The model drops tokens (capacity
-factor 1.0), routes by sigmoid with the aux-loss-free expert bias, and has a gated shared
-expert, an aux loss and a z-loss, so every part of the router is in the comparison."""
+apart from the data-parallel one, with PP2 and with parameters offloaded to the host). Losses,
+grad norms and validation loss (a function of every weight and expert bias) equal the
+one-process run to fp32 rounding. The model drops tokens (capacity factor 1.0), routes by
+sigmoid with the aux-loss-free expert bias, and has a gated shared expert, an aux loss and a
+z-loss, so every part of the router is in the comparison."""
 
 from __future__ import annotations
 

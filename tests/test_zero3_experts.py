@@ -5,7 +5,8 @@ the final weights equal the one-process model trained on the 4 batches. One spaw
 under the NCCL-rules mode (each group's collectives in one order on all its ranks, no host
 tensor reaching a collective), runs every case: parameters offloaded to the host with
 overlapped reductions and prefetch, offloaded to NVMe, and kept whole (persistent units); the
-planner's model-state bytes equal the engine's.
+planner's model-state bytes equal the engine's, and ``GatheredParameters(modifier_rank=0)``
+writes each expert's values back from rank 0 of its expert-data-parallel group.
 The aux loss is off: its injected gradient is not scaled by the reference's mean over ranks
 (the end-to-end tests cover it against the one-process ``pretrain_gpt.py`` run)."""
 
@@ -115,7 +116,33 @@ def _world(rank: int, world: int, tmp: str) -> list:
         with engine.gathered_parameters():
             weights = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
         out.append((losses, norms, weights))
+        if case.startswith("cpu"):
+            _modify_through_gathered_parameters(net, engine, topo)
     return out
+
+
+def _modify_through_gathered_parameters(net, engine, topo) -> None:
+    """``GatheredParameters(modifier_rank=0)`` takes each parameter's values from rank 0 of its
+    replica group: dp for dense weights, edp for experts (each edp group has other experts)."""
+    from megazero.zero.init_context import GatheredParameters
+
+    for store in engine.stores:  # as megazero.initialize marks them
+        for p in store.params():
+            p.mz_engine, p.mz_stage3_store = engine, store
+    params = {n: p for n, p in net.named_parameters()
+              if n == "inp.weight" or n.endswith("linear_fc1.weight")}
+    with GatheredParameters(list(params.values()), modifier_rank=0):
+        for p in params.values():
+            p.data.fill_(100.0 + topo.rank)
+    want = {n: 100.0 + (topo.ranks("edp")[0] if getattr(p, "expert", False) else 0)
+            for n, p in params.items()}
+    with engine.gathered_parameters():
+        for n, p in params.items():
+            assert bool((p == want[n]).all()), (n, want[n], p.flatten()[:4])
+    for pc in engine.masters.pieces:  # the fp32 masters took the same values
+        name = next((n for n, p in params.items() if p is pc.param), None)
+        if name is not None:
+            assert bool((pc.master == want[name]).all()), name
 
 
 def _reference(dispatcher: str) -> tuple[list[list[float]], list[float], dict]:
