@@ -5,8 +5,9 @@ the final weights equal the one-process model trained on the 4 batches. One spaw
 under the NCCL-rules mode (each group's collectives in one order on all its ranks, no host
 tensor reaching a collective), runs every case: parameters offloaded to the host with
 overlapped reductions and prefetch, offloaded to NVMe, and kept whole (persistent units); the
-planner's model-state bytes equal the engine's, and ``GatheredParameters(modifier_rank=0)``
-writes each expert's values back from rank 0 of its expert-data-parallel group.
+planner's model-state bytes and stage-3 layout equal the engine's, and
+``GatheredParameters(modifier_rank=0)`` writes each expert's values back from rank 0 of its
+expert-data-parallel group.
 The aux loss is off: its injected gradient is not scaled by the reference's mean over ranks
 (the end-to-end tests cover it against the one-process ``pretrain_gpt.py`` run)."""
 
@@ -113,12 +114,29 @@ def _world(rank: int, world: int, tmp: str) -> list:
             mem = engine.memory_report()
             assert (mem["bytes"], mem["padding_elements"]) == (
                 rep.bytes, rep.padding_elements), case
+            _check_planned_buckets(store, _build(cfg, ParallelContext(ep_group=topo.ep_group)),
+                                   _zero(case, tmp, rank), topo)
         with engine.gathered_parameters():
             weights = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
         out.append((losses, norms, weights))
         if case.startswith("cpu"):
             _modify_through_gathered_parameters(net, engine, topo)
     return out
+
+
+def _check_planned_buckets(store, net, zero: ZeroConfig, topo) -> None:
+    """The estimator's stage-3 layout (units gathered, largest unit, gradient buckets) is the
+    engine's: expert units padded to edp, never in a bucket with dense ones."""
+    from types import SimpleNamespace
+
+    from megazero.planner.estimate import zero3_layout
+
+    cfg = SimpleNamespace(zero=zero, parallel=SimpleNamespace(sequence_parallel=False))
+    plan = zero3_layout(cfg, net, topo, dp=4, edp=2)
+    assert plan.buckets == [b.numel() for b in store.buckets]
+    assert all(len({u.comm.size for u in b.units}) == 1 for b in store.buckets)
+    assert plan.largest_unit == max(u.padded for u in store.units)
+    assert plan.gathered == sum(not u.persistent for u in store.units)
 
 
 def _modify_through_gathered_parameters(net, engine, topo) -> None:
