@@ -2,7 +2,8 @@
 name, with the expert biases; it loads at EP 1 (one process) and EP 4 (ZeRO 2) and continues
 with the uninterrupted one-process run's losses. A checkpoint saved at EP 2 with ZeRO 3 (experts
 partitioned over their expert-data-parallel group, dense weights over dp) loads at EP 1 with
-ZeRO 1, and the reverse, and continues with the same losses."""
+ZeRO 1, and the reverse, and continues with the same losses (the ZeRO-3 run keeps its
+parameter shards in NVMe swap files)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ SAVE = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--expert-model-parallel-size", "2", "--zero-stage", "1"]
 
 
-EP2_ZERO3 = ["--expert-model-parallel-size", "2", "--zero-stage", "3"]  # edp 2, dp 4
+# edp 2, dp 4; the stage-3 shards in NVMe swap files (saved from them, loaded into them)
+EP2_ZERO3 = ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--deepspeed_config",
+             "NVME"]
 EP1_ZERO1 = ["--zero-stage", "1"]
 
 
@@ -62,6 +65,13 @@ def test_moe_checkpoint_reshards_over_expert_parallel_sizes(tmp_path, reference)
                                        ((2, EP1_ZERO1), (4, EP2_ZERO3))],
                          ids=["ep2-zero3-to-ep1-zero1", "ep1-zero1-to-ep2-zero3"])
 def test_moe_checkpoint_moves_between_zero3_over_edp_and_zero1(tmp_path, reference, save, load):
+    nvme = tmp_path / "nvme.json"
+    (tmp_path / "swap").mkdir()
+    nvme.write_text(json.dumps({"zero_optimization": {"offload_param": {
+        "device": "nvme", "nvme_path": str(tmp_path / "swap"), "buffer_count": 8,
+        "buffer_size": 4096, "max_in_cpu": 0}, "stage3_param_persistence_threshold": 0}}))
+    save = (save[0], [str(nvme) if x == "NVME" else x for x in save[1]])
+    load = (load[0], [str(nvme) if x == "NVME" else x for x in load[1]])
     ck = tmp_path / "ck"
     check(run_training([*TINY, *MOE, *save[1], "--save", str(ck), "--exit-interval", "2"],
                        nproc=save[0]))

@@ -31,10 +31,10 @@ LAYOUTS = [
     (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--deepspeed_config",
          "PARAM_OFFLOAD"]),
     (4, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-         "--moe-grouped-gemm", "--zero-stage", "3"]),
+         "--moe-grouped-gemm", "--zero-stage", "3", "--deepspeed_config", "ZERO3_SHARDED"]),
     (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
          "--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method",
-         "uniform"]),
+         "uniform", "--deepspeed_config", "ZERO3_RELEASE"]),
 ]
 
 
@@ -81,7 +81,16 @@ def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, lay
         "offload_param": {"device": "cpu"}, "overlap_comm": True,
         "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 40,
         "stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 2000}}))
-    files = {"OFFLOAD": str(offload), "PARAM_OFFLOAD": str(param_offload)}
+    # every unit partitioned (the default threshold keeps this tiny model's units whole), and
+    # released after each forward, gathered again for the backward and its recomputation
+    sharded, release = tmp_path / "sharded.json", tmp_path / "release.json"
+    sharded.write_text(json.dumps({"zero_optimization": {
+        "stage3_param_persistence_threshold": 0}}))
+    release.write_text(json.dumps({"zero_optimization": {
+        "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 2000, "stage3_max_live_parameters": 20000}}))
+    files = {"OFFLOAD": str(offload), "PARAM_OFFLOAD": str(param_offload),
+             "ZERO3_SHARDED": str(sharded), "ZERO3_RELEASE": str(release)}
     layout = [files.get(x, x) for x in layout]
     check(run_training([*TINY, *MOE, *layout, "--log-json", str(got)], nproc=nproc))
     b = read_metrics(got)
