@@ -35,6 +35,9 @@ LAYOUTS = [
     (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
          "--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method",
          "uniform", "--deepspeed_config", "ZERO3_RELEASE"]),
+    # experts replicated over TP too: edp 4, dp 2
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "3",
+         "--deepspeed_config", "ZERO3_SHARDED"]),
 ]
 
 
@@ -68,7 +71,8 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=[
     "ep2-a2a-grouped-z1-recompute", "tp2sp-ep2-z3", "tp2sp-pp2vpp-ep4-a2a-z2-offload", "ep4-z0",
-    "ep2-edp2-z3-offload-param", "ep2-edp2-a2a-grouped-z3", "pp2-ep2-z3-recompute"])
+    "ep2-edp2-z3-offload-param", "ep2-edp2-a2a-grouped-z3", "pp2-ep2-z3-recompute",
+    "tp2sp-ep1-edp4-z3"])
 def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, layout):
     a = read_metrics(reference)
     assert len(a) == 4
