@@ -50,8 +50,6 @@ BAD = [
     (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
     (["--num-experts", "4", "--moe-ffn-hidden-size", "18", "--expert-tensor-parallel-size",
       "4"], 4, "--moe-ffn-hidden-size 18 is not divisible by --expert-tensor-parallel-size 4"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-stage", "3"], 2,
-     "ZeRO stage 3 with --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--context-parallel-size", "2", "--attention-dropout", "0",
       "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], 4,
      "does not divide the world size 4"),
@@ -67,6 +65,14 @@ def test_moe_with_context_parallelism_carves_the_expert_grid_from_the_whole_worl
     layout = cfg.layout()
     assert (layout.cp, layout.dp, layout.ep, layout.edp) == (2, 4, 2, 4)
     assert layout.all_groups("ep")[0] == layout.all_groups("cp")[0] == [0, 1]
+
+
+def test_zero3_with_an_expert_data_parallel_group_apart_from_dp_is_accepted():
+    # EP 2, TP 1: edp (2) is not dp (4); stage 3 partitions the experts over edp
+    cfg = load_config(BASE + ["--num-experts", "4", "--expert-model-parallel-size", "2",
+                              "--zero-stage", "3"], world_size=4)
+    layout = cfg.layout()
+    assert (cfg.zero.stage, layout.dp, layout.edp) == (3, 4, 2)
 
 
 @pytest.mark.parametrize("argv,world,part", BAD, ids=[b[2][:30] for b in BAD])

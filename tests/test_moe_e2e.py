@@ -1,10 +1,12 @@
 """``pretrain_gpt.py`` with MoE layers trains the same model at every layout: expert parallel
 2 and 4, expert tensor parallel 2 (alone and with EP 2 x TP 2), both dispatchers, grouped
-GEMM, TP2+SP, PP2 interleaved with a stage that holds no MoE layer, ZeRO 0-3. Losses, grad
-norms and validation loss (a function of every weight and expert bias) equal the one-process
-run to fp32 rounding. The model drops tokens (capacity factor 1.0), routes by sigmoid with
-the aux-loss-free expert bias, and has a gated shared expert, an aux loss and a z-loss, so
-every part of the router is in the comparison."""
+GEMM, TP2+SP, PP2 interleaved with a stage that holds no MoE layer, ZeRO 0-3 (at ZeRO 3 also
+with the experts partitioned over an expert-data-parallel group apart from the data-parallel
+one, with PP2 and with parameters offloaded to the host). Losses, grad norms and validation
+loss (a function of every weight and expert bias) equal the one-process run to fp32 rounding.
+The model drops tokens (capacity factor 1.0), routes by sigmoid with the aux-loss-free expert
+bias, and has a gated shared expert, an aux loss and a z-loss, so every part of the router is
+in the comparison."""
 
 from __future__ import annotations
 
@@ -26,10 +28,22 @@ LAYOUTS = [
          "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type",
          "alltoall", "--zero-stage", "2", "--deepspeed_config", "OFFLOAD"]),
     (4, ["--expert-model-parallel-size", "4", "--zero-stage", "0"]),
-    (2, ["--expert-tensor-parallel-size", "2", "--moe-grouped-gemm", "--zero-stage", "1"]),
+    (2, ["--expert-tensor-parallel-size", "2", "--moe-grouped-gemm", "--zero-stage", "3",
+         "--deepspeed_config", "ZERO3_SHARDED"]),
     (4, ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
          "--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--moe-token-dispatcher-type", "alltoall", "--zero-stage", "2"]),
+    # ZeRO 3 with experts partitioned over edp = 2, dense weights over dp = 4 (EP != TP)
+    (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--deepspeed_config",
+         "PARAM_OFFLOAD"]),
+    (4, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+         "--moe-grouped-gemm", "--zero-stage", "3", "--deepspeed_config", "ZERO3_SHARDED"]),
+    (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method",
+         "uniform", "--deepspeed_config", "ZERO3_RELEASE"]),
+    # experts replicated over TP too: edp 4, dp 2
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "3",
+         "--deepspeed_config", "ZERO3_SHARDED"]),
 ]
 
 
@@ -69,7 +83,9 @@ def _parameter_count(out: str) -> str:
 
 @pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=[
     "ep2-a2a-grouped-z1-recompute", "tp2sp-ep2-z3", "tp2sp-pp2vpp-ep4-a2a-z2-offload", "ep4-z0",
-    "etp2-grouped-z1", "tp2sp-ep2-etp2-a2a-z2"])
+    "etp2-grouped-z3", "tp2sp-ep2-etp2-a2a-z2",
+    "ep2-edp2-z3-offload-param", "ep2-edp2-a2a-grouped-z3", "pp2-ep2-z3-recompute",
+    "tp2sp-ep1-edp4-z3"])
 def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, layout):
     reference, count = reference
     a = read_metrics(reference)
@@ -78,7 +94,22 @@ def test_moe_layout_trains_the_one_process_model(reference, tmp_path, nproc, lay
     offload = tmp_path / "offload.json"  # optimizer state offloaded to the host
     offload.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {
         "device": "cpu"}}}))
-    layout = [str(offload) if x == "OFFLOAD" else x for x in layout]
+    param_offload = tmp_path / "param_offload.json"  # stage-3 shards on the host, prefetched
+    param_offload.write_text(json.dumps({"zero_optimization": {
+        "offload_param": {"device": "cpu"}, "overlap_comm": True,
+        "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 40,
+        "stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 2000}}))
+    # every unit partitioned (the default threshold keeps this tiny model's units whole), and
+    # released after each forward, gathered again for the backward and its recomputation
+    sharded, release = tmp_path / "sharded.json", tmp_path / "release.json"
+    sharded.write_text(json.dumps({"zero_optimization": {
+        "stage3_param_persistence_threshold": 0}}))
+    release.write_text(json.dumps({"zero_optimization": {
+        "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 2000, "stage3_max_live_parameters": 20000}}))
+    files = {"OFFLOAD": str(offload), "PARAM_OFFLOAD": str(param_offload),
+             "ZERO3_SHARDED": str(sharded), "ZERO3_RELEASE": str(release)}
+    layout = [files.get(x, x) for x in layout]
     out = check(run_training([*TINY, *MOE, *layout, "--log-json", str(got)], nproc=nproc))
     assert _parameter_count(out) == count
     b = read_metrics(got)

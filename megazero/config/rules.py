@@ -293,11 +293,6 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
           f"--moe-ffn-hidden-size {ffn} is not divisible by --expert-tensor-parallel-size "
           f"{etp} (each rank holds 1/{etp} of every expert's hidden units); use a size from "
           f"{[d for d in divisors(ffn) if d <= 64]} or another hidden size")
-    check(cfg.zero.stage != 3 or ep * etp == p.tp,
-          f"ZeRO stage 3 with --expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
-          f"{etp} and --tensor-model-parallel-size {p.tp}: stage 3 shards MoE experts only when "
-          "ep x etp equals tp (their data-parallel groups then coincide); make them equal or "
-          "use ZeRO stage 0-2")
     lamb = cfg.optimizer.optimizer in ("lamb", "onebitlamb")
     check(not lamb or ep * etp == 1,
           f"optimizer {cfg.optimizer.optimizer} (optimizer.type) with "

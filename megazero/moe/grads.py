@@ -16,6 +16,21 @@ When the ``edp`` groups are the dense gradient groups (``EP x ETP == TP``, all 1
 experts share the dense flat buffers; otherwise they get their own buffers over ``edp`` and a
 gradient hook pre-multiplies by ``edp / (dp * cp)`` (the buffer divides by its group's size,
 ``edp``).
+
+At ZeRO stage 3 the experts stay in the stage-3 store of their model chunk, as units of their
+own partitioned, gathered and reduce-scattered over ``edp`` (:mod:`megazero.zero.stage3`, as
+DeepSpeed's ZeRO-3 partitions MoE experts); the store scales every gradient by
+``1 / (dp * cp)`` before the sum, the same ``edp / (dp * cp)`` times an ``edp`` average.
+
+Ordering (NCCL): the stage-3 collectives on the dense group and ``edp`` (expert units)
+interleave, and every member of each group must issue that group's collectives in one order.
+Every rank of a pipeline stage runs the same module graph: expert-parallel peers hold different
+experts of identical shapes (an expert that received no token still runs on an empty batch and
+produces its zero gradient), so every unit, bucket and padded size is the same on them; and
+every decision that issues a collective (gather, prefetch depth, release, when a bucket is
+complete, the persistent refresh: dense group first, then experts) reads only the recorded
+execution order, the units' sizes and the config, never timing or data. So all ranks of a stage
+issue one interleaved sequence, and each group's sequence is a subsequence of it.
 """
 
 from __future__ import annotations
@@ -23,7 +38,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.errors import ConfigError
 from megazero.topology import ParallelTopology
 
 
@@ -41,17 +55,20 @@ def experts_need_own_group(topo: ParallelTopology) -> bool:
 
 def split_expert_params(params: list[nn.Parameter], topo: ParallelTopology, stage: int
                         ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(dense, experts)``: experts empty when they can share the dense buffers."""
+    """``(dense, experts)`` at stages 0-2: experts empty when they can share the dense
+    buffers. At stage 3 every parameter stays in the stage-3 store (``experts`` empty), which
+    partitions expert units over ``edp`` (:func:`stage3_experts_own_group`)."""
     experts = [p for p in params if is_expert(p)]
-    if not experts or not experts_need_own_group(topo):
+    if not experts or not experts_need_own_group(topo) or stage == 3:
         return params, []
-    if stage == 3:
-        raise ConfigError(
-            f"ZeRO stage 3 with --expert-model-parallel-size {topo.ep_size} and "
-            f"--tensor-model-parallel-size {topo.tp_size}: stage 3 shards experts only when "
-            "the two sizes are equal; set them equal or use zero stage 0-2")
     ids = {id(p) for p in experts}
     return [p for p in params if id(p) not in ids], experts
+
+
+def stage3_experts_own_group(params: list[nn.Parameter], topo: ParallelTopology) -> bool:
+    """Whether ZeRO stage 3 partitions this chunk's expert units over ``topo.edp_group``
+    rather than with the dense ones over dp (there are experts, and ``edp`` is not ``dp``)."""
+    return any(is_expert(p) for p in params) and experts_need_own_group(topo)
 
 
 def scale_expert_grads(experts: list[nn.Parameter], topo: ParallelTopology) -> list[object]:

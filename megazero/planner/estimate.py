@@ -95,19 +95,23 @@ class Zero3Layout:
     buckets: list[int]
 
 
-def zero3_layout(cfg: MegazeroConfig, chunk: Any, topo: Any, dp: int) -> Zero3Layout:
+def zero3_layout(cfg: MegazeroConfig, chunk: Any, topo: Any, dp: int,
+                 edp: int | None = None) -> Zero3Layout:
+    """``edp``: MoE expert units are partitioned over an expert-data-parallel group of that
+    size (and never share a gradient bucket with dense units); None where it is dp."""
     from megazero.planner.model_states import _units
     from megazero.zero.build import deferred_kinds
     from megazero.zero.stage3_grads import plan_grad_buckets
-    from megazero.zero.units import unit_param_groups
+    from megazero.zero.units import unit_is_expert, unit_param_groups
 
-    units = _units(chunk, dp, 0, cfg.zero.stage3_param_persistence_threshold)
+    units = _units(chunk, dp, 0, cfg.zero.stage3_param_persistence_threshold, edp)
     groups = [ps for ps, _ in unit_param_groups(chunk)]  # the same units, in the same order
     kinds = deferred_kinds([p for ps in groups for p in ps], topo,
                            cfg.parallel.sequence_parallel)
     sizes = [padded for padded, *_ in units]
     plan = plan_grad_buckets(sizes, [any(id(p) in kinds for p in ps) for ps in groups],
-                             max(1, int(cfg.zero.reduce_bucket_size)))
+                             max(1, int(cfg.zero.reduce_bucket_size)),
+                             [int(bool(edp) and unit_is_expert(ps)) for ps in groups])
     return Zero3Layout(gathered=sum(not persistent for _, _, persistent, _ in units),
                        largest_unit=max(sizes, default=0),
                        buckets=[sum(sizes[i] for i in idx) for idx in plan])
@@ -171,7 +175,8 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
         # all_to_all's receive buffer of the one being reduced, and with overlap_comm the
         # previous bucket still in flight
         topo = shape_topology(layout, pp_rank, 0, 0)
-        parts = [zero3_layout(cfg, c, topo, dp) for c in chunks]
+        edp = layout.edp if layout.ep != layout.tp else None  # as model_state_report's
+        parts = [zero3_layout(cfg, c, topo, dp, edp) for c in chunks]
         largest = max((x.largest_unit for x in parts), default=0)
         bucket = max((n for x in parts for n in x.buckets), default=0)
         many = sum(len(x.buckets) for x in parts) > 1
@@ -262,7 +267,9 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
     units = buckets = 0
     if cfg.zero.stage == 3:
         for c in meta_chunks(cfg, shape_topology(cfg.layout())):
-            layout = zero3_layout(cfg, c, shape_topology(cfg.layout()), dp=1)
+            own = cfg.layout().ep != cfg.layout().tp  # experts' buckets apart (edp != dp)
+            layout = zero3_layout(cfg, c, shape_topology(cfg.layout()), dp=1,
+                                  edp=1 if own else None)
             units += layout.gathered
             buckets += len(layout.buckets)
     return Estimate(cfg, cluster, ranks, step_time(

@@ -22,7 +22,7 @@ from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.planner.onebit_states import onebit_state_bytes
 from megazero.zero.accounting import MemoryReport
-from megazero.zero.units import unit_param_groups
+from megazero.zero.units import unit_is_expert, unit_param_groups
 
 STEP_BYTES = 4  # torch Adam/AdamW keep a float32 scalar ``step`` tensor per parameter
 
@@ -75,12 +75,16 @@ def _buffer(params: list[nn.Parameter], stage: int, dp: int, dp_rank: int, bucke
     return total, shard_total, padding, pieces
 
 
-def _units(chunk: nn.Module, dp: int, dp_rank: int, threshold: int
+def _units(chunk: nn.Module, dp: int, dp_rank: int, threshold: int,
+           edp: int | None = None, edp_rank: int = 0
            ) -> list[tuple[int, int, bool, list[_Piece]]]:
-    """Stage3Params: per unit (padded numel, numel, persistent, owned pieces)."""
+    """Stage3Params: per unit (padded numel, numel, persistent, owned pieces). ``edp``: MoE
+    expert units are partitioned over an expert-data-parallel group of that size."""
     out = []
+    dense = (dp, dp_rank)
 
     def add(params: list[nn.Parameter]) -> None:
+        dp, dp_rank = (edp, edp_rank) if edp and unit_is_expert(params) else dense
         n = sum(p.numel() for p in params)
         padded = -(-n // dp) * dp
         shard = padded // dp
@@ -106,8 +110,9 @@ def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: Pre
                        extras: dict[str, int] | None = None) -> MemoryReport:
     """The bytes ``engine.memory_report()`` reports after an optimizer step on this rank, for
     the optimizer ``optimizer`` names (default: AdamW). ``edp``: MoE experts have flat buffers
-    of their own over the expert-data-parallel group of that size (stages 0-2; pass it only
-    when that group is not the dp group, :func:`megazero.moe.grads.experts_need_own_group`).
+    of their own over the expert-data-parallel group of that size (stages 0-2; at stage 3 their
+    units are partitioned over it; pass it only when that group is not the dp group,
+    :func:`megazero.moe.grads.experts_need_own_group`).
     ``extras``: filled with the 1-bit optimizers' state beyond the moments, by term
     (:mod:`megazero.planner.onebit_states`; already in the ``optimizer`` bytes)."""
     from megazero.zero.offload import OffloadPlan
@@ -140,9 +145,12 @@ def model_state_report(chunks: list[nn.Module], zero: ZeroConfig, precision: Pre
                 report.padding_elements += padding
                 pieces += own
         else:
-            for padded, numel, persistent, own in _units(chunk, dp, dp_rank,
-                                                  zero.stage3_param_persistence_threshold):
-                shard = padded // dp
+            group = [edp if edp and unit_is_expert(ps) else dp
+                     for ps, _ in unit_param_groups(chunk)]  # each unit's partition group
+            for (padded, numel, persistent, own), size in zip(_units(
+                    chunk, dp, dp_rank, zero.stage3_param_persistence_threshold, edp, edp_rank),
+                    group, strict=True):
+                shard = padded // size
                 if persistent:
                     b["params"]["device"] += padded * ps
                 else:

@@ -13,7 +13,7 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.deepspeed import unimplemented_zero_keys
 from megazero.config.rules import sequence_parallel_active
-from megazero.moe.grads import scale_expert_grads, split_expert_params
+from megazero.moe.grads import scale_expert_grads, split_expert_params, stage3_experts_own_group
 from megazero.protocols import ParamStore
 from megazero.topology import ParallelTopology
 from megazero.zero.buffers import GradBuffer
@@ -140,7 +140,13 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
         if zero_config.stage == 3:
             from megazero.zero.stage3 import Stage3Params
 
-            stores.append(Stage3Params(chunk, zero_config, comms, grad_dtype, kinds, param_init))
+            own = stage3_experts_own_group(params, topo)  # MoE experts partitioned over edp
+            if own and expert_comms is None:
+                expert_comms = dataclasses.replace(comms, dp=GroupComm(
+                    topo.edp_group, "edp", comms.log, reduce_scatter_impl, shared_memory))
+            stores.append(Stage3Params(
+                chunk, zero_config, comms, grad_dtype, kinds, param_init,
+                expert_dp=expert_comms.dp if own and expert_comms is not None else None))
         else:
             buffer = GradBuffer(
                 params, stage=zero_config.stage, dp=comms.dp,

@@ -237,11 +237,34 @@ class Init:
             nn.Module.__init_subclass__ = self._old_init_subclass  # type: ignore[method-assign]
 
 
+def _replica_group(p: nn.Parameter) -> ProcessGroup | None:
+    """The group over which ``p``'s full value is replicated (None: the world): its
+    :class:`Init` group, else its engine's data-parallel group, or for a MoE expert with a
+    group of its own the expert-data-parallel one (where its ZeRO shards live)."""
+    group = getattr(p, "mz_group", None)
+    if group is not None:
+        return cast("ProcessGroup", group)
+    store = getattr(p, "mz_stage3_store", None)
+    if store is not None:  # stage 3: the group its unit is partitioned over
+        return cast("ProcessGroup | None", store.unit_of_param[id(p)].comm.group)
+    engine = getattr(p, "mz_engine", None)
+    if engine is None:
+        return None
+    from megazero.moe.grads import experts_need_own_group, is_expert
+
+    if is_expert(p) and experts_need_own_group(engine.topo):
+        return cast("ProcessGroup | None", engine.topo.edp_group)
+    return cast("ProcessGroup | None", engine.comms.dp.group)
+
+
 class GatheredParameters:
     """Inside, each of ``params`` holds its full value, whether it is partitioned by
     :class:`Init` or by a stage-3 engine (a no-op for unpartitioned parameters). On exit with
     ``modifier_rank`` set, that rank's values are broadcast and written back into every rank's
-    shard (and the engine's fp32 masters); otherwise changes made inside are discarded."""
+    shard (and the engine's fp32 masters); otherwise changes made inside are discarded.
+    ``modifier_rank`` is a rank within each parameter's replica group (as DeepSpeed's): the
+    data-parallel group, or for MoE experts their expert-data-parallel group, so each group of
+    experts takes the values of its own first rank with ``modifier_rank=0``."""
 
     def __init__(self, params: nn.Parameter | Iterable[nn.Parameter],
                  modifier_rank: int | None = None, fwd_module: Any = None,
@@ -274,10 +297,11 @@ class GatheredParameters:
         modify = self.modifier_rank is not None
         if modify and dist.is_available() and dist.is_initialized():
             for p in self.params:
-                group = getattr(p, "mz_group", None)
-                if group is None and getattr(p, "mz_engine", None) is not None:
-                    group = p.mz_engine.comms.dp.group
-                dist.broadcast(p.data, src=self.modifier_rank, group=group)
+                group = _replica_group(p)
+                assert self.modifier_rank is not None
+                src = self.modifier_rank if group is None else dist.get_global_rank(
+                    group, self.modifier_rank)
+                dist.broadcast(p.data, src=src, group=group)
         for p in self.params:
             if is_partitioned(p):
                 if modify:

@@ -23,14 +23,17 @@ from megazero.zero.offload import aligned_host_empty, aligned_numel, buffer_coun
 from megazero.zero.swap import Pending, SwapIO, make_swap_dir
 
 
-def plan_swapped_units(numels: list[int], zero: ZeroConfig, dp_size: int, dtype: torch.dtype
-                       ) -> tuple[list[bool], ParamSwapper | None]:
+def plan_swapped_units(numels: list[int], zero: ZeroConfig, dp_size: int | list[int],
+                       dtype: torch.dtype) -> tuple[list[bool], ParamSwapper | None]:
     """Which stage-3 units (by element count) live in the swap file: those past the first
     ``max_in_cpu`` shard elements; persistent units stay whole on the device. Creates the
-    swapper, which checks the buffers and the disk before anything is written."""
+    swapper, which checks the buffers and the disk before anything is written. ``dp_size``:
+    the size of the group the units are partitioned over, or one per unit (MoE experts are
+    partitioned over their expert-data-parallel group)."""
+    sizes_of = dp_size if isinstance(dp_size, list) else [dp_size] * len(numels)
     out, kept, sizes = [], 0, []
-    for n in numels:
-        shard = -(-n // dp_size)
+    for n, group in zip(numels, sizes_of, strict=True):
+        shard = -(-n // group)
         nvme = (n >= zero.stage3_param_persistence_threshold
                 and kept + shard > zero.offload_param.max_in_cpu)
         kept += 0 if nvme else shard

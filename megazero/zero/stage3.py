@@ -37,6 +37,10 @@ that issues or skips a collective (prefetch depth, release after forward) depend
 recorded order and the config only, never on whether a read has finished: ranks with disks of
 different speeds wait for their reads, but issue the same gathers in the same order.
 
+MoE experts whose expert-data-parallel group is not the data-parallel one are units partitioned,
+gathered and reduce-scattered over ``edp`` (``expert_dp``); why the two groups' interleaved
+collectives keep one order per group, as NCCL needs, is in :mod:`megazero.moe.grads`.
+
 A released parameter keeps its Python object; only ``.data`` becomes an empty tensor, so
 references held by autograd see the gathered storage again at backward time. Every gather
 allocates a fresh buffer: a reused one would be overwritten under tensors autograd saved.
@@ -53,6 +57,7 @@ from megazero.config import ZeroConfig
 from megazero.errors import MegazeroError
 from megazero.host_resident import host_empty, to_device
 from megazero.model.init import ParamInitializer, workspace
+from megazero.zero import units as unit_ops
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
 from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan
@@ -61,6 +66,7 @@ from megazero.zero.stage3_grads import Stage3Grads
 from megazero.zero.units import Unit, leave_meta, unit_param_groups, unit_values, wrap_outputs
 
 if TYPE_CHECKING:
+    from megazero.zero.comm import GroupComm
     from megazero.zero.optimizer import Comms
 
 
@@ -69,12 +75,16 @@ class Stage3Params(Stage3Grads):
     gradient side is :class:`Stage3Grads`)."""
 
     def __init__(self, chunk: nn.Module, zero: ZeroConfig, comms: Comms, grad_dtype: torch.dtype,
-                 kinds: dict[int, str], param_init: ParamInitializer | None = None) -> None:
+                 kinds: dict[int, str], param_init: ParamInitializer | None = None, *,
+                 expert_dp: GroupComm | None = None) -> None:
         """``param_init``: for a chunk built on the meta device, what computes any element of
         its parameters; each unit then materialises only this rank's partition (a persistent
-        unit its whole flat buffer), so no rank ever holds the full model."""
+        unit its whole flat buffer), so no rank ever holds the full model. ``expert_dp``: the
+        expert-data-parallel group MoE expert units are partitioned over, where it is not
+        ``comms.dp`` (module docstring)."""
         self.zero = zero
         self.dp = comms.dp
+        self.expert_dp = expert_dp
         self.grad_dtype = grad_dtype
         self.overlap = zero.overlap_comm
         first = next(chunk.parameters())
@@ -95,14 +105,16 @@ class Stage3Params(Stage3Grads):
         self.root = chunk
         self.parent = {c: m for m in chunk.modules() for c in m.children()}
         groups = unit_param_groups(chunk)
+        comms_of = [self._comm_for(ps) for ps, _ in groups]
         self.swap: ParamSwapper | None = None
         swapped = [False] * len(groups)
         if self.plan.params_nvme:
             swapped, self.swap = plan_swapped_units(
-                [sum(p.numel() for p in ps) for ps, _ in groups], zero, self.dp.size, self.dtype)
+                [sum(p.numel() for p in ps) for ps, _ in groups], zero,
+                [c.size for c in comms_of], self.dtype)
         with workspace():  # the init generator's scratch, shared by all units
-            for (params, owner), nvme in zip(groups, swapped):
-                self.owner[self._add_unit(params, kinds, nvme)] = owner
+            for (params, owner), nvme, comm in zip(groups, swapped, comms_of):
+                self.owner[self._add_unit(params, kinds, nvme, comm)] = owner
         self.units_of: dict[nn.Module, list[Unit]] = {}
         self.order: list[Unit] = []
         self._pos: dict[Unit, int] = {}
@@ -119,15 +131,23 @@ class Stage3Params(Stage3Grads):
         self.padding = sum(u.padding for u in self.units)
         self._build_grad_buckets(max(1, int(zero.reduce_bucket_size)))
 
-    def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], nvme: bool) -> Unit:
+    def _comm_for(self, params: list[nn.Parameter]) -> GroupComm:
+        """The group a unit of ``params`` is partitioned over (``edp`` for MoE experts with a
+        group of their own, else ``dp``)."""
+        expert = unit_ops.unit_is_expert(params)  # refuses a unit mixing the two kinds
+        return self.expert_dp if expert and self.expert_dp is not None else self.dp
+
+    def _add_unit(self, params: list[nn.Parameter], kinds: dict[int, str], nvme: bool,
+                  comm: GroupComm) -> Unit:
         for p in params:  # built inside zero.Init: gathered one unit at a time, never all
             if is_partitioned(p):
                 p.data = gather_partitioned(p).to(self.dtype)
                 forget_partition(p)
         n = sum(p.numel() for p in params)
         kind = next((kinds[id(p)] for p in params if id(p) in kinds), None)
-        u = Unit(len(self.units), params, self.dp.size, self.dp.rank,
+        u = Unit(len(self.units), params, comm.size, comm.rank,
                  n < self.zero.stage3_param_persistence_threshold, kind)
+        u.comm = comm
         # Which elements the deferred sum covers: a row-parallel linear's unit holds its
         # TP-split weight and its sequence-parallel bias; only the bias is summed over TP.
         u.deferred = [(s, p.numel(), kinds[id(p)]) for p, s in zip(params, u.starts)
@@ -175,7 +195,7 @@ class Stage3Params(Stage3Grads):
         else:
             src = to_device(u.shard, self.device, non_blocking=True)
         u.full = torch.empty(u.padded, dtype=self.dtype, device=self.device)
-        u.gather_handle = self.dp.all_gather(u.full, src, async_op=async_op)
+        u.gather_handle = u.comm.all_gather(u.full, src, async_op=async_op)
         self.live += u.padded
 
     def _ensure(self, u: Unit) -> None:
@@ -335,22 +355,16 @@ class Stage3Params(Stage3Grads):
         return out
 
     def after_step(self, chunk: int | None, use_broadcast: bool) -> None:
-        """Persistent units hold full parameters: refresh them from the updated shards, all in
-        one all-gather (they are small and many: one collective each would be latency-bound).
-        Any other unit still gathered holds the weights from before the step: released, so the
+        """Persistent units hold full parameters: refresh them from the updated shards, one
+        all-gather per group (:func:`~megazero.zero.units.refresh_persistent`). Any other unit
+        still gathered holds the weights from before the step: released, so the
         next forward gathers the updated ones."""
         for u in self.units:
             self._release(u)
-        pers = [u for u in self.units if u.persistent]
-        if not pers or self.dp.size == 1:
-            return
-        shards = torch.cat([u.shard for u in pers])
-        out = torch.empty(self.dp.size * shards.numel(), dtype=shards.dtype, device=shards.device)
-        self.dp.all_gather(out, shards, chunk=chunk)
-        rows, pos = out.view(self.dp.size, -1), 0
-        for u in pers:
-            u.gathered().view(self.dp.size, u.shard_size).copy_(rows[:, pos:pos + u.shard_size])
-            pos += u.shard_size
+        for comm in (self.dp, self.expert_dp):  # dense first, then experts: the same on all
+            if comm is not None:
+                pers = [u for u in self.units if u.persistent and u.comm is comm]
+                unit_ops.refresh_persistent(pers, comm, chunk)
 
     def held_params(self) -> dict[str, list[torch.Tensor]]:
         shards = [u.shard for u in self.units if not u.persistent and u.swap is None]

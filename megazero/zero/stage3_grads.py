@@ -14,6 +14,12 @@ backward's gradients are added into the bucket's input in that dtype, inside ``n
 (Megatron's ``main_grad``): the input then lives from a unit's first gradient of the step until
 its bucket is reduced, and ``param.grad`` never holds more than one micro-batch's gradient.
 
+A bucket holds units of one group only: MoE expert units partitioned over the
+expert-data-parallel group (:mod:`megazero.zero.stage3`) are reduce-scattered over it. Their
+gradients are multiplied by ``1 / dp`` like the dense ones, not ``1 / edp``: summed over ``edp``
+that is the stage 0-2 experts' ``edp / dp`` factor (:mod:`megazero.moe.grads`), the gradient of
+the mean loss the one-process run minimises.
+
 Units holding sequence-parallel or tied-embedding parameters (``Unit.kind`` set) wait, each in
 a bucket of its own: the engine first sums their ``deferred_grads`` over the tensor-parallel or
 embedding group, then ``reduce_deferred`` scatters them. :class:`Stage3Grads` is the base of
@@ -38,9 +44,10 @@ class GradBucket:
     collective finished."""
 
     def __init__(self, units: list[Unit], dp: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, comm: GroupComm | None = None) -> None:
         self.units = units
         self.dp = dp
+        self.comm = comm  # the units' group (Unit.comm); None: the store's dp
         self.width = sum(u.shard_size for u in units)
         self.shard = torch.zeros(self.width, dtype=dtype, device=device)
         self.full: torch.Tensor | None = None
@@ -69,15 +76,18 @@ class GradBucket:
         self.full = None
 
 
-def plan_grad_buckets(sizes: list[int], alone: list[bool], bucket_numel: int) -> list[list[int]]:
+def plan_grad_buckets(sizes: list[int], alone: list[bool], bucket_numel: int,
+                      groups: list[int] | None = None) -> list[list[int]]:
     """Indices of consecutive units, at most ``bucket_numel`` padded elements (``sizes``) per
     bucket; a larger unit, or one marked ``alone`` (a deferred kind), is a bucket of its own.
+    ``groups``: a key per unit (its process group); a bucket never spans two keys.
     The planner replays the same rule."""
     out: list[list[int]] = []
     cur: list[int] = []
     size = 0
+    keys = groups if groups is not None else [0] * len(sizes)
     for i, (n, solo) in enumerate(zip(sizes, alone)):
-        if cur and (solo or size + n > bucket_numel):
+        if cur and (solo or size + n > bucket_numel or keys[i] != keys[cur[-1]]):
             out.append(cur)
             cur, size = [], 0
         cur.append(i)
@@ -120,10 +130,12 @@ class Stage3Grads:
     def _build_grad_buckets(self, bucket_numel: int) -> None:
         """Group the units into buckets and point their gradient shards into them (before the
         optimizer takes views of the shards)."""
+        comm = [getattr(u, "comm", self.dp) for u in self.units]
         plan = plan_grad_buckets([u.padded for u in self.units],
-                                 [u.kind is not None for u in self.units], bucket_numel)
-        self.buckets = [GradBucket([self.units[i] for i in idx], self.dp.size,
-                                   self.grad_dtype, self.device) for idx in plan]
+                                 [u.kind is not None for u in self.units], bucket_numel,
+                                 [int(c is not self.dp) for c in comm])
+        self.buckets = [GradBucket([self.units[i] for i in idx], comm[idx[0]].size,
+                                   self.grad_dtype, self.device, comm[idx[0]]) for idx in plan]
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -151,8 +163,9 @@ class Stage3Grads:
 
     def _absorb(self, u: Unit) -> None:
         """Copy (or in accumulate mode add) the unit's gradients into its bucket slot,
-        applying the 1/dp of the average in the same pass; slots never filled are zeroed
-        before the reduction."""
+        applying the 1/dp of the average in the same pass (dp, also for expert units
+        reduced over edp: module docstring); slots never filled are zeroed before the
+        reduction."""
         rows = self._slot(u)
         add = self._accumulating()
         for i, (p, s, shape) in enumerate(zip(u.params, u.starts, u.shapes)):
@@ -214,7 +227,7 @@ class Stage3Grads:
             if h.ready():  # a finished earlier bucket frees its input now, not at the end
                 h.wait()
         assert b.full is not None  # every unit was absorbed (or zeroed) into it
-        work = self.dp.reduce_scatter(b.shard, b.full, async_op=async_op)
+        work = (b.comm or self.dp).reduce_scatter(b.shard, b.full, async_op=async_op)
         b.handle = Handle(work, b.free)
         if not async_op:
             b.handle.wait()

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from megazero.errors import MegazeroError
 from megazero.model.init import ParamInitializer
 from megazero.zero.comm import Handle
 
 if TYPE_CHECKING:
+    from megazero.zero.comm import GroupComm
     from megazero.zero.stage3_grads import GradBucket
 
 
@@ -50,6 +52,10 @@ class Unit:
         self.filled: set[int] = set()  # indices of params copied into its bucket this step
         self.reduced = False
         self.swap: Any = None  # NVMe offload: the UnitSwap holding the shard (param_swap.py)
+        # The group the unit is partitioned, gathered and reduce-scattered over: the data-
+        # parallel one, or for MoE experts their expert-data-parallel one (Stage3Params sets
+        # it; :func:`unit_is_expert`).
+        self.comm: GroupComm
 
     def gathered(self) -> torch.Tensor:
         """The full (padded) parameters; they exist only while the unit is gathered."""
@@ -62,6 +68,21 @@ class Unit:
         full = self.gathered()
         for p, s, shape in zip(self.params, self.starts, self.shapes):
             p.data = full[s:s + shape.numel()].view(shape)
+
+
+def refresh_persistent(units: list[Unit], comm: GroupComm, chunk: int | None) -> None:
+    """Persistent units hold full parameters: refresh them from their updated shards, all in
+    one all-gather over their group (they are small and many: one collective each would be
+    latency-bound)."""
+    if not units or comm.size == 1:
+        return
+    shards = torch.cat([u.shard for u in units])
+    out = torch.empty(comm.size * shards.numel(), dtype=shards.dtype, device=shards.device)
+    comm.all_gather(out, shards, chunk=chunk)
+    rows, pos = out.view(comm.size, -1), 0
+    for u in units:
+        u.gathered().view(comm.size, u.shard_size).copy_(rows[:, pos:pos + u.shard_size])
+        pos += u.shard_size
 
 
 def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Module]]:
@@ -85,6 +106,22 @@ def unit_param_groups(chunk: nn.Module) -> list[tuple[list[nn.Parameter], nn.Mod
             groups.append((rest, module))
         groups.extend(([p], chunk) for p in ext)
     return groups
+
+
+def unit_is_expert(params: list[nn.Parameter]) -> bool:
+    """Whether a unit holds MoE expert parameters (``param.expert``): those are replicated over
+    the expert-data-parallel group, not the data-parallel one, so a unit is partitioned over
+    one or the other and must not mix them (each expert's ``linear_fc1``/``linear_fc2`` is a
+    module of its own, so megazero's models never do)."""
+    flags = {bool(getattr(p, "expert", False)) for p in params}
+    if len(flags) > 1:
+        shapes = [(tuple(p.shape), bool(getattr(p, "expert", False))) for p in params]
+        raise MegazeroError(
+            f"a ZeRO stage-3 unit (one module's own parameters) mixes MoE expert and dense "
+            f"parameters {shapes}: experts are partitioned over the expert-data-parallel "
+            "group and dense weights over the data-parallel one; put the expert parameters "
+            "in a submodule of their own")
+    return flags == {True}
 
 
 class _PreBackward(torch.autograd.Function):
