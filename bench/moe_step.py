@@ -5,7 +5,8 @@
 Runs ``pretrain_gpt.py`` (mock data, fp32, gloo) for: the dense model whose MLP width is
 ``topk x`` the expert width (the same active MLP parameters per token), the MoE model on one
 process (expert loop, ``--moe-grouped-gemm``), then both on 2 processes, dense at DP 2 and MoE
-at EP 2 with each dispatcher (``allgather``, ``alltoall``) and grouped GEMM on and off. Reports
+at EP 2 with each dispatcher (``allgather``, ``alltoall``) and grouped GEMM on and off, and at
+expert tensor parallel 2 (every expert split over both processes). Reports
 the median iteration time over the iterations after the first two (with min-max spread), the
 MoE/dense ratio on the same process count, and writes ``bench/results/moe_step.json``.
 On a busy 2-core CPU machine the numbers say more about dispatch overhead than about
@@ -48,6 +49,10 @@ def _cases(a: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
                         [*moe, "--expert-model-parallel-size", "2",
                          "--moe-token-dispatcher-type", disp,
                          *(["--moe-grouped-gemm"] if grouped else [])]))
+    for grouped in (False, True):  # every expert split in two instead (expert tensor parallel)
+        out.append((f"moe etp2{' grouped' if grouped else ''}", 2,
+                    [*moe, "--expert-tensor-parallel-size", "2",
+                     *(["--moe-grouped-gemm"] if grouped else [])]))
     return out
 
 
