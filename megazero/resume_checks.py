@@ -192,6 +192,13 @@ def use_checkpoint_args(cfg: MegazeroConfig, saved: dict[str, Any] | None) -> Me
                           f"{cfg.checkpoint.load}; give the model flags instead")
     names = {f.name for f in fields(ModelConfig)} - {"vocab_size"}
     model = replace(cfg.model, **{k: v for k, v in saved["model"].items() if k in names})
+    p = cfg.parallel
+    if model.moe.num_experts is None and p.expert_model_parallel_size * (
+            p.expert_tensor_parallel_size) > 1:
+        raise ConfigError(f"--expert-model-parallel-size {p.expert_model_parallel_size} x "
+                          f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size} "
+                          f"needs a Mixture-of-Experts model, and the checkpoint in "
+                          f"{cfg.checkpoint.load} has none; drop the flags")
     return replace(cfg, model=model)
 
 

@@ -84,3 +84,20 @@ def test_use_checkpoint_args_takes_the_saved_model(tmp_path):
     with pytest.raises(ConfigError, match="not divisible"):  # the layout is checked again
         check_resume(load_config([*BASE, "--load", root, "--use-checkpoint-args",
                                   "--tensor-model-parallel-size", "4"], 4))
+
+
+def test_use_checkpoint_args_brings_the_experts_that_expert_parallelism_splits(tmp_path):
+    saved = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "24"]
+    root = _fake_checkpoint(tmp_path / "ck", [*BASE, *saved])
+    cfg = check_resume(load_config([*BASE, "--load", root, "--use-checkpoint-args",
+                                    "--expert-model-parallel-size", "2"], 2))
+    assert (cfg.model.moe.num_experts, cfg.layout().ep) == (4, 2)
+    with pytest.raises(ConfigError, match="--num-experts 4 is not divisible by "
+                       "--expert-model-parallel-size 8"):  # checked again with the experts
+        check_resume(load_config([*BASE, "--load", root, "--use-checkpoint-args",
+                                  "--expert-model-parallel-size", "8"], 8))
+    dense = _fake_checkpoint(tmp_path / "dense", BASE)
+    with pytest.raises(ConfigError, match="needs a Mixture-of-Experts model"):
+        check_resume(load_config([*BASE, "--load", dense, "--use-checkpoint-args",
+                                  "--expert-model-parallel-size", "2"], 2))

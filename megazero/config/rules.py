@@ -276,8 +276,13 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
     moe, p = cfg.model.moe, cfg.parallel
     ep = p.expert_model_parallel_size
     if moe.num_experts is None:
-        check(ep == 1, f"--expert-model-parallel-size {ep} needs a Mixture-of-Experts model; "
-              "add --num-experts E or drop the flag")
+        # with --use-checkpoint-args the experts may come from the checkpoint: the layout is
+        # checked again once its model settings are in (megazero.resume_checks)
+        etp = p.expert_tensor_parallel_size
+        check(ep * etp == 1 or cfg.checkpoint.use_checkpoint_args,
+              f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} needs a "
+              "Mixture-of-Experts model; add --num-experts E (or --use-checkpoint-args with "
+              "--load of an MoE checkpoint) or drop the flags")
         return
     check(moe.num_experts % ep == 0,
           f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size "
