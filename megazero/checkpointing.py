@@ -129,7 +129,7 @@ __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "num_query_groups", "vocab_size", "max_position_embeddings",
               "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
-              "untie_embeddings_and_output_weights", "add_qkv_bias")
+              "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm")
 
 
 @dataclass(frozen=True)
