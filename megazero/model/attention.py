@@ -151,6 +151,14 @@ class SelfAttention(nn.Module):
         scope(declare_linear(self.linear_proj, depth_scaled=True), "linear_proj")
         self.q_layernorm, self.k_layernorm = build_qk_norms(config, parallel)
 
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``--qk-layernorm``: each head's queries and keys normalised, before RoPE (the
+        identity without the flag). Generation's cached attention calls it too."""
+        if self.q_layernorm is None or self.k_layernorm is None:
+            return q, k
+        return self.q_layernorm(q), self.k_layernorm(k)
+
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups/t * (heads/groups + 2) * d]
@@ -160,8 +168,7 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.local_groups, (per_group + 2) * d)
         q, k, v = qkv.split([per_group * d, d, d], dim=-1)
         q = q.reshape(s, b, self.local_heads, d)
-        if self.q_layernorm is not None and self.k_layernorm is not None:  # before RoPE
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = self.normalize_qk(q, k)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
