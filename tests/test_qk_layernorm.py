@@ -1,0 +1,70 @@
+"""``--qk-layernorm`` under tensor parallelism: every gradient, the q/k norms' included, and the
+global grad norm equal the one-process model's.
+
+A TP rank holds only its heads, so its q/k norm gradient is that of its heads alone; the
+gradient sync sums it over TP (with or without sequence parallelism) and the grad norm counts
+the replicated weight once. The model: Llama block, GQA (8 heads, 4 groups), a head width of
+12 set by ``--kv-channels`` (hidden / heads is 8), norms perturbed away from one.
+"""
+
+import torch
+
+from megazero.model import GPTModel
+from megazero.tensor_parallel import full_model_state_dict
+from megazero.tensor_parallel.context import ParallelContext
+from megazero.testing import run_distributed
+from megazero.testing.tiny_gpt import assert_close, batch, stage0_engine, tiny_config
+from megazero.topology import ParallelTopology
+
+CONFIG = dict(qk_layernorm=True, kv_channels=12)
+
+
+def _perturb(model, topo):
+    """Same perturbation of every q/k norm on every rank (they are replicated)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+
+
+def _step(model, topo, tokens, labels):
+    engine = stage0_engine([model], topo, model.sequence_parallel)
+    model(tokens, labels).mean().backward()
+    engine.finish_grad_sync()
+    grads = full_model_state_dict(model, topo, grads=True)
+    return grads, engine.step().grad_norm
+
+
+def _world(rank, world):
+    tokens, labels = batch()
+    cfg = tiny_config("llama", **CONFIG)
+    single = ParallelTopology.single()
+    ref = GPTModel(cfg, single)
+    _perturb(ref, single)
+    ref_grads, _ = _step(ref, single, tokens, labels)  # (its step sums over this world)
+    ref_norm = sum(g.double().pow(2).sum().item() for g in ref_grads.values()) ** 0.5
+    qk = [n for n in ref_grads if "q_layernorm" in n or "k_layernorm" in n]
+    assert len(qk) == 4 and all(ref_grads[n].shape == (12,) for n in qk)
+    qk_sq = sum(ref_grads[n].pow(2).sum().item() for n in qk)
+    topo = ParallelTopology.build(tp=2)
+    out = []
+    for sp in (False, True):
+        model = GPTModel(cfg, topo, parallel=ParallelContext.from_topology(
+            topo, sequence_parallel=sp))
+        _perturb(model, topo)
+        grads, norm = _step(model, topo, tokens, labels)
+        for name, g in ref_grads.items():
+            assert_close(grads[name], g, f"sp={sp} grad {name}")
+        out.append((sp, norm))
+    return ref_norm, qk_sq, out
+
+
+def test_qk_norm_grads_and_grad_norm_equal_one_process_at_tp2():
+    for ref_norm, qk_sq, rows in run_distributed(_world, 2, timeout=240):
+        # counting the q/k norms' grads twice would move the norm by this much (~3.6e-6
+        # relative here, some 30x fp32's rounding of the sum); allowed: a quarter of it
+        double = (ref_norm ** 2 + qk_sq) ** 0.5 - ref_norm
+        assert double > 1e-6 * ref_norm
+        for sp, norm in rows:
+            assert abs(norm - ref_norm) <= 0.25 * double, (sp, norm, ref_norm, double)
