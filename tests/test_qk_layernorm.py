@@ -68,3 +68,28 @@ def test_qk_norm_grads_and_grad_norm_equal_one_process_at_tp2():
         assert double > 1e-6 * ref_norm
         for sp, norm in rows:
             assert abs(norm - ref_norm) <= 0.25 * double, (sp, norm, ref_norm, double)
+
+
+def test_loading_with_other_qk_norms_or_head_width_names_the_flag():
+    from megazero.checkpointing import _config_difference
+
+    base = {"hidden_size": 64, "num_attention_heads": 8, "qk_layernorm": True}
+    saved = {"model": {**base, "kv_channels": 12}}
+    assert _config_difference(saved, {"model": {**base, "qk_layernorm": False,
+                                                "kv_channels": 12}}) == (
+        "--qk-layernorm is False but the checkpoint was saved with True (config.json)")
+    assert _config_difference(saved, {"model": base}) == (
+        "--kv-channels (the head width) is 8 but the checkpoint was saved with 12 (config.json)")
+    # the default width given explicitly is the same width
+    assert _config_difference({"model": {**base, "kv_channels": 8}}, {"model": base}) is None
+
+
+def test_flags_reach_the_model_config():
+    from megazero.config import load_config
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
+            "--vocab-size 100 --micro-batch-size 1 --train-iters 1 --qk-layernorm "
+            "--kv-channels 12").split()
+    m = load_config(argv, 1).model
+    assert (m.qk_layernorm, m.head_dim) == (True, 12)
+    assert load_config(argv[:-3], 1).model.qk_layernorm is False
