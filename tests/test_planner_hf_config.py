@@ -36,6 +36,15 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
              "vocab_size": 151936}
 
 
+# Qwen3-0.6B's (dense, tied embeddings, head_dim 128 at hidden 1024 / 16 heads)
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128,
+         "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+         "max_position_embeddings": 40960, "model_type": "qwen3", "num_attention_heads": 16,
+         "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+         "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+         "use_sliding_window": False, "vocab_size": 151936}
+
+
 @pytest.mark.parametrize("hf", [MIXTRAL, QWEN2_MOE, QWEN3_MOE],
                          ids=["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_the_estimator_reads_the_converters_moe_model(hf, tmp_path):
@@ -57,11 +66,12 @@ def test_the_estimator_reads_the_converters_moe_model(hf, tmp_path):
 
 
 @pytest.mark.parametrize("hf,count", [(MIXTRAL, "46,702,792,704"),
-                                      (QWEN3_MOE, "30,532,122,624")],
-                         ids=["mixtral-8x7b", "qwen3-30b-a3b"])
-def test_moe_models_count_their_published_parameters(tmp_path, hf, count):
+                                      (QWEN3_MOE, "30,532,122,624"), (QWEN3, "596,049,920")],
+                         ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen3-0.6b"])
+def test_models_count_their_published_parameters(tmp_path, hf, count):
     """Mixtral 8x7B: 46.7B parameters (Mistral AI's figure), not the 7B of a dense model.
-    Qwen3-30B-A3B: 30.5B (the Hub's count: 128 experts, head_dim 128, q/k norms)."""
+    Qwen3-30B-A3B: 30.5B (the Hub's count: 128 experts, head_dim 128, q/k norms); Qwen3-0.6B:
+    0.6B with 0.44B outside the (tied) embedding, as its model card says."""
     import subprocess
     import sys
 
@@ -74,3 +84,14 @@ def test_moe_models_count_their_published_parameters(tmp_path, hf, count):
                          timeout=120)
     assert f"parameters on the worst rank (pp stage 0): {count}" in out.stdout, (
         out.stdout + out.stderr)
+
+
+def test_qwen3_dense_config_maps_like_the_converter(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3))
+    got = load_config(hf_config_argv(str(path)), world_size=1).model
+    want = hf_config_to_megazero(QWEN3)
+    assert (got.qk_layernorm, got.head_dim, got.untie_embeddings_and_output_weights) == (
+        want.qk_layernorm, want.head_dim, want.untie_embeddings_and_output_weights) == (
+        True, 128, False)
+    assert not got.moe.enabled and got.ffn_size == want.ffn_size == 3072
