@@ -3,8 +3,9 @@ global grad norm equal the one-process model's.
 
 A TP rank holds only its heads, so its q/k norm gradient is that of its heads alone; the
 gradient sync sums it over TP (with or without sequence parallelism) and the grad norm counts
-the replicated weight once. The model: Llama block, GQA (8 heads, 4 groups), a head width of
-12 set by ``--kv-channels`` (hidden / heads is 8), norms perturbed away from one.
+the replicated weight once. The models: the Llama block (RMSNorm, GQA: 8 heads, 4
+groups) and the GPT-2 block (LayerNorm: weight and bias), a head width of 12 set by
+``--kv-channels`` (hidden / heads is 8 and 4), norms perturbed away from one.
 """
 
 import torch
@@ -38,36 +39,38 @@ def _step(model, topo, tokens, labels):
 
 def _world(rank, world):
     tokens, labels = batch()
-    cfg = tiny_config("llama", **CONFIG)
-    single = ParallelTopology.single()
-    ref = GPTModel(cfg, single)
-    _perturb(ref, single)
-    ref_grads, _ = _step(ref, single, tokens, labels)  # (its step sums over this world)
-    ref_norm = sum(g.double().pow(2).sum().item() for g in ref_grads.values()) ** 0.5
-    qk = [n for n in ref_grads if "q_layernorm" in n or "k_layernorm" in n]
-    assert len(qk) == 4 and all(ref_grads[n].shape == (12,) for n in qk)
-    qk_sq = sum(ref_grads[n].pow(2).sum().item() for n in qk)
-    topo = ParallelTopology.build(tp=2)
     out = []
-    for sp in (False, True):
-        model = GPTModel(cfg, topo, parallel=ParallelContext.from_topology(
-            topo, sequence_parallel=sp))
-        _perturb(model, topo)
-        grads, norm = _step(model, topo, tokens, labels)
-        for name, g in ref_grads.items():
-            assert_close(grads[name], g, f"sp={sp} grad {name}")
-        out.append((sp, norm))
-    return ref_norm, qk_sq, out
+    for preset, leaves in (("llama", 1), ("gpt2", 2)):  # RMSNorm; LayerNorm (weight, bias)
+        cfg = tiny_config(preset, **CONFIG)
+        single = ParallelTopology.single()
+        ref = GPTModel(cfg, single)
+        _perturb(ref, single)
+        ref_grads, _ = _step(ref, single, tokens, labels)  # (its step sums over this world)
+        ref_norm = sum(g.double().pow(2).sum().item() for g in ref_grads.values()) ** 0.5
+        qk = [n for n in ref_grads if "q_layernorm" in n or "k_layernorm" in n]
+        assert len(qk) == 4 * leaves and all(ref_grads[n].shape == (12,) for n in qk)
+        qk_sq = sum(ref_grads[n].pow(2).sum().item() for n in qk)
+        topo = ParallelTopology.build(tp=2)
+        for sp in (False, True):
+            model = GPTModel(cfg, topo, parallel=ParallelContext.from_topology(
+                topo, sequence_parallel=sp))
+            _perturb(model, topo)
+            grads, norm = _step(model, topo, tokens, labels)
+            for name, g in ref_grads.items():
+                assert_close(grads[name], g, f"{preset} sp={sp} grad {name}")
+            out.append((preset, sp, norm, ref_norm, qk_sq))
+    return out
 
 
 def test_qk_norm_grads_and_grad_norm_equal_one_process_at_tp2():
-    for ref_norm, qk_sq, rows in run_distributed(_world, 2, timeout=240):
-        # counting the q/k norms' grads twice would move the norm by this much (~3.6e-6
-        # relative here, some 30x fp32's rounding of the sum); allowed: a quarter of it
-        double = (ref_norm ** 2 + qk_sq) ** 0.5 - ref_norm
-        assert double > 1e-6 * ref_norm
-        for sp, norm in rows:
-            assert abs(norm - ref_norm) <= 0.25 * double, (sp, norm, ref_norm, double)
+    for rows in run_distributed(_world, 2, timeout=240):
+        assert len(rows) == 4
+        for preset, sp, norm, ref_norm, qk_sq in rows:
+            # counting the q/k norms' grads twice would move the norm by this much (~3.6e-6
+            # relative for the Llama, some 30x fp32's rounding of the sum); allowed: a quarter
+            double = (ref_norm ** 2 + qk_sq) ** 0.5 - ref_norm
+            assert double > 1e-6 * ref_norm, preset
+            assert abs(norm - ref_norm) <= 0.25 * double, (preset, sp, norm, ref_norm, double)
 
 
 def test_loading_with_other_qk_norms_or_head_width_names_the_flag():
