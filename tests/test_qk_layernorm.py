@@ -96,3 +96,21 @@ def test_flags_reach_the_model_config():
     m = load_config(argv, 1).model
     assert (m.qk_layernorm, m.head_dim) == (True, 12)
     assert load_config(argv[:-3], 1).model.qk_layernorm is False
+
+
+def test_head_width_counts_in_flops_and_the_step_time_model():
+    """With ``--kv-channels`` the QKV, attention and output GEMMs are ``heads x kv_channels``
+    wide: FLOPs by formula, the same in the run's counter and the planner's step-time model."""
+    from megazero.config import load_config
+    from megazero.flops import gpt_flops_per_iteration
+    from megazero.planner.step_time import gemm_flops_per_token
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --num-query-groups 4 "
+            "--group-query-attention --swiglu --ffn-hidden-size 96 --seq-length 16 "
+            "--vocab-size 128 --micro-batch-size 1 --train-iters 1 --kv-channels 12").split()
+    cfg = load_config(argv, 1)
+    h, q, kv, f, s, v = 64, 8 * 12, 4 * 12, 96, 16, 128
+    per_layer = 2 * h * (q + 2 * kv) + 2 * 2 * s * q + 2 * q * h + 2 * h * f * 2 + 2 * f * h
+    want = 3 * s * (2 * per_layer + 2 * h * v)
+    assert gpt_flops_per_iteration(cfg.model, 1) == want
+    assert 3 * s * sum(gemm_flops_per_token(cfg)) == want
