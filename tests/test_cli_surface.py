@@ -31,7 +31,8 @@ GOLDEN_FLAGS = """
 --group-query-attention --num-query-groups --ffn-hidden-size --seq-length --max-position-embeddings
 --position-embedding-type --rotary-base --normalization --norm-epsilon --swiglu
 --openai-gelu
---disable-bias-linear --add-qkv-bias --untie-embeddings-and-output-weights --attention-dropout
+--disable-bias-linear --add-qkv-bias --qk-layernorm --untie-embeddings-and-output-weights
+--attention-dropout
 --hidden-dropout
 --init-method-std --make-vocab-size-divisible-by --vocab-size --use-flash-attn --no-flash-attn
 --micro-batch-size --global-batch-size --train-iters --train-samples --seed --deterministic-mode

@@ -154,6 +154,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--openai-gelu", "model.openai_gelu", **_ON),
     _f("--disable-bias-linear", "model.add_bias_linear", lambda v: not v, **_ON),
     _f("--add-qkv-bias", "model.add_qkv_bias", **_ON),
+    _f("--qk-layernorm", "model.qk_layernorm", **_ON),
     _f("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights",
        **_ON),
     _f("--attention-dropout", "model.attention_dropout", **_FL),

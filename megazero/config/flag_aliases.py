@@ -96,8 +96,6 @@ RENAMED_FLAGS: dict[str, str] = {
     "--apply-query-key-layer-scaling": "nothing: attention scores are scaled by 1/sqrt(head "
                                        "dim) in fp32",
     "--transformer-impl": "nothing: megazero has one transformer implementation",
-    "--qk-layernorm": "nothing: query/key LayerNorm is not implemented; drop the flag (the "
-                      "model is then a standard GPT)",
     "--tokenizer-name-or-path": "--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH",
 }
 

@@ -158,7 +158,8 @@ HELP = {
     "--vocab-size": "vocabulary size with --mock-data / NullTokenizer",
     "--use-flash-attn": "use flash-attn when installed and on GPU",
     "--no-flash-attn": "never use flash-attn",
-    "--kv-channels": "per-head width; must equal --hidden-size / --num-attention-heads",
+    "--kv-channels": "per-head width (default --hidden-size / --num-attention-heads)",
+    "--qk-layernorm": "--normalization over each head's queries and keys before RoPE (Qwen3)",
     "--attention-softmax-in-fp32": "accepted: the attention softmax always runs in fp32",
     # training
     "--micro-batch-size": "samples per rank per forward/backward",
