@@ -227,6 +227,9 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        # Set by the owner that adds ``self.bias`` itself, fused with what follows (the
+        # transformer layer's bias-dropout-add); forward then returns the bare product.
+        self.skip_bias_add = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -236,7 +239,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
             y = reduce_from_tensor_parallel_region(y, self.group)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or self.skip_bias_add else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
