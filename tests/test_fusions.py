@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megazero.config import ModelConfig
 from megazero.fusions import bias_add_residual, bias_gelu, bias_swiglu, compiler_available, rope_qk
 from megazero.fusions.describe import active_fusions
+from megazero.model import attention as attention_module
 from megazero.model import mlp as mlp_module
 from megazero.model import transformer as transformer_module
 from megazero.model.mlp import MLP
@@ -108,7 +109,7 @@ def _model(**kw) -> ModelConfig:
                           "fusions_on_cpu": True, **kw})
 
 
-def _layer_grads(cfg, x, training=True, seed=0):
+def _layer_grads(cfg, x, training=True, seed=0, rotary=None):
     torch.manual_seed(seed)
     # the hidden-dropout masks come from the tracker's default stream, seeded alike
     tracker = RNGStatesTracker.for_tensor_parallel(123, 0)
@@ -116,9 +117,9 @@ def _layer_grads(cfg, x, training=True, seed=0):
     with torch.no_grad():
         for p in layer.parameters():  # non-zero biases: a dropped bias must show
             p.normal_(0, 0.2)
-    layer.train(training)
+    layer.to(device=x.device, dtype=x.dtype).train(training)
     x = x.detach().clone().requires_grad_()
-    y = layer(x)
+    y = layer(x, rotary)
     y.square().sum().backward()
     return [y.detach(), x.grad, *[p.grad for p in layer.parameters()]]
 
@@ -210,3 +211,43 @@ def test_megatron_fusion_flags_fill_the_model_config():
             m.apply_rope_fusion, m.fusions_on_cpu) == (False, False, False, False, True)
     m = load_config(["--no-rope-fusion", "--apply-rope-fusion"], world_size=1).model
     assert m.apply_rope_fusion
+
+
+UNFUSED = dict(bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
+               apply_rope_fusion=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_layer_fuses_by_default_and_equals_unfused(monkeypatch):
+    """On CUDA the fusions run without being asked (Megatron's defaults) and the layer equals
+    the unfused one: fp32 to rounding; bf16 both within bf16 tolerance of the fp32 layer."""
+    calls: list[str] = []
+    for module, name in ((mlp_module, "bias_gelu"), (mlp_module, "bias_swiglu"),
+                         (transformer_module, "bias_add_residual"),
+                         (attention_module, "rope_qk")):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, fn=fn, name=name: calls.append(name)
+                            or fn(*a))
+    x = torch.randn(8, 2, 16, device="cuda")
+    for extra, expected in ((dict(openai_gelu=True), ["bias_add_residual", "bias_gelu",
+                                                      "bias_add_residual"]),
+                            (dict(swiglu=True, position_embedding_type="rope"),
+                             ["rope_qk", "bias_add_residual", "bias_swiglu",
+                              "bias_add_residual"])):
+        fused = _model(**extra, fusions_on_cpu=False)
+        plain = _model(**extra, fusions_on_cpu=False, **UNFUSED)
+        rope = None
+        if "swiglu" in extra:
+            emb = RotaryEmbedding(fused.head_dim, fused.seq_length).cuda()
+            rope = emb(8, torch.float32)
+        calls.clear()
+        ref = _layer_grads(plain, x, rotary=rope)
+        for a, b in zip(_layer_grads(fused, x, rotary=rope), ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert calls == expected
+        rope16 = None if rope is None else tuple(t.bfloat16() for t in rope)
+        for cfg in (fused, plain):
+            for a, b in zip(_layer_grads(cfg, x.bfloat16(), rotary=rope16), ref, strict=True):
+                torch.testing.assert_close(a.float(), b, rtol=1.6e-2,
+                                           atol=1.6e-2 * b.abs().max().item())
