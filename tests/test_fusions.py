@@ -9,6 +9,8 @@ share few graphs: one dtype/form per function where the other adds nothing new.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,8 +150,8 @@ def test_layer_with_fusions_equals_eager_layer(monkeypatch):
     # the bias-dropout-add leaves the linear as it found it (generation calls it directly)
     layer = TransformerLayer(fused, 0)
     layer(x)
-    assert not layer.self_attention.linear_proj.skip_bias_add
-    assert not layer.mlp.linear_fc2.skip_bias_add
+    assert layer.self_attention.linear_proj.epilogue is None
+    assert layer.mlp.linear_fc2.epilogue is None
     calls.clear()
     drop = dict(hidden_dropout=0.3, bias_gelu_fusion=False)
     for a, b in zip(_layer_grads(_model(**drop), x),
@@ -179,15 +181,23 @@ def test_mlp_switches():
 
 @needs_compiler
 def test_pretrain_with_fusions_on_cpu_equals_eager(tmp_path):
-    """SwiGLU with biases and RoPE: bias-SwiGLU, RoPE and bias-dropout-add compiled; fp32
-    losses equal the eager run's to fp32 rounding."""
+    """SwiGLU with biases and RoPE: bias-SwiGLU, RoPE and bias-dropout-add compiled, at ZeRO
+    stage 3 with every parameter partitioned and released after its module's forward (a
+    fused bias add after that forward would find the bias released: it must run inside it);
+    fp32 losses equal the eager ZeRO-0 run's to fp32 rounding."""
     flags = [*TINY, "--swiglu", "--position-embedding-type", "rope", "--train-iters", "6",
              "--eval-iters", "0"]
     ref, fused = tmp_path / "eager.jsonl", tmp_path / "fused.jsonl"
     out = check(run_training([*flags, "--log-json", str(ref)]))
     assert "> fusions: none (eager on CPU" in out
-    out = check(run_training([*flags, "--fusions-on-cpu", "--log-json", str(fused)],
-                             timeout=300))
+    ds = tmp_path / "zero3.json"
+    ds.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu":
+                              "auto", "zero_optimization": {
+                                  "stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "stage3_max_reuse_distance": 0,
+                                  "stage3_max_live_parameters": 0}}))
+    out = check(run_training([*flags, "--fusions-on-cpu", "--deepspeed_config", str(ds),
+                              "--log-json", str(fused)], timeout=300))
     assert "> fusions: bias-swiglu, bias-dropout-add, rope (torch.compile)" in out
     a, b = read_metrics(ref), read_metrics(fused)
     assert sorted(a) == sorted(b) == list(range(1, 7))

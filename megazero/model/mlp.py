@@ -14,7 +14,6 @@ from megazero.tensor_parallel.layers import (
     DEFERRED_INIT,
     ColumnParallelLinear,
     RowParallelLinear,
-    column_parallel_linear,
 )
 
 _NO_INIT = DEFERRED_INIT  # real values come from megazero.model.init
@@ -45,12 +44,12 @@ class MLP(nn.Module):
 
     def _fused_activation(self, x: torch.Tensor) -> torch.Tensor:
         """fc1's product without its bias, then bias + activation in one compiled kernel
-        (:mod:`megazero.fusions`)."""
-        fc1 = self.linear_fc1
-        h = column_parallel_linear(x, fc1.weight, None, fc1.group, fc1.sequence_parallel)
+        (:mod:`megazero.fusions`), as fc1's epilogue (inside its forward: see
+        :meth:`ColumnParallelLinear.forward`)."""
         if self.swiglu:
-            return bias_swiglu(h, fc1.bias)
-        return bias_gelu(h, fc1.bias, self.gelu_approximate)
+            return self.linear_fc1(x, epilogue=bias_swiglu)
+        approximate = self.gelu_approximate
+        return self.linear_fc1(x, epilogue=lambda h, b: bias_gelu(h, b, approximate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fusion(self.fuse_activation, x, self.fusions_on_cpu):

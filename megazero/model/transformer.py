@@ -37,17 +37,18 @@ def _biased_row_linear(module: nn.Module, name: str) -> RowParallelLinear | None
 
 
 @contextmanager
-def _bias_skipped(linear: RowParallelLinear | None) -> Iterator[None]:
-    """``linear`` returns its product without the bias inside the block (the caller adds it,
-    fused); only for this call, so other callers (generation) keep the plain forward."""
+def _residual_fused(linear: RowParallelLinear | None, residual: torch.Tensor) -> Iterator[None]:
+    """Inside the block ``linear`` returns ``residual + (product + bias)`` in one compiled
+    kernel (its epilogue, run inside its forward, where ZeRO-3 holds the gathered bias); only
+    for this call, so other callers (generation) keep the plain forward."""
     if linear is None:
         yield
         return
-    linear.skip_bias_add = True
+    linear.epilogue = lambda y, bias: bias_add_residual(y, bias, residual)
     try:
         yield
     finally:
-        linear.skip_bias_add = False
+        linear.epilogue = None
 
 
 class TransformerLayer(nn.Module):
@@ -88,7 +89,7 @@ class TransformerLayer(nn.Module):
 
     def _fused_output(self, x: torch.Tensor, module: nn.Module, name: str
                       ) -> RowParallelLinear | None:
-        """The output linear whose bias add goes into the fused bias-dropout-add for this call,
+        """The output linear whose epilogue is the fused bias-dropout-add for this call,
         or None for the unfused path: the fusion is on (:func:`megazero.fusions.use_fusion`),
         there is a bias to fuse, and no dropout mask is drawn (a compiled region would draw
         other random numbers than the eager dropout, see :mod:`megazero.fusions`)."""
@@ -101,13 +102,13 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
         proj = self._fused_output(x, self.self_attention, "linear_proj")
-        with _bias_skipped(proj):
+        with _residual_fused(proj, x):
             out = self.self_attention(self.input_layernorm(x), rotary)
-        x = bias_add_residual(out, proj.bias, x) if proj else self._dropout_add(out, x)
+        x = out if proj else self._dropout_add(out, x)
         fc2 = self._fused_output(x, self.mlp, "linear_fc2")
-        with _bias_skipped(fc2):
+        with _residual_fused(fc2, x):
             out = self.mlp(self.pre_mlp_layernorm(x))
-        return bias_add_residual(out, fc2.bias, x) if fc2 else self._dropout_add(out, x)
+        return out if fc2 else self._dropout_add(out, x)
 
 
 class TransformerBlock(nn.Module):
