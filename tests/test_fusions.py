@@ -10,14 +10,24 @@ share few graphs: one dtype/form per function where the other adds nothing new.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megazero.config import ModelConfig
-from megazero.fusions import bias_add_residual, bias_gelu, bias_swiglu, compiler_available, rope_qk
-from megazero.fusions.describe import active_fusions
+from megazero.fusions import (
+    bias_add_residual,
+    bias_gelu,
+    bias_swiglu,
+    compiler_available,
+    rope_qk,
+    use_fusion,
+)
+from megazero.fusions import compiled as compiled_module
+from megazero.fusions import describe as describe_module
+from megazero.fusions.describe import active_fusions, describe_fusions
 from megazero.model import attention as attention_module
 from megazero.model import mlp as mlp_module
 from megazero.model import transformer as transformer_module
@@ -172,8 +182,10 @@ def test_layer_with_fusions_equals_eager_layer(monkeypatch):
     assert calls == ["bias_add_residual"] * 2
 
 
-def test_mlp_switches():
-    """Megatron's flags pick the fusion per activation; on CPU only with fusions_on_cpu."""
+def test_mlp_switches(monkeypatch):
+    """Megatron's flags pick the fusion per activation; on CPU only with fusions_on_cpu; on
+    CUDA only where Triton is installed."""
+    monkeypatch.setattr(describe_module, "triton_available", lambda: True)
     assert MLP(_model(swiglu=True, bias_gelu_fusion=False)).fuse_activation
     assert not MLP(_model(swiglu=True, bias_swiglu_fusion=False)).fuse_activation
     assert not MLP(_model(bias_gelu_fusion=False)).fuse_activation
@@ -183,6 +195,15 @@ def test_mlp_switches():
     off = _model(position_embedding_type="rope", swiglu=True, bias_swiglu_fusion=False,
                  apply_rope_fusion=False, fusions_on_cpu=False)
     assert active_fusions(off, torch.device("cuda")) == ["bias-dropout-add"]
+    cuda_tensor = SimpleNamespace(is_cuda=True)  # use_fusion reads only is_cuda from it
+    monkeypatch.setattr(compiled_module, "triton_available", lambda: True)
+    assert use_fusion(True, cuda_tensor) and not use_fusion(False, cuda_tensor)
+    assert use_fusion(True, torch.zeros(1), on_cpu=True) and not use_fusion(True, torch.zeros(1))
+    monkeypatch.setattr(compiled_module, "triton_available", lambda: False)
+    assert not use_fusion(True, cuda_tensor)
+    monkeypatch.setattr(describe_module, "triton_available", lambda: False)
+    assert active_fusions(rope, torch.device("cuda")) == []
+    assert "Triton is not installed" in describe_fusions(rope, torch.device("cuda"))
 
 
 @needs_compiler

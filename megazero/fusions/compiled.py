@@ -40,7 +40,20 @@ def use_fusion(enabled: bool, x: torch.Tensor, on_cpu: bool = False) -> bool:
     whole model (or of a layer) the caller's compiler fuses already: the eager form is traced."""
     if not enabled or torch.compiler.is_compiling():
         return False
-    return x.is_cuda or (on_cpu and x.device.type == "cpu")
+    if x.is_cuda:
+        return triton_available()
+    return on_cpu and x.device.type == "cpu"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether inductor can build GPU kernels (Triton, shipped with torch's CUDA wheels). Without
+    it the fusions stay eager rather than fail at the first step."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # pragma: no cover - a torch without the helper
+        return False
+    return bool(has_triton())
 
 
 def compiler_available() -> str | None:
