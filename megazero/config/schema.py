@@ -58,6 +58,13 @@ class ModelConfig:
     use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
     group_query_attention: bool = False  # Megatron's switch; the group count is num_query_groups
     model_preset: Literal["gpt2", "llama"] | None = None  # the preset the fields started from
+    # Megatron's elementwise fusions (megazero.fusions, through torch.compile), on by default
+    # as in Megatron; they run on CUDA, and on CPU only with fusions_on_cpu (for tests)
+    bias_gelu_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    apply_rope_fusion: bool = True
+    fusions_on_cpu: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)  # Mixture of Experts; dense when unset
     # Megatron's --qk-layernorm (Qwen3): --normalization over each head's queries and keys
     # (one head_dim weight each, shared by the heads) after the QKV projection, before RoPE

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.fusions import rope_qk, use_fusion
 from megazero.model.dropout import dropout
 from megazero.model.init import declare_linear, scope
 from megazero.model.positional import apply_rotary
@@ -150,6 +151,7 @@ class SelfAttention(nn.Module):
         scope(declare_linear(self.linear_qkv), "linear_qkv")
         scope(declare_linear(self.linear_proj, depth_scaled=True), "linear_proj")
         self.q_layernorm, self.k_layernorm = build_qk_norms(config, parallel)
+        self.rope_fusion, self.fusions_on_cpu = config.apply_rope_fusion, config.fusions_on_cpu
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +173,9 @@ class SelfAttention(nn.Module):
         q, k = self.normalize_qk(q, k)
         if rotary is not None:
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if use_fusion(self.rope_fusion, q, self.fusions_on_cpu):
+                q, k = rope_qk(q, k, cos, sin)  # one compiled kernel (megazero.fusions)
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         ctx = self.core_attention(q, k, v)
         return self.linear_proj(ctx)
