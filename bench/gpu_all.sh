@@ -3,8 +3,8 @@
 # bench/results/gpu_logs): the environment and the attention kernels megazero selects; the CPU
 # suite (niced, in the background, capped at $SUITE_S seconds) beside the gpu-marked tests; the
 # save/resume matrix of training paths (bench/gpu_matrix.py); then, alone on the machine, the
-# step-time/MFU benchmark (bench/gpu_step.py) of GPT 1.3B and Llama 1.5B at micro-batch 8 with a
-# profiler table of one megazero step.
+# step-time/MFU benchmark (bench/gpu_step.py) of GPT 1.3B and Llama 1.5B at micro-batch 8, the
+# elementwise fusions on and off, with a profiler table of one megazero step.
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu_logs}
 mkdir -p "$OUT"
@@ -36,8 +36,12 @@ PYEOF
 } 2>&1 | tee "$OUT/steps.log"
 
 stamp "2a. CPU suite in the background" | tee -a "$OUT/steps.log"
-(nice -n 19 timeout "${SUITE_S:-180}" $PY -m pytest -q -n "${SUITE_WORKERS:-10}" -m "not gpu" \
-    -p no:cacheprovider tests > "$OUT/suite.log" 2>&1; echo "suite exit $?" >> "$OUT/suite.log") &
+# SIGINT at the time limit (KILL 30 s later): pytest then still prints its summary, and
+# --tb=short -rfE puts every failure's traceback and a one-line list into suite.log (no extra
+# file: only 8 come back from $OUT).
+(nice -n 19 timeout -s INT -k 30 "${SUITE_S:-180}" $PY -m pytest -q -n "${SUITE_WORKERS:-10}" \
+    -m "not gpu" --tb=short -rfE -p no:cacheprovider tests > "$OUT/suite.log" 2>&1
+ echo "suite exit $?" >> "$OUT/suite.log") &
 SUITE=$!
 
 stamp "2b. gpu-marked tests, and 3. training paths saved and resumed (side by side)" \
@@ -52,14 +56,17 @@ tail -4 "$OUT/gpu_tests.log"
 tail -12 "$OUT/matrix.log"
 stamp "waiting for the CPU suite" | tee -a "$OUT/steps.log"
 wait $SUITE
+grep -E "^(FAILED|ERROR) " "$OUT/suite.log" | head -40 | tee -a "$OUT/steps.log"
 tail -3 "$OUT/suite.log" | tee -a "$OUT/steps.log"
 
 {
+# --unfused: ZeRO-0 once more with every elementwise fusion off (what megazero.fusions gains);
+# the fused runs compile their Triton kernels in the untimed warm-up iterations.
 stamp "4. step time and MFU, GPT 1.3B, micro-batch 8"
-timeout "${GPT_S:-200}" $PY bench/gpu_step.py --preset gpt --micro-batch-size 8 --stages 0,3 --iters 6 \
-    --warmup 2 --profile --out "$OUT/gpu_step_gpt_mb8.json"
+timeout "${GPT_S:-260}" $PY bench/gpu_step.py --preset gpt --micro-batch-size 8 --stages 0,3 --iters 6 \
+    --warmup 2 --profile --unfused --out "$OUT/gpu_step_gpt_mb8.json"
 stamp "4. step time and MFU, Llama 1.5B, micro-batch 8"
-timeout "${LLAMA_S:-120}" $PY bench/gpu_step.py --preset llama --micro-batch-size 8 --stages 0,3 --iters 6 \
-    --warmup 2 --no-compile --out "$OUT/gpu_step_llama_mb8.json"
+timeout "${LLAMA_S:-170}" $PY bench/gpu_step.py --preset llama --micro-batch-size 8 --stages 0,3 --iters 6 \
+    --warmup 2 --no-compile --unfused --out "$OUT/gpu_step_llama_mb8.json"
 stamp "done"
 } 2>&1 | tee "$OUT/bench.log"

@@ -4,6 +4,7 @@ PyTorch (eager and ``torch.compile``) training the same model in the same run.
     python bench/gpu_step.py                         # GPT 1.3B and Llama 1.5B, bf16, one GPU
     python bench/gpu_step.py --preset gpt --micro-batch-size 8 --stages 0
     python bench/gpu_step.py --tiny --device cpu     # a smoke run of every path on the CPU
+    python bench/gpu_step.py --preset gpt --stages 0 --unfused   # the fusions on and off
 
 The models (the issue's measurement): GPT 1.3B = 24 layers, h 2048, 16 heads, seq 2048, vocab
 50304, GELU MLP 4h, learned positions, tied head; Llama 1.5B = 16 layers, h 2048, 32 heads in 8
@@ -215,14 +216,21 @@ def megazero_args(m: ModelConfig, name: str, args: argparse.Namespace, stage: in
     return flags
 
 
+#: Megatron's switches of the elementwise fusions (megazero.fusions); the "unfused" case
+#: turns them all off to measure what they gain.
+NO_FUSIONS = ["--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+              "--no-rope-fusion"]
+
+
 def time_megazero(m: ModelConfig, name: str, args: argparse.Namespace, stage: int,
-                  profile: bool = False) -> dict[str, Any]:
+                  profile: bool = False, extra: list[str] | None = None) -> dict[str, Any]:
     """``profile``: also profile the last iteration (``--profile --use-pytorch-profiler``) and
-    return the table of top kernels; that iteration is then left out of the timings."""
+    return the table of top kernels; that iteration is then left out of the timings.
+    ``extra``: more flags (:data:`NO_FUSIONS`)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
-               *megazero_args(m, name, args, stage, log)]
+               *megazero_args(m, name, args, stage, log), *(extra or [])]
         last = args.warmup + args.iters
         if profile:
             cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(last),
@@ -235,9 +243,11 @@ def time_megazero(m: ModelConfig, name: str, args: argparse.Namespace, stage: in
            and not (profile and r["iteration"] == last)]
     peak = [r["memory_mb"] for r in its if r.get("memory_mb") is not None]
     banner = [line for line in proc.stdout.splitlines() if line.startswith("> attention")]
+    fusions = [line for line in proc.stdout.splitlines() if line.startswith("> fusions")]
     out: dict[str, Any] = {"seconds": [r["iteration-time"] for r in its],
                            "peak_mb": max(peak) if peak else None,
-                           "attention": banner[0][2:] if banner else None}
+                           "attention": banner[0][2:] if banner else None,
+                           "fusions": fusions[0][2:] if fusions else None}
     if profile:
         start = proc.stdout.find("profile of iterations")
         out["profile"] = proc.stdout[start:] if start >= 0 else None
@@ -283,6 +293,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="profile one more iteration of the first megazero stage and keep the "
                          "table of its top kernels")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also time the first megazero stage with every elementwise fusion off "
+                         "(" + " ".join(NO_FUSIONS) + "): what the fusions gain")
     ap.add_argument("--seq-length", type=int, default=None,
                     help="sequence length instead of the presets' 2048 (a long-context run)")
     args = ap.parse_args(argv)
@@ -316,25 +329,29 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             cases.append((f"megazero ZeRO-{stage}",
                           lambda m=m, stage=stage, name=name, i=i: time_megazero(
                               m, name, args, stage, profile=args.profile and i == 0)))
+            if args.unfused and i == 0:
+                cases.append((f"megazero ZeRO-{stage} unfused",
+                              lambda m=m, stage=stage, name=name: time_megazero(
+                                  m, name, args, stage, extra=NO_FUSIONS)))
         if not args.no_compile:  # last: the slowest to start
             cases.append(("plain compiled", lambda m=m: time_plain(m, args, compiled=True)))
         for case, run in cases:
             try:
                 res = run()
             except Exception as e:  # one failing case must not lose the others' rows
-                print(f"{name:6} {case:18} FAILED: {str(e)[-2000:]}", flush=True)
+                print(f"{name:6} {case:26} FAILED: {str(e)[-2000:]}", flush=True)
                 rows.append({"model": name, "case": case, "error": str(e)[-4000:],
                              "ms_median": float("nan")})
                 _write(out, env, args, peak, rows)
                 continue
             row = summarise(case, name, res, flops, tokens, peak)
-            for key in ("attention", "profile"):
+            for key in ("attention", "fusions", "profile"):
                 if res.get(key):
                     row[key] = res[key]
             rows.append(row)
             mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
             mem = f"{row['peak_mb']:.0f}" if row["peak_mb"] is not None else "n/a"
-            print(f"{name:6} {case:18} {row['ms_median']:9.1f} ms "
+            print(f"{name:6} {case:26} {row['ms_median']:9.1f} ms "
                   f"[{row['ms_min']:.1f}, {row['ms_max']:.1f}]  {row['tokens_per_s']:10.0f} "
                   f"tok/s  {row['tflops']:7.1f} TFLOP/s  MFU {mfu:>6}  peak {mem} MB",
                   flush=True)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.fusions.describe import describe_fusions
 from megazero.model.attention_probe import describe_attention
 from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import ParallelTopology
@@ -89,6 +90,7 @@ def describe_run(run: Any) -> None:
             "auto", m.use_flash_attn, run.env.device, dtype,
             max(1, m.num_attention_heads // topo.tp_size), max(1, m.query_groups // topo.tp_size),
             m.head_dim, m.attention_dropout))
+    lines.append("> fusions: " + describe_fusions(cfg.model, run.env.device))
     moe = cfg.model.moe
     if moe.enabled:
         lines.append(f"> moe: {moe.num_experts} experts, top-{moe.moe_router_topk} "

@@ -129,7 +129,7 @@ __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "num_query_groups", "vocab_size", "max_position_embeddings",
               "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
-              "untie_embeddings_and_output_weights", "add_qkv_bias")
+              "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm")
 
 
 @dataclass(frozen=True)
@@ -359,7 +359,19 @@ def _config_difference(saved: Any, current: Any) -> str | None:
         if k in a and k in b and a[k] != b[k]:
             return (f"--{k.replace('_', '-')} is {b[k]} but the checkpoint was saved with "
                     f"{a[k]} (config.json)")
+    wa, wb = _head_width(a), _head_width(b)
+    if wa is not None and wb is not None and wa != wb:
+        return (f"--kv-channels (the head width) is {wb} but the checkpoint was saved with "
+                f"{wa} (config.json)")
     return None
+
+
+def _head_width(m: dict[str, Any]) -> int | None:
+    """``--kv-channels``, or hidden / heads when unset (a config without them: None)."""
+    try:
+        return int(m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"])
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _describe(layout: dict[str, Any]) -> str:

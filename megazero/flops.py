@@ -41,18 +41,20 @@ def gpt_flops_per_iteration(model: ModelConfig, global_batch_size: int,
     """Forward + backward FLOPs of one iteration, GEMM by GEMM (2 FLOPs per multiply-add; the
     backward pass costs twice the forward: gradients of inputs and of weights).
 
-    Per token and layer, forward: QKV ``2h(h + 2h·g/a)``, attention scores and values
-    ``2·2·s·h`` (counted over the whole square, as Megatron does, not only the causal half),
-    output projection ``2h²``, MLP ``2h·f·(2 if SwiGLU else 1) + 2f·h``; per token, the logit
+    Per token and layer, forward, with ``q = a·d`` the query width (``h`` unless
+    ``--kv-channels`` sets the head width ``d``): QKV ``2h(q + 2g·d)``, attention scores and
+    values ``2·2·s·q`` (counted over the whole square, as Megatron does, not only the causal
+    half), output projection ``2qh``, MLP ``2h·f·(2 if SwiGLU else 1) + 2f·h``; per token, the logit
     layer ``2hV``.
     """
     h, s, layers = model.hidden_size, model.seq_length, model.num_layers
-    kv = h * model.query_groups // model.num_attention_heads
+    q = model.num_attention_heads * model.head_dim  # h, unless --kv-channels says otherwise
+    kv = model.query_groups * model.head_dim
     f = model.ffn_size
     vocab = padded_vocab_size or model.vocab_size
-    qkv = 2 * h * (h + 2 * kv)
-    attention = 2 * 2 * s * h
-    projection = 2 * h * h
+    qkv = 2 * h * (q + 2 * kv)
+    attention = 2 * 2 * s * q
+    projection = 2 * q * h
     mlp = 2 * h * f * (2 if model.swiglu else 1) + 2 * f * h
     moe_layers = sum(model.moe.is_moe_layer(i, layers) for i in range(layers))
     per_token = (layers * (qkv + attention + projection) + (layers - moe_layers) * mlp

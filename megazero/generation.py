@@ -79,7 +79,7 @@ def _attention(attn, x, offset: int, cache: KVCache, layer: int, rotary) -> torc
     per_group, d = attn.local_heads // attn.local_groups, attn.head_dim
     q, k, v = qkv.view(s, b, attn.local_groups, (per_group + 2) * d).split(
         [per_group * d, d, d], dim=-1)
-    q = q.reshape(s, b, attn.local_heads, d)
+    q, k = attn.normalize_qk(q.reshape(s, b, attn.local_heads, d), k)
     if rotary is not None:
         cos, sin = rotary
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -31,9 +31,13 @@ GOLDEN_FLAGS = """
 --group-query-attention --num-query-groups --ffn-hidden-size --seq-length --max-position-embeddings
 --position-embedding-type --rotary-base --normalization --norm-epsilon --swiglu
 --openai-gelu
---disable-bias-linear --add-qkv-bias --untie-embeddings-and-output-weights --attention-dropout
+--disable-bias-linear --add-qkv-bias --qk-layernorm --untie-embeddings-and-output-weights
+--attention-dropout
 --hidden-dropout
 --init-method-std --make-vocab-size-divisible-by --vocab-size --use-flash-attn --no-flash-attn
+--bias-gelu-fusion --no-bias-gelu-fusion --bias-swiglu-fusion --no-bias-swiglu-fusion
+--bias-dropout-fusion --no-bias-dropout-fusion --apply-rope-fusion --no-rope-fusion
+--fusions-on-cpu
 --micro-batch-size --global-batch-size --train-iters --train-samples --seed --deterministic-mode
 --eval-interval
 --eval-iters --exit-interval --exit-duration-in-mins --check-for-nan-in-loss-and-grad
@@ -112,7 +116,9 @@ def test_every_flag_maps_to_an_existing_field():
     fields = [f.field for f in FLAGS]
     shared = {f for f in fields if fields.count(f) > 1}
     assert shared == {"model.use_flash_attn", "train.check_for_nan_in_loss_and_grad",
-                      "zero.overlap_comm", "zero.overlap_param_gather"}
+                      "zero.overlap_comm", "zero.overlap_param_gather",
+                      "model.bias_gelu_fusion", "model.bias_swiglu_fusion",
+                      "model.bias_dropout_fusion", "model.apply_rope_fusion"}
 
 
 def test_every_json_key_maps_to_an_existing_field():

@@ -166,11 +166,11 @@ def test_distributed_optimizer_is_zero_1_unless_the_stage_is_given():
 
 def test_every_unknown_flag_in_one_message():
     with pytest.raises(ConfigError) as e:
-        load_config([*TINY, "--qk-layernorm", "--bogus-flag", "3", "--batch-size", "4",
+        load_config([*TINY, "--fp32-residual-connection", "--bogus-flag", "3", "--batch-size", "4",
                      "--seq-lenght", "8", "--train-iters", "1"], 1)
     msg = str(e.value)
     assert msg.startswith("command line: 4 arguments are not megazero's, all listed here: ")
-    for part in ("(1) --qk-layernorm is not a megazero flag; use nothing: query/key LayerNorm",
+    for part in ("(1) --fp32-residual-connection is not a megazero flag; use nothing: residuals",
                  "(2) unknown argument '--bogus-flag'", "(3) --batch-size is not a megazero "
                  "flag; use --micro-batch-size", "(4) unknown argument '--seq-lenght'; did you "
                  "mean --seq-length?"):

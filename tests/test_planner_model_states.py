@@ -2,10 +2,10 @@
 
 Measured: ``engine.memory_report()`` (storage bytes of parameters, gradients, fp32 masters and
 AdamW moments, by device / host placement) after an optimizer step, on every rank of a 4-rank
-gloo world at tp1 x dp4, tp2 x dp2 (sequence parallel), pp2 x dp2 and tp2 x pp2, for ZeRO stages
-0-3, optimizer/parameter offload and fp32 / bf16 / fp16. dp 8 runs the engine's
-own buffers in one process with an 8-way dp group stand-in (building them and the optimizer
-step do not communicate).
+gloo world at tp1 x dp4, tp2 x dp2 (sequence parallel; and --qk-layernorm), pp2 x dp2 and
+tp2 x pp2, for ZeRO stages 0-3, optimizer/parameter offload and fp32 / bf16 / fp16. dp 8 runs
+the engine's own buffers in one process with an 8-way dp group stand-in (building them and the
+optimizer step do not communicate).
 """
 
 from dataclasses import replace
@@ -19,7 +19,9 @@ from megazero.testing import run_distributed
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--vocab-size 100 --micro-batch-size 1 --train-iters 1").split()
-LAYOUTS = [(1, 1, []), (2, 1, ["--sequence-parallel"]), (1, 2, []), (2, 2, [])]
+# tp2 x dp2 with --qk-layernorm: the q/k norms wait for their TP sum in buckets of their own
+LAYOUTS = [(1, 1, []), (2, 1, ["--sequence-parallel"]), (1, 2, []), (2, 2, []),
+           (2, 1, ["--qk-layernorm"])]
 PRECISIONS = ([], ["--bf16"], ["--fp16"])
 CPU = OffloadConfig(device="cpu")
 
@@ -75,7 +77,7 @@ def test_model_states_equal_engine_bytes_dp1_2_4():
         for what, measured, predicted in rows:
             assert measured == predicted, what
             n += 1
-    assert n == 4 * 3 * (7 + 7 + 7 + 7)
+    assert n == 4 * 3 * (7 + 7 + 7 + 7 + 7)
 
 
 def test_model_states_equal_engine_bytes_dp8(monkeypatch):

@@ -26,12 +26,8 @@ EQUIVALENT_FLAGS: dict[str, tuple[str, ...]] = {
     "--deepspeed-activation-checkpointing": (),
     "--use-mcore-models": (),
     "--no-masked-softmax-fusion": (),
-    "--no-bias-gelu-fusion": (),
-    "--no-bias-swiglu-fusion": (),
-    "--no-bias-dropout-fusion": (),
     "--no-gradient-accumulation-fusion": (),
     "--no-async-tensor-model-parallel-allreduce": (),
-    "--no-rope-fusion": (),
     "--use-fused-rmsnorm": (),
     "--no-persist-layer-norm": (),
     "--attention-softmax-in-fp32": (),
@@ -96,8 +92,6 @@ RENAMED_FLAGS: dict[str, str] = {
     "--apply-query-key-layer-scaling": "nothing: attention scores are scaled by 1/sqrt(head "
                                        "dim) in fp32",
     "--transformer-impl": "nothing: megazero has one transformer implementation",
-    "--qk-layernorm": "nothing: query/key LayerNorm is not implemented; drop the flag (the "
-                      "model is then a standard GPT)",
     "--tokenizer-name-or-path": "--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH",
 }
 

@@ -158,7 +158,20 @@ HELP = {
     "--vocab-size": "vocabulary size with --mock-data / NullTokenizer",
     "--use-flash-attn": "use flash-attn when installed and on GPU",
     "--no-flash-attn": "never use flash-attn",
-    "--kv-channels": "per-head width; must equal --hidden-size / --num-attention-heads",
+    "--kv-channels": "per-head width (default --hidden-size / --num-attention-heads)",
+    "--qk-layernorm": "--normalization over each head's queries and keys before RoPE (Qwen3)",
+    "--bias-gelu-fusion": "fc1's bias add and GELU in one compiled kernel (on GPU)",
+    "--no-bias-gelu-fusion": "bias add and GELU as separate eager kernels",
+    "--bias-swiglu-fusion": "fc1's bias add and SwiGLU in one compiled kernel (on GPU)",
+    "--no-bias-swiglu-fusion": "bias add and SwiGLU as separate eager kernels",
+    "--bias-dropout-fusion": "the output projections' bias add and the residual add in one "
+                             "compiled kernel (on GPU; with hidden dropout > 0 the mask is "
+                             "drawn eagerly, unfused)",
+    "--no-bias-dropout-fusion": "bias, dropout and residual add as separate eager kernels",
+    "--apply-rope-fusion": "the rotary embedding of queries and keys in one compiled kernel "
+                           "(on GPU)",
+    "--no-rope-fusion": "the rotary embedding as eager kernels",
+    "--fusions-on-cpu": "run the enabled fusions compiled on CPU too (for tests; not faster)",
     "--attention-softmax-in-fp32": "accepted: the attention softmax always runs in fp32",
     # training
     "--micro-batch-size": "samples per rank per forward/backward",

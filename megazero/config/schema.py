@@ -54,11 +54,21 @@ class ModelConfig:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
-    kv_channels: int | None = None  # Megatron's per-head width; must be hidden / heads here
+    kv_channels: int | None = None  # Megatron's per-head width; default hidden / heads
     use_flash_attn: bool = True  # used only when flash-attn is installed and tensors are on GPU
     group_query_attention: bool = False  # Megatron's switch; the group count is num_query_groups
     model_preset: Literal["gpt2", "llama"] | None = None  # the preset the fields started from
+    # Megatron's elementwise fusions (megazero.fusions, through torch.compile), on by default
+    # as in Megatron; they run on CUDA, and on CPU only with fusions_on_cpu (for tests)
+    bias_gelu_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    apply_rope_fusion: bool = True
+    fusions_on_cpu: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)  # Mixture of Experts; dense when unset
+    # Megatron's --qk-layernorm (Qwen3): --normalization over each head's queries and keys
+    # (one head_dim weight each, shared by the heads) after the QKV projection, before RoPE
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # a config read back from JSON (checkpoint, converter)
@@ -68,9 +78,11 @@ class ModelConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, f"--{name.replace('_', '-')} must be a positive "
                    f"integer, got {v!r}")
-        _check(self.hidden_size % self.num_attention_heads == 0,
+        _check(self.kv_channels is not None
+               or self.hidden_size % self.num_attention_heads == 0,
                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-               f"{self.num_attention_heads}; pick a hidden size that is a multiple of the heads")
+               f"{self.num_attention_heads}; pick a hidden size that is a multiple of the heads "
+               "or set the head width with --kv-channels")
         if self.num_query_groups is not None:
             _check(self.num_query_groups > 0
                    and self.num_attention_heads % self.num_query_groups == 0,
@@ -84,9 +96,9 @@ class ModelConfig:
         _check(not self.group_query_attention or self.num_query_groups is not None,
                "--group-query-attention needs --num-query-groups N (the number of key/value "
                "heads)")
-        _check(self.kv_channels in (None, self.head_dim),
-               f"--kv-channels {self.kv_channels}: megazero's head width is --hidden-size / "
-               f"--num-attention-heads = {self.head_dim}; drop --kv-channels or make them agree")
+        _check(self.kv_channels is None
+               or (isinstance(self.kv_channels, int) and self.kv_channels > 0),
+               f"--kv-channels must be a positive integer, got {self.kv_channels!r}")
         rot = self.head_dim * self.rotary_percent
         _check(0 < self.rotary_percent <= 1 and rot == int(rot) and int(rot) % 2 == 0,
                f"--rotary-percent {self.rotary_percent}: expected 0 < p <= 1 with head dim "
@@ -97,7 +109,9 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Each head's width: ``--kv-channels`` (Megatron's name; Qwen3's ``head_dim``, which
+        may differ from hidden / heads), by default hidden / heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:

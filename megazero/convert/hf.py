@@ -8,8 +8,10 @@
   ``--add-bias-linear``), grouped-query attention, tied or untied head.
 * GPT-NeoX (``GPTNeoXForCausalLM``): RoPE, LayerNorm, GELU, biases, sequential residual; the
   megazero default block with ``--position-embedding-type rope`` (:mod:`megazero.convert.hf_neox`).
-* Mixtral and Qwen2 / Qwen2-MoE, the Llama block with experts or QKV biases
-  (:mod:`megazero.convert.hf_mixtral`, :mod:`megazero.convert.hf_qwen2`).
+* Mixtral, Qwen2 / Qwen2-MoE and Qwen3 / Qwen3-MoE, the Llama block with experts, QKV biases
+  or query/key norms (:mod:`megazero.convert.hf_mixtral`, :mod:`megazero.convert.hf_qwen2`,
+  :mod:`megazero.convert.hf_qwen3`). A ``head_dim`` other than hidden / heads is
+  ``--kv-channels``.
 
 Both directions are pure functions on in-memory state dicts. The megazero side is the *global*
 state: the ``state_dict`` names of the model built at tp=1, pp=1 (one ``GPTModel``), fp32, with
@@ -34,9 +36,10 @@ import torch
 
 from megazero.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox", "mixtral", "qwen2", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                         "qwen3_moe")
 #: the families whose experts are converted (the module that maps them: _moe_family)
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 # Buffers some transformers versions keep in the state dict; they are derived, not weights.
 _DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
@@ -101,8 +104,8 @@ def _check_common(c: Mapping[str, Any]) -> None:
         _refuse(f"sliding_window={c['sliding_window']}", "megazero attends to the full context")
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if c.get(key) and model_type not in MOE_MODEL_TYPES:
-            _refuse(f"{key}={c[key]} (mixture of experts)", "megazero imports Mixtral's and "
-                    "Qwen2-MoE's experts; other MoE families are not converted yet")
+            _refuse(f"{key}={c[key]} (mixture of experts)", "megazero imports Mixtral's, "
+                    "Qwen2-MoE's and Qwen3-MoE's experts; other MoE families are not converted yet")
 
 
 def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
@@ -143,13 +146,13 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
     if c.get("hidden_act", "silu") != "silu":
         _refuse(f"hidden_act={c['hidden_act']!r}", "the llama preset uses SwiGLU (silu)")
     h, heads = c["hidden_size"], c["num_attention_heads"]
-    if c.get("head_dim") not in (None, h // heads):
-        _refuse(f"head_dim={c['head_dim']}", f"megazero uses hidden_size/heads = {h // heads}")
+    head_dim = c.get("head_dim")  # Qwen3's (and some Llamas') differ from h / heads
+    kv_channels = head_dim if head_dim not in (None, h // heads) else None
     groups = c.get("num_key_value_heads") or heads
     positions = c["max_position_embeddings"]
     llama = ModelConfig(
         num_layers=c["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
-        num_query_groups=groups if groups != heads else None,
+        kv_channels=kv_channels, num_query_groups=groups if groups != heads else None,
         group_query_attention=groups != heads, ffn_hidden_size=c["intermediate_size"],
         seq_length=positions, max_position_embeddings=positions, vocab_size=c["vocab_size"],
         position_embedding_type="rope", rotary_base=_rope_theta(c), normalization="RMSNorm",
@@ -165,6 +168,10 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
         from megazero.convert import hf_qwen2
 
         return hf_qwen2.config_to_megazero(c, llama, _refuse)
+    if c["model_type"] in ("qwen3", "qwen3_moe"):
+        from megazero.convert import hf_qwen3
+
+        return hf_qwen3.config_to_megazero(c, llama, _refuse)
     return llama
 
 
@@ -203,6 +210,9 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
     """The HF config dict (``model_type`` included) of the architecture equal to ``m``."""
     tie = not m.untie_embeddings_and_output_weights
     preset = megazero_preset(m)
+    if m.qk_layernorm and preset != "llama":
+        _refuse(f"--qk-layernorm with the {preset} block", "Qwen3 and Qwen3-MoE (the Llama "
+                "block with query/key RMSNorms) are the architectures with them")
     if preset == "gpt_neox":
         from megazero.convert import hf_neox
 
@@ -229,8 +239,10 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
         attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
         attention_dropout=m.attention_dropout,
         initializer_range=m.init_method_std, tie_word_embeddings=tie)
-    from megazero.convert import hf_qwen2
+    from megazero.convert import hf_qwen2, hf_qwen3
 
+    if m.qk_layernorm:  # Qwen3's query/key norms (its MoE: no shared expert, no biases)
+        return hf_qwen3.config_from_megazero(m, llama, _refuse)
     if hf_qwen2.is_qwen2(m) or hf_qwen2.is_qwen2_moe(m):  # QKV biases alone, a shared expert
         return hf_qwen2.config_from_megazero(m, llama, _refuse)
     if m.moe.enabled:
@@ -243,9 +255,9 @@ def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
 def _moe_family(model_type: str) -> Any:
     """The module mapping the sparse MLP of ``model_type``: ``mlp_to_megazero(m, i, src,
     names)`` and ``mlp_from_megazero(m, i, get)`` for each MoE layer ``i``."""
-    from megazero.convert import hf_mixtral, hf_qwen2
+    from megazero.convert import hf_mixtral, hf_qwen2, hf_qwen3
 
-    return hf_qwen2 if model_type == "qwen2_moe" else hf_mixtral
+    return {"qwen2_moe": hf_qwen2, "qwen3_moe": hf_qwen3}.get(model_type, hf_mixtral)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +343,10 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
                 out[_layer(i, "self_attention.linear_qkv.bias")] = fuse_qkv(
                     src(f"{p}self_attn.q_proj.bias"), src(f"{p}self_attn.k_proj.bias"),
                     src(f"{p}self_attn.v_proj.bias"), heads, groups)
+            if m.qk_layernorm:  # Qwen3
+                from megazero.convert.hf_qwen3 import norms_to_megazero
+
+                out.update(norms_to_megazero(i, src))
             if m.moe.is_moe_layer(i, m.num_layers):
                 out.update(_moe_family(hf_config["model_type"]).mlp_to_megazero(
                     m, i, src, set(hf_state)))
@@ -416,6 +432,10 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
                 out[f"{p}self_attn.q_proj.bias"] = q
                 out[f"{p}self_attn.k_proj.bias"] = k
                 out[f"{p}self_attn.v_proj.bias"] = v
+            if m.qk_layernorm:  # Qwen3
+                from megazero.convert.hf_qwen3 import norms_from_megazero
+
+                out.update(norms_from_megazero(i, get))
             if m.moe.is_moe_layer(i, m.num_layers):
                 out.update(_moe_family(cfg["model_type"]).mlp_from_megazero(m, i, get))
         out["model.norm.weight"] = get("decoder.final_layernorm.weight")

@@ -51,7 +51,7 @@ def is_qwen2_moe(m: ModelConfig) -> bool:
     return m.moe.enabled and m.moe.moe_shared_expert_intermediate_size is not None
 
 
-def _sparse_layers(c: Mapping[str, Any]) -> tuple[int, ...]:
+def sparse_layers(c: Mapping[str, Any]) -> tuple[int, ...]:
     layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step", 1))
     dense = set(c.get("mlp_only_layers") or ())
     if step < 1:
@@ -72,7 +72,7 @@ def config_to_megazero(c: Mapping[str, Any], llama: ModelConfig,
                     untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False))
     if c["model_type"] == "qwen2":
         return dense
-    sparse = _sparse_layers(c)
+    sparse = sparse_layers(c)
     if not int(c.get("num_experts") or 0) or not any(sparse):
         return dense  # every layer keeps the dense MLP
     if not c.get("shared_expert_intermediate_size"):

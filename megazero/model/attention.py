@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.fusions import rope_qk, use_fusion
 from megazero.model.dropout import dropout
 from megazero.model.init import declare_linear, scope
 from megazero.model.positional import apply_rotary
+from megazero.model.qk_norm import build_qk_norms
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import (
     DEFERRED_INIT,
@@ -148,6 +150,16 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear, init_method=_NO_INIT)
         scope(declare_linear(self.linear_qkv), "linear_qkv")
         scope(declare_linear(self.linear_proj, depth_scaled=True), "linear_proj")
+        self.q_layernorm, self.k_layernorm = build_qk_norms(config, parallel)
+        self.rope_fusion, self.fusions_on_cpu = config.apply_rope_fusion, config.fusions_on_cpu
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``--qk-layernorm``: each head's queries and keys normalised, before RoPE (the
+        identity without the flag). Generation's cached attention calls it too."""
+        if self.q_layernorm is None or self.k_layernorm is None:
+            return q, k
+        return self.q_layernorm(q), self.k_layernorm(k)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
@@ -158,8 +170,12 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.local_groups, (per_group + 2) * d)
         q, k, v = qkv.split([per_group * d, d, d], dim=-1)
         q = q.reshape(s, b, self.local_heads, d)
+        q, k = self.normalize_qk(q, k)
         if rotary is not None:
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if use_fusion(self.rope_fusion, q, self.fusions_on_cpu):
+                q, k = rope_qk(q, k, cos, sin)  # one compiled kernel (megazero.fusions)
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         ctx = self.core_attention(q, k, v)
         return self.linear_proj(ctx)

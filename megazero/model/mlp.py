@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.fusions import bias_gelu, bias_swiglu, use_fusion
 from megazero.model.init import declare_linear, scope
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import (
@@ -37,8 +38,22 @@ class MLP(nn.Module):
             init_method=_NO_INIT)
         scope(declare_linear(self.linear_fc1), "linear_fc1")
         scope(declare_linear(self.linear_fc2, depth_scaled=True), "linear_fc2")
+        self.fuse_activation = config.bias_swiglu_fusion if self.swiglu else \
+            config.bias_gelu_fusion
+        self.fusions_on_cpu = config.fusions_on_cpu
+
+    def _fused_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """fc1's product without its bias, then bias + activation in one compiled kernel
+        (:mod:`megazero.fusions`), as fc1's epilogue (inside its forward: see
+        :meth:`ColumnParallelLinear.forward`)."""
+        if self.swiglu:
+            return self.linear_fc1(x, epilogue=bias_swiglu)
+        approximate = self.gelu_approximate
+        return self.linear_fc1(x, epilogue=lambda h, b: bias_gelu(h, b, approximate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fusion(self.fuse_activation, x, self.fusions_on_cpu):
+            return self.linear_fc2(self._fused_activation(x))
         h = self.linear_fc1(x)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)

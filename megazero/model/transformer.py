@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.fusions import bias_add_residual, use_fusion
 from megazero.model.attention import SelfAttention
 from megazero.model.dropout import dropout
 from megazero.model.init import scope
 from megazero.model.mlp import MLP
 from megazero.model.norms import build_norm
 from megazero.tensor_parallel.context import ParallelContext
+from megazero.tensor_parallel.layers import RowParallelLinear
 from megazero.tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM, checkpoint
 
 
@@ -22,6 +27,28 @@ def build_mlp(config: ModelConfig, layer_number: int, parallel: ParallelContext)
 
         return MoELayer(config, parallel=parallel, layer_number=layer_number)
     return MLP(config, parallel=parallel)
+
+
+def _biased_row_linear(module: nn.Module, name: str) -> RowParallelLinear | None:
+    """``module.<name>`` when it is a row-parallel linear with a bias (the attention
+    projection, the dense MLP's fc2; an MoE block has none): the bias the layer can fuse."""
+    linear = getattr(module, name, None)
+    return linear if isinstance(linear, RowParallelLinear) and linear.bias is not None else None
+
+
+@contextmanager
+def _residual_fused(linear: RowParallelLinear | None, residual: torch.Tensor) -> Iterator[None]:
+    """Inside the block ``linear`` returns ``residual + (product + bias)`` in one compiled
+    kernel (its epilogue, run inside its forward, where ZeRO-3 holds the gathered bias); only
+    for this call, so other callers (generation) keep the plain forward."""
+    if linear is None:
+        yield
+        return
+    linear.epilogue = lambda y, bias: bias_add_residual(y, bias, residual)
+    try:
+        yield
+    finally:
+        linear.epilogue = None
 
 
 class TransformerLayer(nn.Module):
@@ -51,6 +78,8 @@ class TransformerLayer(nn.Module):
                             (self.self_attention, "self_attention"),
                             (self.pre_mlp_layernorm, "pre_mlp_layernorm"), (self.mlp, "mlp")):
             scope(child, name)
+        self.bias_dropout_fusion = config.bias_dropout_fusion
+        self.fusions_on_cpu = config.fusions_on_cpu
 
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
@@ -58,10 +87,28 @@ class TransformerLayer(nn.Module):
                 out = dropout(out, self.hidden_dropout)
         return residual + out
 
+    def _fused_output(self, x: torch.Tensor, module: nn.Module, name: str
+                      ) -> RowParallelLinear | None:
+        """The output linear whose epilogue is the fused bias-dropout-add for this call,
+        or None for the unfused path: the fusion is on (:func:`megazero.fusions.use_fusion`),
+        there is a bias to fuse, and no dropout mask is drawn (a compiled region would draw
+        other random numbers than the eager dropout, see :mod:`megazero.fusions`)."""
+        if self.training and self.hidden_dropout > 0:
+            return None
+        if not use_fusion(self.bias_dropout_fusion, x, self.fusions_on_cpu):
+            return None
+        return _biased_row_linear(module, name)
+
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary), x)
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+        proj = self._fused_output(x, self.self_attention, "linear_proj")
+        with _residual_fused(proj, x):
+            out = self.self_attention(self.input_layernorm(x), rotary)
+        x = out if proj else self._dropout_add(out, x)
+        fc2 = self._fused_output(x, self.mlp, "linear_fc2")
+        with _residual_fused(fc2, x):
+            out = self.mlp(self.pre_mlp_layernorm(x))
+        return out if fc2 else self._dropout_add(out, x)
 
 
 class TransformerBlock(nn.Module):

@@ -57,6 +57,7 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
     s, h, a = local_seq(cfg), m.hidden_size, m.num_attention_heads
     kv = m.query_groups * m.head_dim
+    qw = a * m.head_dim  # the queries' (and context's) width: h unless --kv-channels
     flash = flash or cp_blockwise(cfg)
     f = m.ffn_size
     sp = sequence_parallel_active(p.sequence_parallel, tp)
@@ -65,22 +66,24 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
     if sp:
         replicated /= tp
     mlp = (4 if m.swiglu else 2) * e * s * b * f
-    rope = 2 * e * s * b * (h + kv) if m.position_embedding_type == "rope" else 0
+    rope = 2 * e * s * b * (qw + kv) if m.position_embedding_type == "rope" else 0
+    qk_norm = e * s * b * (qw + kv) if m.qk_layernorm else 0  # the q/k norms' inputs
     attn_mask = 1 if m.attention_dropout > 0 else 0
     # (a2a: a/cp heads over the whole sequence, i.e. a * s_local * seq scores)
     core = 0.0 if (selective or flash) else \
         (e + attn_mask + e * attn_mask) * a * s * m.seq_length * b
     # a2a (Ulysses) keeps one more context-sized tensor: the head-split output it permutes
     # back into the zigzag order before the second all-to-all
-    ulysses = e * s * b * h if (p.cp > 1 and p.cp_comm_type == "a2a") else 0
-    split = (e * s * b * (2 * h + 2 * kv) + mlp + rope + core + ulysses) / tp
+    ulysses = e * s * b * qw if (p.cp > 1 and p.cp_comm_type == "a2a") else 0
+    split = (e * s * b * (2 * qw + 2 * kv) + mlp + rope + qk_norm + core + ulysses) / tp
     return replicated + split
 
 
 def layer_stat_bytes(cfg: MegazeroConfig, b: int, tp: int, *, flash: bool = False,
                      sdpa_math: bool = False) -> float:
     """fp32 per-token values one layer saves besides its activations: two norms' statistics
-    (2 each for LayerNorm, 1 for RMSNorm; split over TP ranks with SP) and the attention
+    (2 each for LayerNorm, 1 for RMSNorm; split over TP ranks with SP), the q/k norms' per
+    query and key head (``--qk-layernorm``, split over TP ranks) and the attention
     log-sum-exp (one per head and token, split over TP ranks) when ``flash``.
 
     ``sdpa_math``: the core attention is SDPA's math path (CPU with attention dropout), which
@@ -93,6 +96,8 @@ def layer_stat_bytes(cfg: MegazeroConfig, b: int, tp: int, *, flash: bool = Fals
     sp = sequence_parallel_active(cfg.parallel.sequence_parallel, tp)
     per_norm = 2 if m.normalization == "LayerNorm" else 1
     out = 2 * per_norm * 4 * s * b / (tp if sp else 1)
+    if m.qk_layernorm:
+        out += per_norm * 4 * s * b * (m.num_attention_heads + m.query_groups) / tp
     if flash or cp_blockwise(cfg):
         out += 4 * s * b * m.num_attention_heads / tp
     elif sdpa_math:

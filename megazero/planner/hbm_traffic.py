@@ -47,7 +47,8 @@ def layer_forward_bytes(cfg: MegazeroConfig, flash: bool) -> tuple[float, float]
     if sequence_parallel_active(p.sequence_parallel, tp):
         replicated /= tp
     act = (3 if m.swiglu else 2) * e * f
-    copies = 2 * e * (h + 2 * kv) + 2 * e * h
+    q = m.num_attention_heads * m.head_dim  # h unless --kv-channels
+    copies = 2 * e * (q + 2 * kv) + 2 * e * q
     core = 0.0
     if not flash:
         attn_mask = 1 if m.attention_dropout > 0 else 0

@@ -40,6 +40,8 @@ def _size(dtype: torch.dtype) -> int:
 def _deferred(p: nn.Parameter, tp: int, pp: int, sp: bool) -> str | None:
     if sequence_parallel_active(sp, tp) and getattr(p, "sequence_parallel", False):
         return "sp"
+    if tp > 1 and getattr(p, "tp_partial_grad", False):  # q/k norms (zero.build.deferred_kinds)
+        return "sp"
     if pp > 1 and getattr(p, "shared_embedding", False):
         return "emb"
     return None

@@ -71,19 +71,24 @@ def hf_config_argv(path: str) -> list[str]:
         argv.remove("--untie-embeddings-and-output-weights")
     if c.get("qkv_bias") or c.get("model_type") in ("qwen2", "qwen2_moe"):
         argv.append("--add-qkv-bias")  # Qwen2's attention: biases on q, k, v only
+    if c.get("head_dim") not in (None, c["hidden_size"] // heads):  # Qwen3's 128 at any width
+        argv += ["--kv-channels", str(c["head_dim"])]
+    if c.get("model_type") in ("qwen3", "qwen3_moe"):
+        argv.append("--qk-layernorm")  # Qwen3's per-head query/key RMSNorms
     return argv + _moe_argv(c)
 
 
 def _moe_argv(c: dict) -> list[str]:
-    """MoE flags of a Mixtral (``num_local_experts``) or Qwen2-MoE (``num_experts``) config,
-    the mapping ``tools/checkpoint/convert.py`` uses; [] for a dense model."""
-    experts = c.get("num_local_experts") or (c.get("num_experts")
-                                              if c.get("model_type") == "qwen2_moe" else None)
+    """MoE flags of a Mixtral (``num_local_experts``), Qwen2-MoE or Qwen3-MoE
+    (``num_experts``) config, the mapping ``tools/checkpoint/convert.py`` uses; [] for a dense
+    model."""
+    qwen = c.get("model_type") in ("qwen2_moe", "qwen3_moe")
+    experts = c.get("num_local_experts") or (c.get("num_experts") if qwen else None)
     if not experts:
         return []
     argv = ["--num-experts", str(experts), "--moe-router-topk",
             str(c.get("num_experts_per_tok", 2))]
-    if c.get("model_type") == "qwen2_moe":
+    if qwen:
         layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step", 1))
         dense = set(c.get("mlp_only_layers") or ())
         sparse = [int(i not in dense and step >= 1 and (i + 1) % step == 0)

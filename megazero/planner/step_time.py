@@ -60,8 +60,9 @@ def gemm_flops_per_token(cfg: MegazeroConfig) -> tuple[float, float, float]:
     m = cfg.model
     h, s, f = m.hidden_size, m.seq_length, m.ffn_size
     kv = m.query_groups * m.head_dim
-    dense = 2 * (h * (h + 2 * kv) + h * h + (3 if m.swiglu else 2) * h * f)
-    attn = 2 * 2 * s * h
+    q = m.num_attention_heads * m.head_dim  # h unless --kv-channels
+    dense = 2 * (h * (q + 2 * kv) + q * h + (3 if m.swiglu else 2) * h * f)
+    attn = 2 * 2 * s * q
     layers = dense * m.num_layers
     if m.moe.num_experts is not None:  # MoE layers: router, k active experts, shared expert
         from megazero.flops import moe_mlp_flops_per_token

@@ -44,6 +44,10 @@ from megazero.tensor_parallel.utils import (
 InitMethod = Callable[[torch.Tensor], None]
 
 
+#: ``(product without bias, bias or None) -> output``: a fused bias add and what follows.
+Epilogue = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 def normal_init(std: float = 0.02) -> InitMethod:
     return lambda t: nn.init.normal_(t, mean=0.0, std=std)
 
@@ -191,8 +195,18 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+    def forward(self, x: torch.Tensor, epilogue: Epilogue | None = None) -> torch.Tensor:
+        """``epilogue(y, bias)``, when given, replaces the bias add: it adds the bias itself,
+        fused with what follows (the MLP's bias-GELU). It runs inside this forward, where ZeRO-3
+        holds the gathered bias (a caller adding ``self.bias`` afterwards would find it
+        released)."""
+        bias = None if epilogue is not None else self.bias
+        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel)
+        if epilogue is not None:
+            if self.gather_output:
+                raise ValueError("an epilogue needs gather_output=False (it acts on this "
+                                 "rank's columns)")
+            return epilogue(y, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_output(y, self.group,
                                                    self.weight.partition_stride)
@@ -227,6 +241,10 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        # ``epilogue(y, bias)`` replaces the bias add for one call, set by the transformer
+        # layer around its attention / MLP (whose forwards it does not change): the fused
+        # bias-dropout-add. Inside this forward, so ZeRO-3 still holds the gathered bias.
+        self.epilogue: Epilogue | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -236,6 +254,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
             y = reduce_from_tensor_parallel_region(y, self.group)
+        if self.epilogue is not None:
+            return self.epilogue(y, self.bias)
         return y if self.bias is None else y + self.bias
 
 

@@ -68,12 +68,16 @@ def check_zero_config(zero: ZeroConfig, topo: ParallelTopology) -> None:
 def deferred_kinds(params: list[nn.Parameter], topo: ParallelTopology, sequence_parallel: bool
                    ) -> dict[int, str]:
     """Parameters whose gradients are summed over another group before the data-parallel
-    reduction: ``"sp"`` (sequence-parallel, over TP) and ``"emb"`` (tied embedding copies on
-    the first and last pipeline stage, over the embedding group)."""
+    reduction: ``"sp"`` (over TP: sequence-parallel ones, and ``tp_partial_grad`` ones such as
+    the query/key norms, whose grads cover only this rank's heads, with or without SP) and
+    ``"emb"`` (tied embedding copies on the first and last pipeline stage, over the embedding
+    group)."""
     kinds = {}
     for p in params:
         if sequence_parallel_active(sequence_parallel, topo.tp_size) \
                 and getattr(p, "sequence_parallel", False):
+            kinds[id(p)] = "sp"
+        elif topo.tp_size > 1 and getattr(p, "tp_partial_grad", False):
             kinds[id(p)] = "sp"
         elif topo.pp_size > 1 and getattr(p, "shared_embedding", False):
             kinds[id(p)] = "emb"

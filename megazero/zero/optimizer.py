@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.config import PrecisionConfig, ZeroConfig
-from megazero.config.rules import sequence_parallel_active
 from megazero.protocols import ParamStore
 from megazero.tensor_parallel.utils import is_duplicate_copy
 from megazero.topology import ParallelTopology
@@ -188,7 +187,7 @@ class ZeroOptimizer:
             store.wait()
         for store in self.stores:
             store.absorb_deferred()
-        if sequence_parallel_active(self.sequence_parallel, self.comms.tp.size):
+        if self.comms.tp.size > 1:  # "sp": SP params and the q/k norms (none: no collective)
             for store in self.stores:
                 for t in store.deferred_grads("sp"):
                     self.comms.tp.all_reduce(t)

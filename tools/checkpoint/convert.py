@@ -11,8 +11,8 @@ DeepSpeed's ``zero_to_fp32`` job). ``--saver torch`` writes it as one ``model.pt
 (``torch.save`` of ``{name: tensor}``) plus ``config.json``; ``--saver megazero`` writes a
 weights-only megazero checkpoint that ``pretrain_gpt.py --load OUT --finetune`` loads at any
 layout. ``--loader hf`` reads a local Hugging Face directory (GPT-2, Llama, GPT-NeoX,
-Mixtral, Qwen2 or Qwen2-MoE, config.json plus safetensors or ``pytorch_model.bin``, sharded
-or not; tokenizer files when present) and
+Mixtral, Qwen2, Qwen2-MoE, Qwen3 or Qwen3-MoE, config.json plus safetensors or
+``pytorch_model.bin``, sharded or not; tokenizer files when present) and
 ``--saver hf`` writes one that ``transformers.AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load (:mod:`megazero.convert`)::
 
