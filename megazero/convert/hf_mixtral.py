@@ -122,6 +122,25 @@ def experts_to_split(i: int, e_count: int, get: Callable[[str], torch.Tensor], p
 _W = ("w1.weight", "w3.weight", "w2.weight")  # Mixtral's gate, up, down
 
 
+#: the per-expert projections of the Qwen MoE families (the Llama MLP's names)
+QWEN_SPLIT = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def qwen_router_and_experts(m: ModelConfig, i: int, src: Callable[[str], torch.Tensor],
+                            names: set[str]) -> dict[str, torch.Tensor]:
+    """A Qwen MoE sparse layer ``i``'s router (``mlp.gate``) and experts, stored fused
+    (``experts.gate_up_proj``/``down_proj``, newer transformers) or one module per expert."""
+    e_count = m.moe.num_experts
+    assert e_count is not None
+    p = f"model.layers.{i}.mlp."
+    if f"{p}experts.gate_up_proj" in names:
+        experts = experts_from_fused(i, e_count, src(p + "experts.gate_up_proj"),
+                                     src(p + "experts.down_proj"))
+    else:
+        experts = experts_from_split(i, e_count, src, f"{p}experts.", *QWEN_SPLIT)
+    return {f"decoder.layers.{i}.mlp.router.weight": src(p + "gate.weight"), **experts}
+
+
 def mlp_to_megazero(m: ModelConfig, i: int, src: Callable[[str], torch.Tensor],
                     names: set[str]) -> dict[str, torch.Tensor]:
     """Layer ``i``'s router and experts from whichever layout the HF state uses."""

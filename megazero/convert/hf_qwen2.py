@@ -35,10 +35,9 @@ import torch
 
 from megazero.config import ModelConfig
 from megazero.config.moe_schema import MoEConfig
-from megazero.convert.hf_mixtral import experts_from_fused, experts_from_split, experts_to_split
+from megazero.convert.hf_mixtral import QWEN_SPLIT, experts_to_split, qwen_router_and_experts
 
 MODEL_TYPES = ("qwen2", "qwen2_moe")
-_SPLIT = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
 def is_qwen2(m: ModelConfig) -> bool:
@@ -132,16 +131,9 @@ def _shared(i: int, rest: str) -> str:
 def mlp_to_megazero(m: ModelConfig, i: int, src: Callable[[str], torch.Tensor],
                     names: set[str]) -> dict[str, torch.Tensor]:
     """Sparse layer ``i``'s router, experts (either layout) and gated shared expert."""
-    e_count = m.moe.num_experts
-    assert e_count is not None
     p = f"model.layers.{i}.mlp."
-    if f"{p}experts.gate_up_proj" in names:
-        experts = experts_from_fused(i, e_count, src(p + "experts.gate_up_proj"),
-                                     src(p + "experts.down_proj"))
-    else:
-        experts = experts_from_split(i, e_count, src, f"{p}experts.", *_SPLIT)
     s = f"{p}shared_expert."
-    return {f"decoder.layers.{i}.mlp.router.weight": src(p + "gate.weight"), **experts,
+    return {**qwen_router_and_experts(m, i, src, names),
             _shared(i, "mlp.linear_fc1.weight"): torch.cat(
                 [src(s + "gate_proj.weight"), src(s + "up_proj.weight")], dim=0),
             _shared(i, "mlp.linear_fc2.weight"): src(s + "down_proj.weight"),
@@ -156,7 +148,7 @@ def mlp_from_megazero(m: ModelConfig, i: int, get: Callable[[str], torch.Tensor]
     p = f"model.layers.{i}.mlp."
     gate, up = get(_shared(i, "mlp.linear_fc1.weight")).chunk(2, dim=0)
     return {f"{p}gate.weight": get(f"decoder.layers.{i}.mlp.router.weight"),
-            **experts_to_split(i, e_count, get, f"{p}experts.", *_SPLIT),
+            **experts_to_split(i, e_count, get, f"{p}experts.", *QWEN_SPLIT),
             f"{p}shared_expert.gate_proj.weight": gate.contiguous(),
             f"{p}shared_expert.up_proj.weight": up.contiguous(),
             f"{p}shared_expert.down_proj.weight": get(_shared(i, "mlp.linear_fc2.weight")),

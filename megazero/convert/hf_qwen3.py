@@ -35,11 +35,10 @@ import torch
 
 from megazero.config import ModelConfig
 from megazero.config.moe_schema import MoEConfig
-from megazero.convert.hf_mixtral import experts_from_fused, experts_from_split, experts_to_split
+from megazero.convert.hf_mixtral import QWEN_SPLIT, experts_to_split, qwen_router_and_experts
 from megazero.convert.hf_qwen2 import sparse_layers
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
-_SPLIT = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 _NORMS = (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm"))
 
 
@@ -120,15 +119,7 @@ def norms_from_megazero(i: int, get: Callable[[str], torch.Tensor]) -> dict[str,
 def mlp_to_megazero(m: ModelConfig, i: int, src: Callable[[str], torch.Tensor],
                     names: set[str]) -> dict[str, torch.Tensor]:
     """Sparse layer ``i``'s router and experts (either layout)."""
-    e_count = m.moe.num_experts
-    assert e_count is not None
-    p = f"model.layers.{i}.mlp."
-    if f"{p}experts.gate_up_proj" in names:
-        experts = experts_from_fused(i, e_count, src(p + "experts.gate_up_proj"),
-                                     src(p + "experts.down_proj"))
-    else:
-        experts = experts_from_split(i, e_count, src, f"{p}experts.", *_SPLIT)
-    return {f"decoder.layers.{i}.mlp.router.weight": src(p + "gate.weight"), **experts}
+    return qwen_router_and_experts(m, i, src, names)
 
 
 def mlp_from_megazero(m: ModelConfig, i: int, get: Callable[[str], torch.Tensor]
@@ -138,4 +129,4 @@ def mlp_from_megazero(m: ModelConfig, i: int, get: Callable[[str], torch.Tensor]
     assert e_count is not None
     p = f"model.layers.{i}.mlp."
     return {f"{p}gate.weight": get(f"decoder.layers.{i}.mlp.router.weight"),
-            **experts_to_split(i, e_count, get, f"{p}experts.", *_SPLIT)}
+            **experts_to_split(i, e_count, get, f"{p}experts.", *QWEN_SPLIT)}
