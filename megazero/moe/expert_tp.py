@@ -32,20 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from megazero.collectives import Group, group_rank, group_size
+from megazero.moe.token_dispatcher import chunk_order
 from megazero.tensor_parallel.mappings import (
     all_gather_dim0,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-
-
-def _order(counts: torch.Tensor, stride: int) -> torch.Tensor:
-    """Indices into the padded gather (``stride`` rows per source rank) of every real row, in
-    ``(local expert, source rank)`` order; ``counts`` is ``[sources, local experts]``."""
-    starts = torch.cumsum(counts, dim=1) - counts  # row of (source, expert) inside its block
-    parts = [torch.arange(int(counts[r, e]), dtype=torch.long) + r * stride + int(starts[r, e])
-             for e in range(counts.shape[1]) for r in range(counts.shape[0])]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 class ExpertTensorParallelRegion:
@@ -71,7 +63,7 @@ class ExpertTensorParallelRegion:
         stride = int(per_rank.max())
         padded = F.pad(rows, (0, 0, 0, stride - rows.shape[0]))
         gathered = gather_from_sequence_parallel_region(padded, self.group)
-        order = _order(every, stride).to(rows.device)
+        order = chunk_order(every, stride).to(rows.device)  # (expert, source) order
         self._state = (order, stride, rows.shape[0])
         return gathered.index_select(0, order), every.sum(dim=0).tolist()
 

@@ -122,12 +122,18 @@ def all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: 
     return out
 
 
-def _chunk_order(rows_per_chunk: torch.Tensor) -> torch.Tensor:
+def chunk_order(rows_per_chunk: torch.Tensor, block_rows: int | None = None) -> torch.Tensor:
     """Row permutation that turns chunks laid out ``[a][b]`` (``rows_per_chunk`` ``[A, B]``)
-    into ``[b][a]`` order."""
-    flat = rows_per_chunk.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat
+    into ``[b][a]`` order. ``block_rows``: each ``a`` starts a block of that many rows (its
+    chunks first, padding after), as a padded all-gather lays them out; default: packed."""
     a, b = rows_per_chunk.shape
+    within = torch.cumsum(rows_per_chunk, dim=1) - rows_per_chunk
+    if block_rows is None:
+        block_start = torch.cumsum(rows_per_chunk.sum(dim=1), 0) - rows_per_chunk.sum(dim=1)
+    else:
+        block_start = torch.arange(a, dtype=rows_per_chunk.dtype) * block_rows
+    starts = (within + block_start.unsqueeze(1)).reshape(-1)
+    flat = rows_per_chunk.reshape(-1)
     order = torch.arange(a * b).view(a, b).t().reshape(-1)
     return torch.cat([torch.arange(int(starts[i]), int(starts[i] + flat[i])) for i in order]
                      ) if flat.sum() > 0 else torch.zeros(0, dtype=torch.long)
@@ -154,7 +160,7 @@ class AllToAllDispatcher:
         mine = all_counts[:, me * self.local:(me + 1) * self.local]  # [ep_src, local]
         out_splits = mine.sum(dim=1).tolist()
         got = all_to_all(rows, self.ep_group, out_splits, in_splits) if ep > 1 else rows
-        order = _chunk_order(mine).to(x.device)
+        order = chunk_order(mine).to(x.device)
         self._state = dict(row_probs=row_probs, token_index=token_index, t=x.shape[0],
                            order=order, in_splits=in_splits, out_splits=out_splits)
         return got.index_select(0, order), mine.sum(dim=0).tolist()
