@@ -14,12 +14,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+
 # ``all_gather_single`` / ``reduce_scatter_single`` are the recent names of the single-tensor
 # collectives; ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` exist since torch 2.0.
-all_gather_into_tensor: Any = (getattr(dist, "all_gather_single", None)
-                               or dist.all_gather_into_tensor)
-reduce_scatter_tensor: Any = (getattr(dist, "reduce_scatter_single", None)
-                              or dist.reduce_scatter_tensor)
+# Looked up at each call, so a wrapper installed in torch.distributed (megazero.comms_logging)
+# sees these calls too.
+def all_gather_into_tensor(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        *args, **kwargs)
+
+
+def reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        *args, **kwargs)
 
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 

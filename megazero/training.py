@@ -45,6 +45,7 @@ from megazero.checkpoint.ownership import (
     release,
 )
 from megazero.checkpointing import config_dict, load_checkpoint, save_checkpoint
+from megazero.comms_logging import CommsLogger, CommsLoggerSettings
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.dist_init import (
@@ -126,9 +127,13 @@ class Run:
     checkpoint_writer: Any = None  # a megazero.checkpoint.files.Writer; None = the default
     owner: RunOwner | None = None  # rank 0: the run holding the --save directory's lock
     eod_mask: int | None = None  # --eod-mask-loss: the end-of-document id whose next is masked
+    comms_logger: CommsLogger | None = None  # DeepSpeed's "comms_logger", while installed
 
     def close(self) -> None:
-        """Close the log sinks and give the ``--save`` directory's lock back."""
+        """Put torch.distributed's collectives back, close the log sinks, and give the
+        ``--save`` directory's lock back."""
+        if self.comms_logger is not None:
+            self.comms_logger.uninstall()
         self.monitor.close()
         if self.owner is not None and self.cfg.checkpoint.save:
             release(self.cfg.checkpoint.save, self.owner)
@@ -518,6 +523,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
     describe_run(run)
+    comms = CommsLoggerSettings.from_block(logging.comms_logger)
+    if comms.enabled:
+        run.comms_logger = CommsLogger(comms, log=monitor.info if is_reporter else None).install()
     run.state.spikes = SpikeWatch(cfg.train.spike_factor, cfg.train.spike_window)
     if cfg.data.eod_mask_loss:
         run.eod_mask = _eod_id(tokenizer)
@@ -558,6 +566,10 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
                 val = evaluate(run)
             if val is not None:
                 run.monitor.report_validation(state.iteration, val)
+        if run.comms_logger is not None:
+            run.comms_logger.uninstall()
+            run.monitor.info("communication summary (rank 0, from the end of setup to the end "
+                             f"of training):\n{run.comms_logger.summary()}")
     except TrainingDivergedError:
         shutdown(run)
         raise

@@ -216,7 +216,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     **{f"csv_monitor.{name}": _k(kind) for name, kind in (
         ("enabled", BOOL), ("output_path", STR), ("job_name", STR))},
     "comet": _k(OPEN, None, None, TODO),
-    "comms_logger": _k(BLOCK, None, None, TODO),
+    "comms_logger": _k(BLOCK),
     **{f"comms_logger.{name}": _k(kind) for name, kind in (
         ("enabled", BOOL), ("verbose", BOOL), ("prof_all", BOOL), ("debug", BOOL),
         ("prof_ops", "list"))},

@@ -345,6 +345,9 @@ def validate(cfg: MegazeroConfig) -> None:
     check(t.spike_window >= 1, f"--spike-window must be >= 1 (sound steps the spike check "
           f"takes the median over), got {t.spike_window}")
     lg = cfg.logging
+    if lg.comms_logger:
+        from megazero.comms_logging import CommsLoggerSettings  # torch only when asked for
+        CommsLoggerSettings.from_block(lg.comms_logger)
     if lg.profile:
         check(1 <= lg.profile_step_start < lg.profile_step_end, f"--profile-step-start "
               f"{lg.profile_step_start} and --profile-step-end {lg.profile_step_end}: profiling "

@@ -318,6 +318,7 @@ class LoggingConfig:
     steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
     wandb: dict[str, Any] = field(default_factory=dict)
     csv_monitor: dict[str, Any] = field(default_factory=dict)
+    comms_logger: dict[str, Any] = field(default_factory=dict)  # megazero/comms_logging.py
     log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
     log_num_zeros_in_grad: bool = False  # Megatron: count the gradient's zeros, logged each line
     # Megatron's --profile: iterations [profile_step_start, profile_step_end) on profile_ranks,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megazero.comms_logging import CommsLogger, CommsLoggerSettings
 from megazero.engine.engine import EngineStateError, MegazeroEngine
 
 if TYPE_CHECKING:
@@ -206,4 +207,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         else None
     engine = MegazeroEngine(model, cfg, topo, zero, scheduler, client, device, local_rank,
                             loader)
+    comms = CommsLoggerSettings.from_block(cfg.logging.comms_logger)
+    if comms.enabled:  # megazero.comms_logging.log_summary() prints its table
+        CommsLogger(comms, log=print if topo.rank == 0 else None).install()
     return engine, zero, loader, scheduler

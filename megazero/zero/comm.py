@@ -22,6 +22,7 @@ runs every recorded one in one pass between two barriers. ``shared_memory`` (``a
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero import collectives
+from megazero import collectives, comms_logging
 from megazero.errors import ConfigError
 from megazero.shm_collectives import (
     SHARED_MEMORY_IMPLS,
@@ -278,8 +279,18 @@ class GroupComm:
         if not pending:
             return
         dist.all_reduce(self._flag, group=self.group)
+        logged = comms_logging.installed_logger() is not None
         for i in sorted(pending):
-            self._segments[i].apply(merge_ops(pending[i]))
+            segment = self._segments[i]
+            if not logged:
+                segment.apply(merge_ops(pending[i]))
+                continue
+            for op in merge_ops(pending[i]):  # one at a time, each timed
+                start = time.perf_counter()
+                segment.apply([op])
+                comms_logging.record_shared_memory(
+                    op.kind, (op.hi - op.lo) * segment.local.element_size(),
+                    (time.perf_counter() - start) * 1e3, self.size)
         dist.all_reduce(self._flag, group=self.group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
