@@ -67,6 +67,7 @@ from megazero.divergence import (
 from megazero.errors import claim_report, expected_errors
 from megazero.exit_conditions import ExitFlags, exit_decision, exit_votes, sigterm_deferred
 from megazero.flops import gpt_flops_per_iteration, peak_flops
+from megazero.flops_profiler import for_run as flops_profiler_for
 from megazero.lr_scheduler import LRScheduler, build_lr_function
 from megazero.monitor import Monitor, Timers
 from megazero.optim.onebit import exchange_scalars
@@ -399,6 +400,9 @@ def train(run: Run) -> TrainState:
         gc.collect()
     profiler = StepProfiler(cfg.logging, dist.get_rank() if dist.is_initialized() else 0,
                             run.env.device)
+    # the profiled iteration's model FLOPs: ``gbs`` is read when the report is made
+    flops_profiler = flops_profiler_for(
+        run, lambda: gpt_flops_per_iteration(cfg.model, gbs, vocab))
     start = time.time()
     saved_at = st.iteration if cfg.checkpoint.load else None
     pending: PendingSave | None = None
@@ -410,13 +414,14 @@ def train(run: Run) -> TrainState:
             t0 = time.perf_counter()
             gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
             profiler.before(st.iteration + 1)
+            flops_profiler.before(st.iteration + 1)
             loss, result, votes = train_step(
                 run, data_iter, lambda: exit_votes(cfg.train, flags, start))
             st.iteration += 1
             st.consumed_samples += gbs
-            table = profiler.after(st.iteration)
-            if table is not None:
-                print(table, flush=True)
+            for table in (profiler.after(st.iteration), flops_profiler.after(st.iteration)):
+                if table is not None:
+                    print(table, flush=True)
             t = run.timers
             with t.region("logging"):
                 phases = t.pop_all() if st.iteration % log_interval == 0 else None

@@ -350,11 +350,12 @@ def test_world_size_not_divisible_by_model_parallel():
 
 def test_one_warning_per_unimplemented_key_per_load():
     ds = {"dump_state": True, "zero_optimization": {"stage": 1, "round_robin_gradients": True},
-          "flops_profiler": {"enabled": True, "profile_step": 2, "detailed": False},
+          "flops_profiler": {"enabled": True, "profile_step": 2, "detailed": False,
+                             "recompute_fwd_factor": 0.5},
           "steps_per_print": 5, "wall_clock_breakdown": True}
     for _ in range(2):  # no state kept between loads: the second load warns again
         _, warned = load(json.loads(json.dumps(ds)))
-        assert sorted(warned) == ["dump_state", "flops_profiler",
+        assert sorted(warned) == ["dump_state", "flops_profiler.recompute_fwd_factor",
                                   "zero_optimization.round_robin_gradients"]
 
 

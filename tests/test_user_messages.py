@@ -29,10 +29,13 @@ def test_monitoring_blocks_warn_only_where_they_have_no_effect(tmp_path):
                                            "debug": False, "prof_ops": ["all_reduce"]}},
                          tmp_path) == []
     assert _warnings_for({"comms_logger": {"enabled": False}}, tmp_path) == []
-    assert _warnings_for({"flops_profiler": {"enabled": False, "profile_step": 1}},
+    # so does flops_profiler (megazero/flops_profiler.py), but for recompute_fwd_factor: the
+    # recomputed forward is counted, not estimated
+    assert _warnings_for({"flops_profiler": {"enabled": True, "profile_step": 1}},
                          tmp_path) == []
-    said = _warnings_for({"flops_profiler": {"enabled": True}}, tmp_path)
-    assert len(said) == 1 and "'flops_profiler'" in said[0], said
+    said = _warnings_for({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 1.0}},
+                         tmp_path)
+    assert len(said) == 1 and "'flops_profiler.recompute_fwd_factor'" in said[0], said
 
 
 def test_startup_summary_names_offload_and_the_save_schedule(tmp_path):

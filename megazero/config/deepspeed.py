@@ -225,10 +225,12 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     **{f"checkpoint.{name}": _k(kind) for name, kind in (
         ("tag_validation", STR), ("load_universal", BOOL), ("use_node_local_storage", BOOL),
         ("parallel_write", OPEN), ("writer", OPEN))},
-    "flops_profiler": _k(BLOCK, None, None, TODO),
+    "flops_profiler": _k(BLOCK),
     **{f"flops_profiler.{name}": _k(kind) for name, kind in (
-        ("enabled", BOOL), ("recompute_fwd_factor", FLOAT), ("profile_step", INT),
-        ("module_depth", INT), ("top_modules", INT), ("detailed", BOOL), ("output_file", STR))},
+        ("enabled", BOOL), ("profile_step", INT), ("module_depth", INT), ("top_modules", INT),
+        ("detailed", BOOL), ("output_file", STR))},
+    # the recomputed forward is counted, not estimated (megazero/flops_profiler.py)
+    "flops_profiler.recompute_fwd_factor": _k(FLOAT, 0.0, None, TODO),
     "activation_checkpointing": _k(BLOCK, None, None, TODO),
     **{f"activation_checkpointing.{name}": _k(kind) for name, kind in (
         ("partition_activations", BOOL), ("contiguous_memory_optimization", BOOL),

@@ -157,7 +157,7 @@ def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]])
         found.pop("logging.tensorboard_job_name", None)
     elif tb is not None and not tb.get("output_path"):  # DeepSpeed writes under the cwd
         found["logging.tensorboard_dir"] = [("tensorboard.output_path", ".")]
-    for block in ("wandb", "csv_monitor", "comms_logger"):
+    for block in ("wandb", "csv_monitor", "comms_logger", "flops_profiler"):
         if block in ds:
             found[f"logging.{block}"] = [(block, dict(ds[block]))]
 

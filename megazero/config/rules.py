@@ -348,6 +348,9 @@ def validate(cfg: MegazeroConfig) -> None:
     if lg.comms_logger:
         from megazero.comms_logging import CommsLoggerSettings  # torch only when asked for
         CommsLoggerSettings.from_block(lg.comms_logger)
+    if lg.flops_profiler:
+        from megazero.flops_profiler import FlopsProfilerSettings
+        FlopsProfilerSettings.from_block(lg.flops_profiler)
     if lg.profile:
         check(1 <= lg.profile_step_start < lg.profile_step_end, f"--profile-step-start "
               f"{lg.profile_step_start} and --profile-step-end {lg.profile_step_end}: profiling "

@@ -319,6 +319,7 @@ class LoggingConfig:
     wandb: dict[str, Any] = field(default_factory=dict)
     csv_monitor: dict[str, Any] = field(default_factory=dict)
     comms_logger: dict[str, Any] = field(default_factory=dict)  # megazero/comms_logging.py
+    flops_profiler: dict[str, Any] = field(default_factory=dict)  # megazero/flops_profiler.py
     log_json: str | None = None  # also append each logged iteration's metrics here (JSON lines)
     log_num_zeros_in_grad: bool = False  # Megatron: count the gradient's zeros, logged each line
     # Megatron's --profile: iterations [profile_step_start, profile_step_end) on profile_ranks,
