@@ -105,11 +105,24 @@ def _sdpa_cpu_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: A
         grad_out, query, key, value))
 
 
-def cpu_attention_formulas() -> dict[Any, Callable[..., int]]:
-    """FLOP formulas for the CPU flash SDPA kernel, which torch's registry leaves out (its CUDA
-    siblings are in it): the same counts as the CUDA flash kernel's."""
+def _grouped_mm(mat_a: Any, mat_b: Any, *args: Any, out_shape: Any = None,
+                **kwargs: Any) -> int:
+    """``torch._grouped_mm``: two 2-D operands split the contraction into groups (the experts'
+    weight gradients), so all of it is done once; otherwise every output element is one dot
+    product over ``mat_a``'s last dimension."""
+    if len(mat_a) == 2 and len(mat_b) == 2:
+        return 2 * mat_a[0] * mat_a[1] * mat_b[1]
+    return 2 * math.prod(out_shape) * mat_a[-1]
+
+
+def extra_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas for kernels megazero runs that torch's registry leaves out: the CPU flash
+    SDPA kernel (counted as torch counts its CUDA sibling) and the MoE experts' grouped GEMM
+    (``torch._grouped_mm``)."""
     aten = torch.ops.aten
     out: dict[Any, Callable[..., int]] = {}
+    if hasattr(aten, "_grouped_mm"):
+        out[aten._grouped_mm] = _grouped_mm
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         out[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu_forward
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
@@ -192,7 +205,7 @@ class FlopsProfiler:
         if not self.settings.enabled or iteration != self.settings.profile_step:
             return
         self._mode = flop_counter.FlopCounterMode(display=False,
-                                                  custom_mapping=cpu_attention_formulas())
+                                                  custom_mapping=extra_formulas())
         self._mode.__enter__()
         self._sync()
         self._start = time.perf_counter()

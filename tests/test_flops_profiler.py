@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megazero.config import ConfigError
 from megazero.flops_profiler import (
     FlopsProfilerSettings,
-    cpu_attention_formulas,
+    extra_formulas,
     human,
     module_flops,
 )
@@ -20,7 +20,7 @@ from megazero.testing.launch import TINY, check, run_training
 
 
 def _counted(fn) -> int:
-    with FlopCounterMode(display=False, custom_mapping=cpu_attention_formulas()) as mode:
+    with FlopCounterMode(display=False, custom_mapping=extra_formulas()) as mode:
         fn()
     return mode.get_total_flops()
 
@@ -43,6 +43,29 @@ def test_cpu_flash_attention_counts_as_the_same_matmuls():
     gemm = 2 * b * n * s * s * d
     assert _counted(unfused) == 3 * 2 * gemm
     assert _counted(fused) == 3 * 2 * gemm + gemm
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_gemm_counts_as_one_matmul_per_expert():
+    """The experts' grouped GEMM (forward, input gradient, weight gradient, as
+    megazero.moe.experts calls it) counts what a matmul per expert would."""
+    tokens, experts, k, n = 24, 3, 16, 8
+    offs = torch.tensor([8, 12, 24], dtype=torch.int32)  # 8, 4 and 12 tokens
+    x, dy = torch.randn(tokens, k), torch.randn(tokens, n)
+    w = torch.randn(experts, n, k)
+
+    def grouped():
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        torch._grouped_mm(dy, w, offs=offs)
+        torch._grouped_mm(dy.t(), x, offs=offs)
+
+    def per_expert():
+        for e, (lo, hi) in enumerate(zip([0, 8, 12], [8, 12, 24])):
+            x[lo:hi] @ w[e].t()
+            dy[lo:hi] @ w[e]
+            dy[lo:hi].t() @ x[lo:hi]
+
+    assert _counted(grouped) == _counted(per_expert) == 3 * 2 * tokens * k * n
 
 
 def test_module_flops_add_up_containers_and_the_format():
@@ -102,6 +125,22 @@ def test_one_process_counts_the_model_flops_exactly(tmp_path):
     # the decoder's layers, ranked at their depth; the detailed tree lists each layer
     assert re.search(r"depth 3: GPTModel\.decoder\.layers\.\d: [\d.]+ KFLOP|MFLOP", out), out
     assert re.search(r"^      3: [\d.]+ K, [\d.]+%; [\d.]+ MFLOP", out, re.M), out
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["expert-loop", "grouped-gemm"])
+def test_dropless_moe_counts_the_model_flops_exactly(tmp_path, grouped):
+    """Top-2 of 4 experts with a gated shared expert: the router, the active experts and the
+    shared expert, as megazero/flops.py counts an MoE layer."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"flops_profiler": {"enabled": true, "profile_step": 2, "detailed": false}}')
+    out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
+                              "--num-experts", "4", "--moe-ffn-hidden-size", "24",
+                              "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size",
+                              "16", "--moe-shared-expert-gate",
+                              *(["--moe-grouped-gemm"] if grouped else []),
+                              "--deepspeed_config", str(cfg)]))
+    report = _report(out)
+    assert report["counted without the recomputed scores / model"] == "1.0000", report
 
 
 def test_four_ranks_with_recompute_write_the_report_to_a_file(tmp_path):
