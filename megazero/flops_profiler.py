@@ -111,8 +111,8 @@ def _grouped_mm(mat_a: Any, mat_b: Any, *args: Any, out_shape: Any = None,
     weight gradients), so all of it is done once; otherwise every output element is one dot
     product over ``mat_a``'s last dimension."""
     if len(mat_a) == 2 and len(mat_b) == 2:
-        return 2 * mat_a[0] * mat_a[1] * mat_b[1]
-    return 2 * math.prod(out_shape) * mat_a[-1]
+        return int(2 * mat_a[0] * mat_a[1] * mat_b[1])
+    return int(2 * math.prod(out_shape) * mat_a[-1])
 
 
 def extra_formulas() -> dict[Any, Callable[..., int]]:
