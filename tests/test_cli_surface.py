@@ -26,6 +26,7 @@ GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --microbatch-group-size-per-virtual-pipeline-stage --context-parallel-size --cp-comm-type
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
+--distribute-saved-activations
 --distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
 --num-attention-heads
 --group-query-attention --num-query-groups --ffn-hidden-size --seq-length --max-position-embeddings

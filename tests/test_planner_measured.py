@@ -48,6 +48,9 @@ LAYOUTS = {
     "pp2 zero2 full block": f"{PP2} --zero-stage 2 {FULL_BLOCK} --global-batch-size 8",
     "tp2": f"{TP2} --global-batch-size 4",
     "tp2 sp": f"{TP2} --sequence-parallel --global-batch-size 4",
+    "tp2 full uniform": f"{TP2} {FULL_UNIFORM} --global-batch-size 4",
+    "tp2 full uniform distributed": f"{TP2} {FULL_UNIFORM} --distribute-saved-activations "
+                                    "--global-batch-size 4",
     "tp2 sp selective bf16": f"{TP2} --sequence-parallel --recompute-granularity selective "
                              "--bf16 --global-batch-size 4",
     "dp2 zero0": "--zero-stage 0 --global-batch-size 8",
@@ -76,6 +79,7 @@ def test_saved_activations_match_the_executor(rows):
     assert first["pp2 interleaved"] > 1.2 * first["pp2 1F1B"]
     assert first["pp2 full uniform"] < 0.2 * first["pp2 1F1B"]
     assert first["tp2 sp"] < 0.9 * first["tp2"]
+    assert first["tp2 full uniform distributed"] < 0.8 * first["tp2 full uniform"]
 
 
 def test_peak_memory_matches_live_tensor_bytes(rows):

@@ -105,6 +105,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--recompute-granularity", "parallel.recompute_granularity"),
     _f("--recompute-method", "parallel.recompute_method"),
     _f("--recompute-num-layers", "parallel.recompute_num_layers", **_I),
+    _f("--distribute-saved-activations", "parallel.distribute_saved_activations", **_ON),
     _f("--distributed-backend", "parallel.distributed_backend"),
     _f("--distributed-timeout-minutes", "parallel.distributed_timeout_minutes", **_FL,
        help="timeout of every process group's collectives, and the watchdog's limit for one "

@@ -231,11 +231,15 @@ DS_CONFIG_KEYS: dict[str, Key] = {
         ("detailed", BOOL), ("output_file", STR))},
     # the recomputed forward is counted, not estimated (megazero/flops_profiler.py)
     "flops_profiler.recompute_fwd_factor": _k(FLOAT, 0.0, None, TODO),
-    "activation_checkpointing": _k(BLOCK, None, None, TODO),
-    **{f"activation_checkpointing.{name}": _k(kind) for name, kind in (
-        ("partition_activations", BOOL), ("contiguous_memory_optimization", BOOL),
-        ("cpu_checkpointing", BOOL), ("number_checkpoints", INT),
-        ("synchronize_checkpoint_boundary", BOOL), ("profile", BOOL))},
+    # what a checkpointed layer group keeps; which layers are checkpointed is --recompute-*
+    "activation_checkpointing": _k(BLOCK),
+    "activation_checkpointing.partition_activations": _k(
+        BOOL, False, "parallel.distribute_saved_activations"),
+    "activation_checkpointing.cpu_checkpointing": _k(BOOL, False, "parallel.cpu_checkpointing"),
+    **{f"activation_checkpointing.{name}": _k(kind, default, None, TODO)
+       for name, kind, default in (
+           ("contiguous_memory_optimization", BOOL, False), ("number_checkpoints", INT, None),
+           ("synchronize_checkpoint_boundary", BOOL, False), ("profile", BOOL, False))},
     **{name: _k(OPEN, None, None, TODO) for name in (
         "autotuning", "elasticity", "compression_training", "data_efficiency",
         "curriculum_learning", "pipeline", "sparse_attention", "hybrid_engine", "nebula",
@@ -343,8 +347,9 @@ def _walk(obj: dict[str, Any], parent: str, todo: list[str], inside_todo: bool) 
         if key is None:
             raise _unknown(path, name, parent)
         disabled = isinstance(value, dict) and value.get("enabled") is False
-        if not key.implemented and not inside_todo and not disabled:
-            todo.append(path)  # a block switched off has no effect to warn about
+        default = key.default is not None and value == key.default
+        if not key.implemented and not inside_todo and not disabled and not default:
+            todo.append(path)  # a block switched off, or a default, has no effect to warn about
         if value == "auto" and key.kind not in (BLOCK, OPEN):
             out[name] = "auto"
         elif key.kind == BLOCK:

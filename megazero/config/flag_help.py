@@ -113,6 +113,8 @@ HELP = {
     "--recompute-granularity": "activation recompute: full layers or the attention core only",
     "--recompute-method": "with full recompute: every N layers (uniform) or the first N (block)",
     "--recompute-num-layers": "N for --recompute-method",
+    "--distribute-saved-activations": "full recompute at tp > 1 without SP: each TP rank keeps "
+                                      "1/tp of every layer group's input",
     "--distributed-backend": "torch.distributed backend (default: nccl on GPU, gloo on CPU)",
     # model
     "--model-preset": "start the model from a preset; flags given explicitly override it",

@@ -333,6 +333,32 @@ def _schedule_lengths(cfg: MegazeroConfig, given: set[str]) -> MegazeroConfig:
     return replace(cfg, optimizer=replace(o, **kw)) if kw else cfg
 
 
+def _saved_inputs_in_effect(parallel: ParallelConfig) -> ParallelConfig:
+    """Turn off (with one warning each) the saved-input settings that have nothing to act on:
+    both need full recomputation (only its layer groups keep an input); distributing needs
+    tensor parallelism without sequence parallelism (with it the input is already split)."""
+    full = parallel.recompute_granularity == "full"
+    distribute, offload = parallel.distribute_saved_activations, parallel.cpu_checkpointing
+    why = None
+    if distribute and not full:
+        why = "needs --recompute-granularity full"
+    elif distribute and parallel.tp == 1:
+        why = "has nothing to distribute at --tensor-model-parallel-size 1"
+    elif distribute and parallel.sequence_parallel:
+        why = ("has nothing to distribute with --sequence-parallel (each tensor-parallel rank "
+               "already keeps 1/tp of the input)")
+    if why:
+        warnings.warn(f"--distribute-saved-activations (activation_checkpointing."
+                      f"partition_activations) {why}; turning it off", UserWarning, stacklevel=3)
+        parallel = replace(parallel, distribute_saved_activations=False)
+    if offload and not full:
+        warnings.warn("activation_checkpointing.cpu_checkpointing needs --recompute-granularity "
+                      "full (it moves the inputs full recomputation keeps); turning it off",
+                      UserWarning, stacklevel=3)
+        parallel = replace(parallel, cpu_checkpointing=False)
+    return parallel
+
+
 def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
                      world_size: int) -> MegazeroConfig:
     """Build the config from a DeepSpeed dict and the flags that were typed.
@@ -384,6 +410,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                       "turning it off", UserWarning, stacklevel=2)
         parallel = replace(parallel, sequence_parallel=False)
+    parallel = _saved_inputs_in_effect(parallel)
     micro, gbs, gas = _batch_triad(merged, parallel.dp, parallel)
     train = TrainConfig(**_section("train", merged, micro_batch_size=micro,
                                    global_batch_size=gbs, gradient_accumulation_steps=gas))

@@ -167,12 +167,19 @@ class RecomputeConfig:
     ``method`` says which (``uniform``: groups of ``num_layers`` consecutive layers, each
     keeping one input; ``block``: the first ``num_layers`` layers of each chunk, one by one).
     ``"selective"``: only ``modules`` rerun; ``method`` and ``num_layers`` are then unused.
+
+    What a ``full`` group keeps, its input: ``distribute_saved_activations`` (Megatron's flag,
+    DeepSpeed's ``activation_checkpointing.partition_activations``) keeps 1/tp of it on each
+    tensor-parallel rank and all-gathers it for the recomputation; ``cpu_checkpointing``
+    (DeepSpeed's) keeps it in host memory. See :mod:`megazero.tensor_parallel.saved_inputs`.
     """
 
     granularity: Literal["full", "selective"] | None = None
     method: Literal["uniform", "block"] | None = None
     num_layers: int = 1
     modules: tuple[str, ...] = ("core_attn",)
+    distribute_saved_activations: bool = False
+    cpu_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _check(self.granularity in (None, "full", "selective"),
@@ -201,6 +208,8 @@ class ParallelConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    distribute_saved_activations: bool = False  # full recompute: 1/tp of each group's input
+    cpu_checkpointing: bool = False  # full recompute: each group's input in host memory
     distributed_backend: Literal["nccl", "gloo"] | None = None  # None: nccl on GPU, gloo on CPU
     # Every process group's collective timeout; also the watchdog's limit for one iteration.
     distributed_timeout_minutes: float = 10.0
@@ -239,7 +248,9 @@ class ParallelConfig:
         """The three ``--recompute-*`` flags as the one value the model and planner take."""
         return RecomputeConfig(
             self.recompute_granularity, self.recompute_method,
-            1 if self.recompute_num_layers is None else self.recompute_num_layers)
+            1 if self.recompute_num_layers is None else self.recompute_num_layers,
+            distribute_saved_activations=self.distribute_saved_activations,
+            cpu_checkpointing=self.cpu_checkpointing)
 
     @property
     def tp(self) -> int:

@@ -18,7 +18,9 @@ from torch import nn
 
 from megazero.config import RecomputeConfig
 from megazero.model.attention import SelfAttention
+from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.random import RNGStatesTracker, checkpoint
+from megazero.tensor_parallel.saved_inputs import SavedInputLayout
 
 
 class RecomputedModule(nn.Module):
@@ -57,4 +59,18 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
             block.recompute_segments = [(i, min(i + k, n)) for i in range(0, n, k)]
         else:  # block
             block.recompute_segments = [(i, i + 1) for i in range(min(k, n))]
+    block.saved_inputs = saved_input_layout(recompute, block.parallel)
     return model
+
+
+def saved_input_layout(recompute: RecomputeConfig, parallel: ParallelContext
+                       ) -> SavedInputLayout | None:
+    """How full recomputation keeps each group's input (None: whole, on the device)."""
+    distribute = (recompute.granularity == "full" and recompute.distribute_saved_activations
+                  and parallel.tp_size > 1 and not parallel.sequence_parallel)
+    to_host = recompute.granularity == "full" and recompute.cpu_checkpointing
+    if not (distribute or to_host):
+        return None
+    if distribute:
+        return SavedInputLayout(parallel.tp_group, parallel.tp_rank, parallel.tp_size, to_host)
+    return SavedInputLayout(to_host=True)

@@ -18,6 +18,7 @@ from megazero.model.norms import build_norm
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import RowParallelLinear
 from megazero.tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM, checkpoint
+from megazero.tensor_parallel.saved_inputs import SavedInputLayout
 
 
 def build_mlp(config: ModelConfig, layer_number: int, parallel: ParallelContext) -> nn.Module:
@@ -135,6 +136,7 @@ class TransformerBlock(nn.Module):
         if self.final_layernorm is not None:
             scope(self.final_layernorm, "final_layernorm")
         self.recompute_segments: list[tuple[int, int]] = []
+        self.saved_inputs: SavedInputLayout | None = None  # how a segment keeps its input
 
     def _run(self, layers: list[nn.Module]):
         def run(x, *rotary):
@@ -158,7 +160,7 @@ class TransformerBlock(nn.Module):
                     # graph; an input without grad would silently drop the layers' grads.
                     x = x.detach().requires_grad_()
                 x = checkpoint(self._run(layers[first:last]), x, *extra,
-                               tracker=self.parallel.rng_tracker)
+                               tracker=self.parallel.rng_tracker, saved=self.saved_inputs)
             i = last
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)

@@ -138,7 +138,11 @@ def recompute_layer_bytes(cfg: MegazeroConfig, b: int, tp: int, layers: int, *,
         return layers * full
     e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
     sp = sequence_parallel_active(p.sequence_parallel, tp)
-    boundary = e * local_seq(cfg) * b * cfg.model.hidden_size / (tp if sp else 1)
+    # a group's kept input: split over TP by SP or by --distribute-saved-activations, and off
+    # the device with cpu_checkpointing (megazero/tensor_parallel/saved_inputs.py)
+    split = sp or (rc.distribute_saved_activations and tp > 1)
+    boundary = 0.0 if rc.cpu_checkpointing else (
+        e * local_seq(cfg) * b * cfg.model.hidden_size / (tp if split else 1))
     k = rc.num_layers
     if rc.method == "uniform":
         segments = -(-layers // k)

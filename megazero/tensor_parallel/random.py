@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megazero.tensor_parallel.saved_inputs import SavedInputLayout
 
 DEFAULT_STREAM = "default"
 MODEL_PARALLEL_STREAM = "model-parallel"
@@ -120,17 +123,25 @@ class _CheckpointFunction(torch.autograd.Function):
     The inputs are saved with ``save_for_backward`` (so memory accounting through
     ``saved_tensors_hooks`` sees them), and the global generators plus every tracker stream are
     snapshotted before the first run and restored around the recomputation: dropout inside the
-    region then draws exactly the masks of the first run, in every TP region.
+    region then draws exactly the masks of the first run, in every TP region. ``saved`` (a
+    :class:`~megazero.tensor_parallel.saved_inputs.SavedInputLayout`) says how the first tensor
+    input is kept: a tensor-parallel piece of it, on the host.
     """
 
     @staticmethod
-    def forward(ctx, fn, tracker, *args):
+    def forward(ctx, fn, tracker, saved, *args):
         ctx.fn, ctx.tracker = fn, tracker
         ctx.global_state = _get_global_state()
         ctx.tracker_state = tracker.get_states() if tracker is not None else None
         ctx.tensor_mask = [torch.is_tensor(a) for a in args]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
-        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
+        tensors = [a for a in args if torch.is_tensor(a)]
+        ctx.saved = saved if saved is not None and saved.changes_anything and tensors else None
+        if ctx.saved is not None:
+            first = tensors[0]
+            ctx.first = (first.shape, first.device, first.requires_grad)
+            tensors[0] = ctx.saved.pack(first)
+        ctx.save_for_backward(*tensors)
         with torch.no_grad():
             out = fn(*args)
         ctx.single = torch.is_tensor(out)
@@ -138,12 +149,17 @@ class _CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        tensors = iter(ctx.saved_tensors)
+        kept = list(ctx.saved_tensors)
+        requires_grad = [t.requires_grad for t in kept]
+        if ctx.saved is not None:
+            shape, device, requires_grad[0] = ctx.first
+            kept[0] = ctx.saved.unpack(kept[0], shape, device)
+        tensors = iter(zip(kept, requires_grad))
         inputs = []
         for is_tensor, other in zip(ctx.tensor_mask, ctx.others):
             if is_tensor:
-                t = next(tensors)
-                inputs.append(t.detach().requires_grad_(t.requires_grad))
+                t, grad = next(tensors)
+                inputs.append(t.detach().requires_grad_(grad))
             else:
                 inputs.append(other)
         now_global = _get_global_state()
@@ -164,15 +180,17 @@ class _CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(i.grad if torch.is_tensor(i) else None for i in inputs)
-        return (None, None, *input_grads)
+        return (None, None, None, *input_grads)
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None):
+def checkpoint(fn: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None,
+               saved: SavedInputLayout | None = None):
     """Activation checkpointing of ``fn(*args)`` that replays CPU/CUDA and tracker randomness.
 
     ``fn`` returns a tensor or a tuple of tensors. Non-tensor arguments are passed through.
     Like Megatron's (reentrant) checkpoint, gradients reach parameters used inside ``fn`` only
     through ``loss.backward()`` (not ``torch.autograd.grad``), and at least one tensor input
-    should require grad.
+    should require grad. ``saved`` keeps the first tensor input distributed or on the host
+    (:mod:`megazero.tensor_parallel.saved_inputs`).
     """
-    return _CheckpointFunction.apply(fn, tracker, *args)
+    return _CheckpointFunction.apply(fn, tracker, saved, *args)
