@@ -52,6 +52,24 @@ def padded_vocab(chunks: list[torch.nn.Module]) -> int | None:
     return None
 
 
+def architecture(m: Any) -> str:
+    """The model's shape beyond its sizes, as the flags set it (a :class:`ModelConfig`)."""
+    groups = m.query_groups
+    parts = [
+        m.normalization,
+        "RoPE" if m.position_embedding_type == "rope" else "learned positions",
+        f"SwiGLU MLP {m.ffn_size}" if m.swiglu else f"GELU MLP {m.ffn_size}",
+        f"{groups} query groups" if groups != m.num_attention_heads else "multi-head attention",
+        f"head width {m.head_dim}",
+        "biases" if m.add_bias_linear else ("QKV bias only" if m.add_qkv_bias else "no biases"),
+    ]
+    if m.qk_layernorm:
+        parts.append("QK layernorm")
+    parts.append("tied embeddings" if not m.untie_embeddings_and_output_weights
+                 else "untied output layer")
+    return ", ".join(parts)
+
+
 def describe_run(run: Any) -> None:
     """Print the run's start-up banner (rank 0): layout, model size, batch, attention kernel,
     MoE, offload, data, sinks. Collective: every rank counts its parameter share."""
@@ -79,6 +97,7 @@ def describe_run(run: Any) -> None:
         f"> model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, heads "
         f"{cfg.model.num_attention_heads}, seq {cfg.model.seq_length}, {vocab}: "
         f"{total / 1e6:.2f}M parameters ({total:,})",
+        f"> architecture: {architecture(cfg.model)}",
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
         f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
     ]

@@ -79,3 +79,19 @@ def test_banner_names_the_moe_layout():
                               "--moe-expert-capacity-factor", "1.5"]))
     assert ("> moe: 4 experts, top-1 (aux_loss), expert parallel 1, allgather dispatcher, "
             "capacity factor 1.5") in out, out
+
+
+def test_banner_names_the_architecture():
+    from megazero.testing.launch import TINY, check, run_training
+
+    out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
+                              "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                              "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+                              "--qk-layernorm", "--disable-bias-linear",
+                              "--untie-embeddings-and-output-weights"]))
+    line = next(x for x in out.splitlines() if x.startswith("> architecture:"))
+    assert line == ("> architecture: RMSNorm, RoPE, SwiGLU MLP 64, 2 query groups, head width 8, "
+                    "no biases, QK layernorm, untied output layer"), line
+    out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0"]))
+    assert ("> architecture: LayerNorm, learned positions, GELU MLP 128, multi-head attention, "
+            "head width 8, biases, tied embeddings") in out, out
