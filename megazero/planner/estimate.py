@@ -155,17 +155,20 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     out.sync["activations (last micro-batch)"] = sum(
         chunk_saved_bytes(cfg, pp_rank, flash=flash, sdpa_math=sdpa_math)) + segment_peak_bytes(
         cfg, cfg.train.micro_batch_size, p.tp, layers, flash, sdpa_math)
-    if z.stage == 2 and accumulate:
-        pass  # the staging buffers are the accumulating gradients counted below
-    elif z.stage == 2:  # full-size staging buffers of the buckets being reduced (<= 2 with overlap)
-        out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs * (
-            2 if z.overlap_comm else 1)
+    if z.stage == 2:
+        # every micro-batch's gradients are reduced into the shards as its buckets fill, during
+        # each backward (beside its activations): the bucket filling, with overlap_comm the
+        # one in flight, and the reduction's output (a shard; on gloo, whose reduce-scatter is
+        # an all-to-all, a full-size receive buffer too)
+        bucket = min(out.numel, z.reduce_bucket_size) * gs
+        receive = bucket if device_is_cpu and dp > 1 else 0
+        out.items["ZeRO-2 gradient buckets"] = (
+            bucket * (2 if z.overlap_comm else 1) + bucket / dp + receive)
     elif z.stage == 1:  # reduce-scatter outputs
         out.sync["ZeRO buckets"] = min(out.numel, z.reduce_bucket_size) * gs / dp
-    if z.stage == 2 or (z.stage < 2 and not z.contiguous_gradients and not accumulate):
+    if z.stage < 2 and not z.contiguous_gradients and not accumulate:
         # gradients live in autograd's own tensors until the last micro-batch's backward
-        # copies them into the buckets (no views into a flat buffer); in accumulate mode at
-        # stage 2 they are summed in the buckets' full-size staging buffers instead
+        # copies them into the buckets (no views into a flat buffer)
         out.items["autograd gradients (accumulating)"] = out.numel * gs
         out.sync["autograd gradients (accumulating)"] = out.numel * gs
     elif z.stage == 3:

@@ -26,14 +26,16 @@
   node;
 * data parallel over NVLink inside a node, else over the NICs of the group's ranks on each
   node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather,
-  ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind; stage 3
+  ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind (stage
+  2 reduce-scatters every micro-batch's gradients: ``(m+1)Ψ(N-1)/N``); stage 3
   ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
   gathered for the forward and the backward of every micro-batch, gradients reduce-scattered
   after the last) in two all-gathers per gathered unit per micro-batch and one reduce-scatter
   per gradient bucket (:func:`megazero.zero.stage3_grads.plan_grad_buckets`), hidden behind
   the backward (2/3 of compute) with ``overlap_comm`` on a cluster whose communication
-  overlaps compute; at stages 0-2 gradients accumulate under no_sync, so ``overlap_comm``
-  hides their reduction behind the last micro-batch's backward only, and
+  overlaps compute; at stages 0-1 gradients accumulate under no_sync, so ``overlap_comm``
+  hides their reduction behind the last micro-batch's backward only (stage 2's behind each
+  micro-batch's own), and
   ``overlap_param_gather`` the parameters' all-gather behind one micro-batch's forward;
 * every collective costs ``alpha + wire bytes / beta`` (:func:`collective_seconds`): alpha and
   beta per kind from the cluster's measured ``collectives`` table, else its latency and links;
@@ -248,14 +250,18 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
             calls = max(1, -(-params_per_rank // max(1, z.reduce_bucket_size)))
             reduce = calls * collective_seconds(
                 cluster, "all_reduce" if z.stage == 0 else "reduce_scatter", buf / calls, dp, bw)
+            # stage 2 reduces every micro-batch's gradients (partitioned across accumulation)
+            reductions = mb if z.stage == 2 else 1
+            reduce *= reductions
             gather = 0.0 if z.stage == 0 else calls * collective_seconds(
                 cluster, "all_gather", buf / calls, dp, bw)
             if cluster.comm_overlaps_compute:
-                # gradients accumulate under no_sync, so only the last micro-batch's backward
-                # (and its recomputed forward) hides their reduction; the parameters'
-                # all-gather after the step hides behind the first forward of the next one
+                # stages 0-1 accumulate under no_sync, so only the last micro-batch's backward
+                # (and its recomputed forward) hides their reduction, stage 2's each
+                # micro-batch's own; the parameters' all-gather after the step hides behind
+                # the first forward of the next one
                 if z.overlap_comm:
-                    reduce = max(0.0, reduce - per_mb * (passes - 1) / passes)
+                    reduce = max(0.0, reduce - reductions * per_mb * (passes - 1) / passes)
                 if z.overlap_param_gather:
                     gather = max(0.0, gather - per_mb / passes)
             comm = reduce + gather

@@ -24,9 +24,14 @@ Gradients by stage:
   autograd accumulates in place and no copy is made; otherwise the hook copies ``param.grad`` in
   and frees it. Stage 0 all-reduces each bucket; stage 1 reduce-scatters it (or all-reduces when
   ``reduce_scatter`` is false) and reads only its shard.
-* stage 2: no full gradient buffer survives backward. A bucket's full-size staging buffer is
-  allocated when its first gradient arrives, reduce-scattered into a persistent shard buffer
-  (``1/dp`` of the bucket) once full, and freed.
+* stage 2: no full gradient buffer survives a micro-batch, as in DeepSpeed's ZeRO-2: gradients
+  are partitioned across the accumulation window too. A bucket's full-size staging buffer is
+  allocated (zeroed) when its first gradient arrives, reduce-scattered once full, added into a
+  persistent shard buffer (``1/dp`` of the bucket), and freed; inside ``no_sync`` as well, so
+  every micro-batch reduces its own gradients (``gradient_accumulation_steps`` times the
+  traffic of stage 1, which accumulates full gradients and reduces them once). A bucket that
+  does not fill in a micro-batch (an unused parameter) keeps adding into its staging buffer
+  until it does, or until the step's flush.
 
 Parameters whose gradients must first be summed over another group (``sequence_parallel``
 parameters over tensor-parallel ranks when sequence parallelism is on, ``shared_embedding``
@@ -38,6 +43,7 @@ offsets on different pipeline stages, so the other sum has to happen on full gra
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +52,9 @@ from torch import nn
 
 from megazero.zero.comm import GroupComm, Handle
 from megazero.zero.master import Piece
+
+#: Stage-2 reductions in flight at once (see GradBuffer.in_flight).
+MAX_IN_FLIGHT = 1
 
 
 @dataclass
@@ -123,6 +132,13 @@ class GradBuffer:
         shard_total = sum(b.numel // dp.size for b in self.buckets)
         self.shard_grad_flat = (torch.zeros(shard_total, dtype=grad_dtype, device=device)
                                 if stage == 2 else None)
+        # stage 2: the parameters whose gradient arrived this step (buckets re-arm after each
+        # micro-batch's reduction, so ``pending`` no longer says which ones never did)
+        self.got_grad: set[int] = set()
+        # stage 2: the buckets whose reduction is in flight, oldest first (at most
+        # MAX_IN_FLIGHT: a backward that outpaces the network waits rather than piling up
+        # staging buffers, as DeepSpeed's double-buffered reduction does)
+        self.in_flight: deque[Bucket] = deque()
         self.gather_hooks: list[Any] = []  # overlap_param_gather's forward pre-hooks
         self.zero_grad()
 
@@ -162,10 +178,9 @@ class GradBuffer:
             self.grad_flat.zero_()
         if self.shard_grad_flat is not None:
             self.shard_grad_flat.zero_()
+        self.got_grad.clear()
         for b in self.buckets:
-            b.pending = {id(s.param) for s in b.slots}
-            b.filled = set()
-            b.launched = False
+            self._rearm(b)
             b.handle = None
             b.grad = (self.grad_flat[b.offset:b.offset + b.numel]
                       if self.grad_flat is not None else None)
@@ -173,8 +188,16 @@ class GradBuffer:
                 s.param.grad = (b.full_grad()[s.start:s.start + s.numel].view_as(s.param)
                                 if self.view_mode else None)
 
+    @staticmethod
+    def _rearm(b: Bucket) -> None:
+        """Every parameter of ``b`` awaited again, nothing absorbed, nothing launched."""
+        b.pending = {id(s.param) for s in b.slots}
+        b.filled = set()
+        b.launched = False
+
     def grad_ready(self, param: nn.Parameter) -> None:
-        """A parameter's gradient for this step is complete (called from its hook)."""
+        """A parameter's gradient for this step is complete (called from its hook); at stage 2,
+        its gradient of this micro-batch, inside ``no_sync`` too."""
         b, s = self._unreduced_slot(param)
         self._absorb(b, s)
         b.pending.discard(id(param))
@@ -182,6 +205,8 @@ class GradBuffer:
             # A shared-memory all-reduce is deferred to the wait either way: issuing it
             # blocking here would stall backward at every bucket for the slowest rank.
             self._launch(b, async_op=self.overlap or self.shared_grads)
+            if self.stage == 2:  # the next micro-batch's gradients start a new staging buffer
+                self._rearm(b)
 
     def _absorb(self, b: Bucket, s: Slot) -> None:
         """Move ``param.grad`` into the bucket unless it already lives there."""
@@ -193,12 +218,14 @@ class GradBuffer:
                 view.copy_(g.reshape(-1))
                 s.param.grad = view.view_as(s.param)
             return
-        if b.grad is None:  # stage 2: staging buffer, every slot written before the reduction
-            alloc = torch.zeros if self.accumulate else torch.empty
-            b.grad = alloc(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+        if b.grad is None:  # stage 2: a zeroed staging buffer, gradients added in
+            b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
         g = s.param.grad
-        if g is not None and self.accumulate:
-            # added in grad_dtype (the bf16 gradient is widened first), pre-divided like below
+        if g is not None:
+            self.got_grad.add(id(s.param))
+        if g is not None and (self.accumulate or self.stage == 2):
+            # added in grad_dtype (a bf16 gradient is widened first), pre-divided like below;
+            # at stage 2 a bucket that did not fill in one micro-batch adds the next one's
             b.grad[s.start:s.start + s.numel].add_(g.reshape(-1), alpha=1.0 / self.dp.size)
             b.filled.add(s.start)
         elif g is not None:
@@ -212,12 +239,17 @@ class GradBuffer:
         """Average the bucket over data-parallel ranks: summed, then divided (the all-reduce
         does the division, before its sum or after it); slots copied in were divided then."""
         b.launched = True
-        if self.stage == 2 and async_op:
-            # a stage-2 bucket whose reduce-scatter finished frees its staging buffer now,
-            # not when backward ends (only the buckets still in flight keep theirs)
-            for o in self.buckets:
-                if o.handle is not None and o.handle.ready():
-                    o.handle.wait()
+        if self.stage == 2:
+            if b.handle is not None:  # the previous micro-batch's reduction of this bucket
+                b.handle.wait()
+            # a finished reduction frees its staging buffer now, and at most MAX_IN_FLIGHT
+            # stay in flight
+            while self.in_flight and (len(self.in_flight) >= MAX_IN_FLIGHT
+                                      or self.in_flight[0].handle is None
+                                      or self.in_flight[0].handle.ready()):
+                done = self.in_flight.popleft()
+                if done.handle is not None:
+                    done.handle.wait()
         average = False  # whether the sum still has to be divided by dp
         if b.grad is None:
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.param_flat.device)
@@ -236,15 +268,19 @@ class GradBuffer:
             out = torch.empty(b.own_hi - b.own_lo, dtype=b.grad.dtype, device=b.grad.device)
             h = self.dp.reduce_scatter(out, b.grad, async_op=async_op)
             b.handle = Handle(h, lambda: b.full_grad()[b.own_lo:b.own_hi].copy_(out))
-        else:
-            out = self._shard_grads()[b.shard_offset:b.shard_offset + b.own_hi - b.own_lo]
+        else:  # stage 2: this micro-batch's sum is added into the shard
+            shard = self._shard_grads()[b.shard_offset:b.shard_offset + b.own_hi - b.own_lo]
+            full = b.grad
+            b.grad = None  # the staging buffer lives on in the collective until it finishes
             if self.reduce_scatter:
-                h = self.dp.reduce_scatter(out, b.grad, async_op=async_op)
+                out = torch.empty_like(shard)
+                h = self.dp.reduce_scatter(out, full, async_op=async_op)
+                b.handle = Handle(h, lambda: shard.add_(out))
             else:
-                full = b.grad
                 h = self.dp.all_reduce(full, async_op=async_op)
-                h = Handle(h, lambda: out.copy_(full[b.own_lo:b.own_hi]))
-            b.handle = Handle(h, lambda: setattr(b, "grad", None))
+                b.handle = Handle(h, lambda: shard.add_(full[b.own_lo:b.own_hi]))
+            if async_op:
+                self.in_flight.append(b)
         if not async_op:
             b.handle.wait()
 
@@ -259,13 +295,17 @@ class GradBuffer:
 
     def flush(self) -> None:
         """Launch every normal bucket still waiting (unused parameters, or a backward that ran
-        entirely inside ``no_sync``); gradients sitting in ``param.grad`` are absorbed first."""
+        entirely inside ``no_sync``); gradients sitting in ``param.grad`` are absorbed first.
+        At stage 2 only buckets holding gradients not yet reduced: the others' sums are in the
+        shards already (or, never having had a gradient on any rank, are the zeros there)."""
         for b in self.buckets:
             if b.launched or b.kind is not None:
                 continue
             for s in b.slots:
-                if id(s.param) in b.pending:
+                if id(s.param) in b.pending and (self.stage < 2 or s.param.grad is not None):
                     self._absorb(b, s)
+            if self.stage == 2 and b.grad is None:
+                continue
             b.pending.clear()
             self._launch(b, async_op=self.overlap or self.shared_grads)
 
@@ -273,6 +313,7 @@ class GradBuffer:
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
+        self.in_flight.clear()
 
     def deferred_grads(self, kind: str) -> list[torch.Tensor]:
         """Full gradients of the deferred buckets of ``kind``, for the tp / embedding sum."""
@@ -280,8 +321,11 @@ class GradBuffer:
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
         """Inside ``no_sync``: the gradient stays where autograd accumulates it, or in
-        accumulate mode is added into the wider buffer now (and ``param.grad`` freed)."""
-        if self.accumulate:
+        accumulate mode is added into the wider buffer now (and ``param.grad`` freed). At
+        stage 2 a normal bucket's gradient is reduced as outside (see the module docstring)."""
+        if self.stage == 2 and self.slot_of[id(param)][0].kind is None:
+            self.grad_ready(param)
+        elif self.accumulate:
             self._absorb(*self._unreduced_slot(param))
 
     def _unreduced_slot(self, param: nn.Parameter) -> tuple[Bucket, Slot]:
@@ -315,6 +359,9 @@ class GradBuffer:
                 self._launch(b, async_op=False)
 
     def unused_params(self) -> list[nn.Parameter]:
+        if self.stage == 2:
+            return [s.param for b in self.buckets for s in b.slots
+                    if id(s.param) not in self.got_grad and s.param.grad is None]
         return [s.param for b in self.buckets for s in b.slots
                 if id(s.param) in b.pending and s.param.grad is None and not self.view_mode
                 and s.start not in b.filled]
