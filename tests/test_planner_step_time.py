@@ -94,13 +94,15 @@ def test_gradient_reduction_hides_behind_the_last_microbatch_backward_only():
     assert t["data parallel"] == pytest.approx(reduce - per_mb * 2 / 3, rel=1e-12)
 
 
-def test_zero3_gathers_per_microbatch_and_reduces_once_per_bucket():
+def test_zero3_gathers_and_reduces_per_microbatch():
+    """Every micro-batch gathers each unit twice and reduce-scatters each bucket once (its
+    gradients partitioned across the accumulation, as DeepSpeed's ZeRO-3)."""
     t = terms(["--zero-stage=3"])
     mb = 4
     assert t["data parallel"] == pytest.approx(
-        mb * 2 * 4 * PARAMS / 2 / (AG[1] * 1e9) + 4 * PARAMS / 2 / (RS[1] * 1e9), rel=1e-12)
+        mb * (2 * 4 * PARAMS / 2 / (AG[1] * 1e9) + 4 * PARAMS / 2 / (RS[1] * 1e9)), rel=1e-12)
     assert t["ZeRO-3 gather latency"] == pytest.approx(
-        (UNITS * mb * 2 * AG[0] + BUCKETS * RS[0]) * 1e-6, rel=1e-12)
+        mb * (UNITS * 2 * AG[0] + BUCKETS * RS[0]) * 1e-6, rel=1e-12)
     assert t["compute"] == terms(["--zero-stage=1"])["compute"]
 
 
@@ -195,8 +197,11 @@ def test_estimate_charges_one_reduce_scatter_per_gradient_bucket():
         c = replace(cfg, zero=replace(cfg.zero, reduce_bucket_size=bucket))
         return estimate(c, cluster()).time.terms["ZeRO-3 gather latency"]
 
-    # every unit alone against the whole model in one bucket: units - 1 more calls
-    assert latency(1) - latency(10**12) == pytest.approx((units - 1) * RS[0] * 1e-6, rel=1e-9)
+    # every unit alone against the whole model in one bucket: units - 1 more calls per
+    # micro-batch
+    mb = 16 // (B * cfg.layout().dp)
+    assert latency(1) - latency(10**12) == pytest.approx(
+        mb * (units - 1) * RS[0] * 1e-6, rel=1e-9)
     assert units > 5
 
 

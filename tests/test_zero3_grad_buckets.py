@@ -146,7 +146,7 @@ class _Grads(Stage3Grads):
         pass
 
 
-def test_a_finished_bucket_frees_its_input_at_the_next_launch():
+def test_a_launched_bucket_hands_its_input_over_one_reduction_in_flight():
     params = [nn.Parameter(torch.ones(4)) for _ in range(3)]
     g = _Grads()
     g.units = [Unit(i, [p], 2, 0, False, None) for i, p in enumerate(params)]
@@ -155,13 +155,16 @@ def test_a_finished_bucket_frees_its_input_at_the_next_launch():
     g.dtype = torch.float32
     g._build_grad_buckets(4)  # one unit per bucket
     g.zero_grad()
-    held = []
+    held, flying = [], []
     for p in reversed(params):  # the backward's order
         p.grad = torch.full_like(p, 2.0)
         g.grad_ready(p)
         held.append([b.full is not None for b in g.buckets])
-    # each launch frees the earlier, finished bucket; the newest stays until it is polled
-    assert held == [[False, False, True], [False, True, False], [True, False, False]]
+        flying.append([b.units[0].index for b in g.in_flight])
+    # a launched bucket's input belongs to its collective, and each launch first waits for
+    # the reduction in flight: never more than one bucket's input alive
+    assert held == [[False] * 3] * 3 and flying == [[2], [1], [0]]
     g.wait()
+    assert not g.in_flight
     assert all(b.full is None for b in g.buckets)
     assert all(torch.equal(u.grad_shard, torch.ones(2)) for u in g.units)  # 2.0 / dp

@@ -185,12 +185,11 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
         many = sum(len(x.buckets) for x in parts) > 1
         gathered = min(out.numel, z.stage3_max_live_parameters + z.stage3_prefetch_bucket_size)
         out.items["ZeRO gathered params + prefetch"] = gathered * ps
+        # every micro-batch's buckets are reduced as they fill (stage3_grads): during each
+        # backward, as the activations it frees make room (the phase of one micro-batch's
+        # backward, which the last one's stands for)
         out.sync["ZeRO-3 gradient buckets being reduced"] = (
             largest + bucket * (1 + int(device_is_cpu) + int(z.overlap_comm and many))) * gs
-        if num_microbatches > 1:
-            # inside no_sync every unit's gradients stay full-size until the last micro-batch
-            # (in the buckets' inputs in accumulate mode, else in autograd's tensors)
-            out.items["ZeRO-3 gradients accumulating"] = out.numel * gs
     # The step works one sub-group at a time (on the host if offloaded): 16-bit runs cast its
     # gradients to fp32; a foreach update (SGD, Lion) keeps one fp32 temporary of the
     # sub-group's size (divided and shifted in place). Adam runs torch's fused

@@ -28,10 +28,10 @@
   node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather,
   ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind (stage
   2 reduce-scatters every micro-batch's gradients: ``(m+1)Ψ(N-1)/N``); stage 3
-  ``(2m+1)Ψ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are
-  gathered for the forward and the backward of every micro-batch, gradients reduce-scattered
-  after the last) in two all-gathers per gathered unit per micro-batch and one reduce-scatter
-  per gradient bucket (:func:`megazero.zero.stage3_grads.plan_grad_buckets`), hidden behind
+  ``3mΨ(N-1)/N`` for m micro-batches (the paper's ``3Ψ`` is m = 1: parameters are gathered
+  for the forward and the backward of every micro-batch, and its gradients reduce-scattered)
+  in two all-gathers per gathered unit and one reduce-scatter per gradient bucket
+  (:func:`megazero.zero.stage3_grads.plan_grad_buckets`) per micro-batch, hidden behind
   the backward (2/3 of compute) with ``overlap_comm`` on a cluster whose communication
   overlaps compute; at stages 0-1 gradients accumulate under no_sync, so ``overlap_comm``
   hides their reduction behind the last micro-batch's backward only (stage 2's behind each
@@ -236,14 +236,15 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         buf = e * params_per_rank
         if z.stage == 3:
             # parameters gathered for every micro-batch's forward and backward, gradients
-            # reduce-scattered after the last one (the others accumulate under no_sync):
-            # ``(2m+1)Ψ(N-1)/N`` bytes; two gathers per unit per micro-batch and one
-            # reduce-scatter per bucket (units small enough to be latency-bound)
+            # reduce-scattered after every micro-batch's backward (partitioned across the
+            # accumulation, as DeepSpeed's): ``3mΨ(N-1)/N`` bytes; two gathers per unit and
+            # one reduce-scatter per bucket per micro-batch (units small enough to be
+            # latency-bound)
             ag, rs = (alpha_beta(cluster, k, bw) for k in ("all_gather", "reduce_scatter"))
-            comm = (mb * 2 * wire_bytes("all_gather", buf, dp) / ag[1]
-                    + wire_bytes("reduce_scatter", buf, dp) / rs[1])
-            out.terms["ZeRO-3 gather latency"] = (zero3_units * mb * 2 * ag[0]
-                                                  + zero3_buckets * rs[0])
+            comm = mb * (2 * wire_bytes("all_gather", buf, dp) / ag[1]
+                         + wire_bytes("reduce_scatter", buf, dp) / rs[1])
+            out.terms["ZeRO-3 gather latency"] = mb * (zero3_units * 2 * ag[0]
+                                                       + zero3_buckets * rs[0])
             if z.overlap_comm and cluster.comm_overlaps_compute:
                 comm = max(0.0, comm - compute * 2 / 3)
         else:

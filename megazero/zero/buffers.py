@@ -79,6 +79,7 @@ class Bucket:
     pending: set[int] = field(default_factory=set)
     filled: set[int] = field(default_factory=set)  # slots copied into ``grad`` this step
     launched: bool = False
+    reductions: int = 0  # launched this step (stage 2 reduces every micro-batch)
     handle: Handle | None = None
     gather: Handle | None = None  # the parameters' all-gather in flight after the step
     grad: torch.Tensor | None = None  # full-size gradients (a view, or stage-2 staging)
@@ -182,6 +183,7 @@ class GradBuffer:
         for b in self.buckets:
             self._rearm(b)
             b.handle = None
+            b.reductions = 0
             b.grad = (self.grad_flat[b.offset:b.offset + b.numel]
                       if self.grad_flat is not None else None)
             for s in b.slots:
@@ -239,6 +241,7 @@ class GradBuffer:
         """Average the bucket over data-parallel ranks: summed, then divided (the all-reduce
         does the division, before its sum or after it); slots copied in were divided then."""
         b.launched = True
+        b.reductions += 1
         if self.stage == 2:
             if b.handle is not None:  # the previous micro-batch's reduction of this bucket
                 b.handle.wait()
@@ -296,15 +299,15 @@ class GradBuffer:
     def flush(self) -> None:
         """Launch every normal bucket still waiting (unused parameters, or a backward that ran
         entirely inside ``no_sync``); gradients sitting in ``param.grad`` are absorbed first.
-        At stage 2 only buckets holding gradients not yet reduced: the others' sums are in the
-        shards already (or, never having had a gradient on any rank, are the zeros there)."""
+        At stage 2 the buckets holding gradients not yet reduced, and (with zeros) those not
+        reduced at all this step: every bucket is reduced at least once per step."""
         for b in self.buckets:
             if b.launched or b.kind is not None:
                 continue
             for s in b.slots:
                 if id(s.param) in b.pending and (self.stage < 2 or s.param.grad is not None):
                     self._absorb(b, s)
-            if self.stage == 2 and b.grad is None:
+            if self.stage == 2 and b.grad is None and b.reductions:
                 continue
             b.pending.clear()
             self._launch(b, async_op=self.overlap or self.shared_grads)

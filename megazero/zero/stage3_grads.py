@@ -9,10 +9,14 @@ is rank-major: row ``r`` holds every unit's chunk ``r`` side by side, so row ``r
 ``r`` receives summed, and the units' gradient shards are consecutive views of one flat buffer.
 Small units (LayerNorms, biases) thus share a collective instead of paying one each.
 
-Where the gradient dtype is wider than the parameters' (fp32 for bf16 by default), every
-backward's gradients are added into the bucket's input in that dtype, inside ``no_sync`` too
-(Megatron's ``main_grad``): the input then lives from a unit's first gradient of the step until
-its bucket is reduced, and ``param.grad`` never holds more than one micro-batch's gradient.
+Gradients are partitioned across the accumulation window too, as DeepSpeed's ZeRO-3 does: a
+bucket is reduce-scattered as soon as every unit of it has this micro-batch's gradients, inside
+``no_sync`` as well, and the result is added into the units' shards. The bucket's input is
+zeroed when allocated and gradients are added into it (in the gradient dtype: fp32 for bf16
+parameters by default, Megatron's ``main_grad``), so a bucket that does not complete in one
+micro-batch (an unused parameter) takes the next one's gradients as well, until it completes
+or the step's flush reduces it. No full-size gradient outlives a micro-batch's backward; the
+price is one reduction per micro-batch. At most one bucket's reduction is in flight.
 
 A bucket holds units of one group only: MoE expert units partitioned over the
 expert-data-parallel group (:mod:`megazero.zero.stage3`) are reduce-scattered over it. Their
@@ -28,6 +32,7 @@ embedding group, then ``reduce_deferred`` scatters them. :class:`Stage3Grads` is
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -54,6 +59,7 @@ class GradBucket:
         self.handle: Handle | None = None
         self.absorbed = 0
         self.launched = False
+        self.reductions = 0  # launched this step
         col = 0
         for u in units:
             u.bucket, u.column = self, col
@@ -127,6 +133,9 @@ class Stage3Grads:
     def _release(self, u: Unit) -> None:
         raise NotImplementedError  # the parameter side (Stage3Params) frees the gathered unit
 
+    in_flight: deque[GradBucket]  # normal buckets whose reduction is in flight (at most one)
+    got_grad: set[int]  # the parameters whose gradient arrived this step
+
     def _build_grad_buckets(self, bucket_numel: int) -> None:
         """Group the units into buckets and point their gradient shards into them (before the
         optimizer takes views of the shards)."""
@@ -136,6 +145,7 @@ class Stage3Grads:
                                  [int(c is not self.dp) for c in comm])
         self.buckets = [GradBucket([self.units[i] for i in idx], comm[idx[0]].size,
                                    self.grad_dtype, self.device, comm[idx[0]]) for idx in plan]
+        self.in_flight, self.got_grad = deque(), set()
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -144,8 +154,12 @@ class Stage3Grads:
             b.handle = None
             b.absorbed = 0
             b.launched = False
+            b.reductions = 0
+        self.in_flight.clear()
+        self.got_grad.clear()
         for u in self.units:
             u.reduced = False
+            u.counted = False
             u.filled = set()
             u.pending = {id(p) for p in u.params}
             for p in u.params:
@@ -158,18 +172,21 @@ class Stage3Grads:
 
     def _slot(self, u: Unit) -> torch.Tensor:
         """The bucket's ``dp x width`` input, where the unit owns columns ``[column, column +
-        shard_size)``; :func:`segments` addresses them."""
-        return u.bucket.rows(self.grad_dtype, self.device, zeroed=self._accumulating())
+        shard_size)``; :func:`segments` addresses them. Zeroed when allocated (gradients are
+        added in), but for a deferred unit outside accumulate mode (copied in once)."""
+        return u.bucket.rows(self.grad_dtype, self.device,
+                             zeroed=self._accumulating() or u.kind is None)
 
     def _absorb(self, u: Unit) -> None:
-        """Copy (or in accumulate mode add) the unit's gradients into its bucket slot,
-        applying the 1/dp of the average in the same pass (dp, also for expert units
-        reduced over edp: module docstring); slots never filled are zeroed before the
-        reduction."""
+        """Add (a deferred unit outside accumulate mode: copy) the unit's gradients into its
+        bucket slot, applying the 1/dp of the average in the same pass (dp, also for expert
+        units reduced over edp: module docstring); a deferred unit's slots never filled are
+        zeroed before the reduction."""
         rows = self._slot(u)
-        add = self._accumulating()
+        add = self._accumulating() or u.kind is None
         for i, (p, s, shape) in enumerate(zip(u.params, u.starts, u.shapes)):
             if p.grad is not None:
+                self.got_grad.add(id(p))
                 g = p.grad.reshape(-1)
                 for r, c0, c1, a in segments(u, s, shape.numel()):
                     if add:  # widened, then scaled and summed in grad_dtype
@@ -190,8 +207,13 @@ class Stage3Grads:
             rows[r, c0:c1].zero_()
 
     def grad_accumulated(self, param: nn.Parameter) -> None:
-        """Inside ``no_sync``: keep the gradient, release the parameters once all arrived."""
+        """Inside ``no_sync``: a normal unit's gradient is reduced as outside (module
+        docstring); a deferred unit's stays (or in accumulate mode is added into its bucket),
+        and its parameters are released once all arrived."""
         u = self.unit_of_param[id(param)]
+        if u.kind is None:
+            self.grad_ready(param)
+            return
         u.pending.discard(id(param))
         if not u.pending:
             u.pending = {id(p) for p in u.params}
@@ -210,41 +232,70 @@ class Stage3Grads:
         self._absorb(u)
         self._release(u)
         if u.kind is None:
+            u.pending = {id(p) for p in u.params}  # the next micro-batch's gradients
             self._commit(u)
 
     def _commit(self, u: Unit) -> None:
-        """The unit's gradients are final: count it in, and reduce its bucket once complete."""
-        u.reduced = True
-        self._zero_unfilled(u)
+        """The unit's gradients of this micro-batch are in its bucket: count it (once per
+        round of the bucket), and reduce the bucket once every unit is in."""
         b = u.bucket
-        b.absorbed += 1
+        if not u.counted:
+            u.counted = True
+            b.absorbed += 1
         if b.absorbed == len(b.units):
             self._launch(b, async_op=self.overlap)
 
     def _launch(self, b: GradBucket, async_op: bool) -> None:
+        """Reduce-scatter the bucket's input and add the result into the units' shards; a
+        normal bucket then starts its next round (its units counted again from none)."""
         b.launched = True
-        for h in (o.handle for o in self.buckets if o.handle is not None):
-            if h.ready():  # a finished earlier bucket frees its input now, not at the end
-                h.wait()
-        assert b.full is not None  # every unit was absorbed (or zeroed) into it
-        work = (b.comm or self.dp).reduce_scatter(b.shard, b.full, async_op=async_op)
-        b.handle = Handle(work, b.free)
-        if not async_op:
+        b.reductions += 1
+        if b.handle is not None:  # this bucket's previous round
+            b.handle.wait()
+        while self.in_flight:  # at most one in flight: wait for it, which frees its input
+            done = self.in_flight.popleft()
+            if done.handle is not None:
+                done.handle.wait()
+        if b.full is None:  # a bucket no gradient reached this step: its zeros
+            b.rows(self.grad_dtype, self.device, zeroed=True)
+        full: torch.Tensor = b.full  # type: ignore[assignment]  # set just above
+        b.full = None
+        out = torch.empty_like(b.shard)
+        work = (b.comm or self.dp).reduce_scatter(out, full, async_op=async_op)
+        shard = b.shard
+        b.handle = Handle(work, lambda: shard.add_(out))
+        if b.units[0].kind is None:
+            b.absorbed = 0
+            for u in b.units:
+                u.counted = False
+                u.filled = set()
+        if async_op:
+            self.in_flight.append(b)
+        else:
             b.handle.wait()
 
     def flush(self) -> None:
-        """After the backward: units whose gradients never all arrived (parameters unused this
-        step) go in with zeros, and every bucket not yet reduced is."""
+        """After the backward: units whose gradients did not all arrive in the last round
+        (parameters unused this step) add what they have, their parameters are released, and
+        every bucket holding gradients not yet reduced is reduced, and so is (with zeros) one
+        not reduced at all this step: every bucket is reduced at least once per step on every
+        rank, whichever parameters were used."""
         for u in self.units:
-            if not u.reduced and u.kind is None:
+            if u.kind is not None:
+                continue
+            if any(p.grad is not None for p in u.params):  # the last round's partial unit
                 self._absorb(u)
-                self._release(u)
-                self._commit(u)
+            self._release(u)
+            u.pending = {id(p) for p in u.params}
+        for b in self.buckets:
+            if b.units[0].kind is None and (b.full is not None or not b.reductions):
+                self._launch(b, async_op=self.overlap)
 
     def wait(self) -> None:
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
+        self.in_flight.clear()
 
     def absorb_deferred(self) -> None:
         for u in self.units:
@@ -267,8 +318,8 @@ class Stage3Grads:
                 self._launch(u.bucket, async_op=False)
 
     def unused_params(self) -> list[nn.Parameter]:
-        return [p for u in self.units if not u.reduced for i, p in enumerate(u.params)
-                if id(p) in u.pending and p.grad is None and i not in u.filled]
+        return [p for u in self.units for p in u.params
+                if id(p) not in self.got_grad and p.grad is None]
 
     def held_grads(self) -> list[torch.Tensor]:
         out = [b.shard for b in self.buckets]

@@ -50,6 +50,7 @@ class Unit:
         self.column = 0  # where its chunk starts in each row of that bucket
         self.pending: set[int] = set()
         self.filled: set[int] = set()  # indices of params copied into its bucket this step
+        self.counted = False  # in its bucket's current round (stage3_grads: _commit)
         self.reduced = False
         self.swap: Any = None  # NVMe offload: the UnitSwap holding the shard (param_swap.py)
         # The group the unit is partitioned, gathered and reduce-scattered over: the data-

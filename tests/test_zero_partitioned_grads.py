@@ -1,7 +1,7 @@
-"""ZeRO-2 partitions gradients across the accumulation window too, as DeepSpeed's does: every
-micro-batch's gradients are reduce-scattered and added into the rank's shard, so no full-size
-gradient outlives a micro-batch's backward. Stage 1 accumulates full gradients and reduces once.
-Both train the single-process model."""
+"""ZeRO-2 and ZeRO-3 partition gradients across the accumulation window too, as DeepSpeed's
+do: every micro-batch's gradients are reduce-scattered and added into the rank's shards, so no
+full-size gradient outlives a micro-batch's backward. Stage 1 accumulates full gradients and
+reduces once. All train the single-process model."""
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,9 @@ def _full_grads_held(engine) -> int:
     gradient buffer), the shards not counted."""
     total = 0
     for store in engine.stores:
-        shard = getattr(store, "shard_grad_flat", None)
-        total += sum(t.numel() for t in store.held_grads() if t is not shard)
+        shards = {id(getattr(store, "shard_grad_flat", None))}  # stage 2
+        shards |= {id(b.shard) for b in getattr(store, "buckets", []) if hasattr(b, "shard")}
+        total += sum(t.numel() for t in store.held_grads() if id(t) not in shards)
     return total
 
 
@@ -41,14 +42,16 @@ def _run(rank: int, world: int) -> dict:
     mine = slice(rank * rows, (rank + 1) * rows)
     out = {}
     for stage, precision in ((1, PrecisionConfig()), (2, PrecisionConfig()),
-                             (2, PrecisionConfig(bf16=True))):
+                             (2, PrecisionConfig(bf16=True)), (3, PrecisionConfig()),
+                             (3, PrecisionConfig(bf16=True))):
         model = _tiny()
         names = {id(p): n for n, p in model.named_parameters()}
         if precision.bf16:
             model = model.to(torch.bfloat16)
-        engine = build_zero_optimizer([model], OPT, ZeroConfig(stage=stage, reduce_bucket_size=500,
-                                                               overlap_comm=True),
-                                      precision, topo)
+        numel = sum(p.numel() for p in model.parameters())
+        engine = build_zero_optimizer([model], OPT, ZeroConfig(
+            stage=stage, reduce_bucket_size=500, overlap_comm=True,
+            stage3_param_persistence_threshold=0), precision, topo)
         held, losses = [], []
         for tokens, labels in batches:
             engine.zero_grad()
@@ -75,25 +78,29 @@ def _run(rank: int, world: int) -> dict:
         dw = max((w.float() - ref_w[names[i]]).abs().max().item() for i, w in full.items())
         dl = max(abs(a - b) for a, b in zip(losses, ref_losses))
         buckets = sum(len(s.buckets) for s in engine.stores)
-        numel = sum(p.numel() for p in model.parameters())
         out[f"{stage}{' bf16' if precision.bf16 else ''}"] = dict(
             held=held, calls=calls, buckets=buckets, numel=numel, dw=dw, dl=dl)
     return out
 
 
-def test_stage2_holds_no_full_gradient_between_micro_batches():
+def _reductions(case: dict) -> int:
+    return sum(v for k, v in case["calls"].items() if "reduce_scatter" in k)
+
+
+def test_stages_2_and_3_hold_no_full_gradient_between_micro_batches():
     for r in run_distributed(_run, 2, timeout=240):
-        one, two, two_bf16 = r["1"], r["2"], r["2 bf16"]
-        # stage 1: the full fp32 gradient buffer all along; stage 2: nothing full-size left
-        # after a micro-batch's backward (bf16 included: its fp32 sums live in the shard)
+        one = r["1"]
+        # stage 1: the full fp32 gradient buffer all along, reduced once per step
         assert min(one["held"]) >= one["numel"], one["held"]
-        assert two["held"] == [0] * len(two["held"]) and two_bf16["held"] == two["held"]
-        # stage 2 reduces every micro-batch's buckets, stage 1 once per step
-        assert sum(v for k, v in one["calls"].items() if "reduce_scatter" in k) == \
-            one["buckets"], one["calls"]
-        assert sum(v for k, v in two["calls"].items() if "reduce_scatter" in k) == \
-            MICRO * two["buckets"], two["calls"]
-        # and both train the single-process model
-        for case in (one, two):
-            assert case["dl"] < TOL and case["dw"] < TOL, case
-        assert two_bf16["dl"] < 2e-2, two_bf16  # bf16 weights: the same run to bf16 precision
+        assert _reductions(one) == one["buckets"], one["calls"]
+        for name in ("2", "2 bf16", "3", "3 bf16"):
+            case = r[name]
+            # nothing full-size left after a micro-batch's backward (bf16 included: its fp32
+            # sums live in the shards); every micro-batch reduces every bucket
+            assert case["held"] == [0] * len(one["held"]), (name, case["held"])
+            assert _reductions(case) == MICRO * case["buckets"], (name, case["calls"])
+        # and they train the single-process model
+        for name in ("1", "2", "3"):
+            assert r[name]["dl"] < TOL and r[name]["dw"] < TOL, (name, r[name])
+        for name in ("2 bf16", "3 bf16"):  # bf16 weights: the same run to bf16 precision
+            assert r[name]["dl"] < 2e-2, (name, r[name])
