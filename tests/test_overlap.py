@@ -141,22 +141,24 @@ class _FakeDp:
         return Handle(_Finished())
 
 
-def test_zero2_frees_each_staging_buffer_once_its_reduce_scatter_finished():
+def test_zero2_hands_each_staging_buffer_over_one_reduction_in_flight():
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(4)]
-    held = {}
+    held, flying = {}, {}
     for overlap in (False, True):
         buf = GradBuffer(params, stage=2, dp=_FakeDp(), bucket_numel=4,
                          grad_dtype=torch.float32, contiguous_gradients=True,
                          reduce_scatter=True, overlap=overlap, deferred_kind={})
-        held[overlap] = []
+        held[overlap], flying[overlap] = [], []
         for p in reversed(params):  # backward's order; one bucket per parameter
             p.grad = torch.full_like(p, 2.0)
             buf.grad_ready(p)
             held[overlap].append(sum(b.grad is not None for b in buf.buckets))
+            flying[overlap].append([b.index for b in buf.in_flight])
         buf.wait()
-        assert all(b.grad is None for b in buf.buckets)
+        assert all(b.grad is None for b in buf.buckets) and not buf.in_flight
         assert torch.equal(buf.shard_grad_flat, torch.ones(8))  # 2.0 / dp, this rank's halves
-    # overlap: each launch frees the finished earlier bucket, the newest stays until polled;
-    # without overlap every reduction is blocking and frees its buffer at once
-    assert held[True] == [1, 1, 1, 1]
-    assert held[False] == [0, 0, 0, 0]
+    # a launched bucket's staging buffer belongs to its reduction: no bucket holds one after
+    # its launch; with overlap, each launch first waits for the one reduction in flight,
+    # without it every reduction is blocking
+    assert held[True] == held[False] == [0, 0, 0, 0]
+    assert flying[True] == [[0], [1], [2], [3]] and flying[False] == [[]] * 4
