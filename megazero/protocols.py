@@ -38,7 +38,9 @@ class GradSync(Protocol):
     """
 
     def no_sync(self) -> AbstractContextManager[None]:
-        """A context in which backwards only accumulate gradients locally."""
+        """A context for the backwards of an iteration's earlier micro-batches: gradients
+        accumulate locally where the implementation defers the reduction (ZeRO 0-1), or are
+        reduced into their shards at once where it partitions them (ZeRO 2-3)."""
         ...
 
     def start_grad_sync(self) -> None:

@@ -148,7 +148,10 @@ class ZeroOptimizer:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward inside accumulates gradients locally; nothing is reduced."""
+        """Backward inside accumulates gradients locally at stages 0-1 (reduced once, after
+        the last micro-batch); at stages 2-3 each micro-batch's gradients are reduced into the
+        shards as their buckets fill, except the deferred ones (sequence-parallel and tied
+        embedding parameters), which wait for the last (see the buffers' docstrings)."""
         old, self._sync = self._sync, False
         try:
             yield
