@@ -139,16 +139,6 @@ def trimmed_mean(values: list[float], fraction: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dist.P2POp):
-        return _tensor_bytes(value.tensor)
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -270,7 +260,8 @@ class CommsLogger:
             result = _waited(fn(*args, **kwargs))
             _synchronize(tensors)
             latency_ms = (time.perf_counter() - start) * 1e3
-            size = _tensor_bytes(message)  # batch_isend_irecv: what this rank sends and receives
+            # batch_isend_irecv: what this rank sends and receives
+            size = sum(t.numel() * t.element_size() for t in tensors)
             name = op
             if self.settings.debug:
                 name = f"{op} | [Caller Func: {sys._getframe(1).f_code.co_name}]"
