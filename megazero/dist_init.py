@@ -10,6 +10,7 @@ training code never needs a non-distributed path.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         # The model's tensors are host memory: keep what an iteration frees for the next.
         keep_freed_host_memory()
     if not dist.is_initialized():
+        import_dynamo_before_the_group()
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes),
                                 **({"store": store} if store is not None else {}),
@@ -122,6 +124,23 @@ def set_seed(seed: int, pp_rank: int = 0) -> None:
     torch.manual_seed(s)
 
 
+def import_dynamo_before_the_group() -> None:
+    """Import ``torch._dynamo`` while no process group exists.
+
+    Imported after ``init_process_group`` (the model's first ``torch.compile`` or checkpoint
+    import does it), torch 2.13's dynamo keeps references to the default group that
+    ``destroy_process_group`` does not drop. The group's worker threads then outlive the
+    interpreter, and one that releases its last work item during finalization aborts the
+    process ("terminate called without an active exception")."""
+    import torch._dynamo  # noqa: F401
+
+
 def destroy() -> None:
+    """Leave the process group, then free what still held its groups (cycles through the
+    model and the engine) while the interpreter is whole: each gloo group's destructor joins
+    its worker threads, which drop their last work items (and the tensors' Python objects in
+    them) with the interpreter still able to take them. See
+    :func:`import_dynamo_before_the_group`."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()

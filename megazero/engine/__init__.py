@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.comms_logging import CommsLogger, CommsLoggerSettings
+from megazero.dist_init import destroy
 from megazero.engine.engine import EngineStateError, MegazeroEngine
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class _ExitInOrder:
                     dist.barrier()
             except RuntimeError:
                 pass  # a peer left first; nothing more to wait for
-        dist.destroy_process_group()
+        destroy()
 
 
 _EXIT = _ExitInOrder()

@@ -17,6 +17,7 @@ stage-3 parameter manager (:mod:`megazero.zero.stage3`); this class only sequenc
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,6 +80,25 @@ class Comms:
             g.timers = timers
 
 
+def _weakly(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """``method`` as a gradient hook that does not keep its object alive.
+
+    A hook is stored in the parameter's hook table, so a bound method there makes a cycle
+    (parameter -> optimizer -> parameter) that Python's collector cannot see through the
+    tensor. The engine, its model and its process groups would then live until interpreter
+    exit, and a gloo worker thread that drops its last work item during finalization (and
+    with it a tensor's Python object) aborts the process ("terminate called without an
+    active exception")."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
+
+
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -121,7 +141,7 @@ class ZeroOptimizer:
                 self._param_store[id(p)] = store
                 # torch's stub leaves this method unannotated
                 hook = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    self._on_grad)
+                    _weakly(self._on_grad))
                 self._hooks.append(hook)
 
     # --- the training-loop surface ------------------------------------------------------------

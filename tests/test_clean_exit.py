@@ -1,0 +1,73 @@
+"""A rank of ``pretrain_gpt.py`` hands the interpreter's finalization nothing but its main
+thread.
+
+A gloo process group runs worker threads. One still alive when the interpreter finalizes may
+drop its last work item then, and with it the Python object of a tensor in that item: taking
+the GIL during finalization ends the thread by forced unwinding through C++ destructors, and
+the process aborts with "terminate called without an active exception" after a run that
+trained and saved correctly (seen about 1 run in 20 of a 4-rank job on 2 loaded cores; the
+core dump shows ``~AsyncBarrierWork`` -> ``decref_pyobject`` -> ``pthread_exit``). Every group
+is therefore destroyed, and its threads joined, before the interpreter starts to finalize:
+nothing may keep the engine or the model alive past the run (a gradient hook holding the
+optimizer strongly did), and ``torch._dynamo`` is imported before the default group exists
+(imported after, it keeps the group alive).
+
+The probe wraps the entry point: it lists the process's threads when ``pretrain`` has
+returned and before the entry point's last clean-up (the groups' threads are still there,
+which shows the probe sees them), and again in an exit hook that runs after every other one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from megazero.testing.launch import REPO, SCRIPT, TINY, TORCHRUN, check, env
+
+PROBE = r"""
+import atexit, json, os, runpy, sys
+
+def threads():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended while listed
+            pass
+    return sorted(names)
+
+out, script = sys.argv[1], sys.argv[2]
+seen = {}
+atexit.register(lambda: open(os.path.join(out, os.environ["RANK"] + ".json"), "w").write(
+    json.dumps({**seen, "at exit": threads()})))
+
+import megazero.dist_init as dist_init
+destroy = dist_init.destroy
+
+def probed_destroy():
+    seen["before clean-up"] = threads()
+    destroy()
+
+dist_init.destroy = probed_destroy
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_every_rank_leaves_only_its_main_thread_to_the_interpreter(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    out = tmp_path / "threads"
+    out.mkdir()
+    # ZeRO-3 (hooks on every module) x TP 2 x DP 2, with a save: the groups of every kind
+    args = [*TINY, "--train-iters", "2", "--tensor-model-parallel-size", "2", "--zero-stage",
+            "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "4", str(probe),
+                           str(out), SCRIPT, *args], env=env(), cwd=REPO, timeout=300,
+                          capture_output=True, text=True)
+    check(proc)
+    for rank in range(4):
+        seen = json.loads((out / f"{rank}.json").read_text())
+        assert seen["before clean-up"].count("pt_gloo_runloop") >= 2, seen
+        assert len(seen["at exit"]) == 1, (rank, seen["at exit"])
