@@ -136,11 +136,15 @@ def import_dynamo_before_the_group() -> None:
 
 
 def destroy() -> None:
-    """Leave the process group, then free what still held its groups (cycles through the
-    model and the engine) while the interpreter is whole: each gloo group's destructor joins
-    its worker threads, which drop their last work items (and the tensors' Python objects in
-    them) with the interpreter still able to take them. See
-    :func:`import_dynamo_before_the_group`."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def free_destroyed_groups() -> None:
+    """After an orderly exit (every rank passed a last barrier, the groups destroyed, the run
+    dropped): free what still held the groups (cycles through the model and the engine) while
+    the interpreter is whole. Each gloo group's destructor joins its worker threads, which drop
+    their last work items (and the tensors' Python objects in them) with the interpreter still
+    able to take them. Never after an error: a worker may still wait on a dead peer, and the
+    join would wait with it. See :func:`import_dynamo_before_the_group`."""
     gc.collect()

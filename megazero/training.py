@@ -51,6 +51,7 @@ from megazero.config.rules import sequence_parallel_active
 from megazero.dist_init import (
     DistEnv,
     enable_deterministic_mode,
+    free_destroyed_groups,
     initialize_distributed,
     set_seed,
 )
@@ -581,6 +582,8 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
     finally:
         run.close()
     shutdown(run)
+    del run
+    free_destroyed_groups()
     return state
 
 

@@ -9,12 +9,13 @@ trained and saved correctly (seen about 1 run in 20 of a 4-rank job on 2 loaded 
 core dump shows ``~AsyncBarrierWork`` -> ``decref_pyobject`` -> ``pthread_exit``). Every group
 is therefore destroyed, and its threads joined, before the interpreter starts to finalize:
 nothing may keep the engine or the model alive past the run (a gradient hook holding the
-optimizer strongly did), and ``torch._dynamo`` is imported before the default group exists
-(imported after, it keeps the group alive).
+optimizer strongly did), ``torch._dynamo`` is imported before the default group exists
+(imported after, it keeps the group alive), and after the last barrier ``pretrain`` frees the
+run's cycles at once.
 
-The probe wraps the entry point: it lists the process's threads when ``pretrain`` has
-returned and before the entry point's last clean-up (the groups' threads are still there,
-which shows the probe sees them), and again in an exit hook that runs after every other one.
+The probe wraps the entry point: it lists the process's threads when the groups are destroyed
+and before the run is freed (their threads are still there, which shows the probe sees them),
+and again in an exit hook that runs after every other one.
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ seen = {}
 atexit.register(lambda: open(os.path.join(out, os.environ["RANK"] + ".json"), "w").write(
     json.dumps({**seen, "at exit": threads()})))
 
-import megazero.dist_init as dist_init
-destroy = dist_init.destroy
+import megazero.training as training
+free = training.free_destroyed_groups
 
-def probed_destroy():
+def probed_free():
     seen["before clean-up"] = threads()
-    destroy()
+    free()
 
-dist_init.destroy = probed_destroy
+training.free_destroyed_groups = probed_free
 sys.argv = [script, *sys.argv[3:]]
 runpy.run_path(script, run_name="__main__")
 """
@@ -70,4 +71,25 @@ def test_every_rank_leaves_only_its_main_thread_to_the_interpreter(tmp_path):
     for rank in range(4):
         seen = json.loads((out / f"{rank}.json").read_text())
         assert seen["before clean-up"].count("pt_gloo_runloop") >= 2, seen
+        assert len(seen["at exit"]) == 1, (rank, seen["at exit"])
+
+
+def test_an_engine_script_leaves_only_its_main_thread_to_the_interpreter(tmp_path):
+    """The engine API: megazero.initialize in a user's main(), the process group left by the
+    exit hook that ``init_distributed`` armed (barrier, destroy, then the run is freed)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    out = tmp_path / "threads"
+    out.mkdir()
+    text = tmp_path / "corpus.txt"
+    text.write_text(open(f"{REPO}/README.md", encoding="utf-8").read()[:3000])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", str(probe),
+                           str(out), f"{REPO}/examples/finetune_engine.py",
+                           "--deepspeed_config", f"{REPO}/examples/ds_config_zero2.json",
+                           "--text", str(text), "--steps", "2", "--backend", "gloo"],
+                          env={**env(), "PYTHONPATH": REPO}, cwd=REPO, timeout=300,
+                          capture_output=True, text=True)
+    check(proc)
+    for rank in range(2):
+        seen = json.loads((out / f"{rank}.json").read_text())
         assert len(seen["at exit"]) == 1, (rank, seen["at exit"])

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ``convert.py`` (``MEGAZERO_DEBUG=1`` adds the traceback)."""
     import torch.distributed as dist
 
-    from megazero.dist_init import destroy
+    from megazero.dist_init import destroy, free_destroyed_groups
     from megazero.errors import expected_errors, report_error
 
     args = build_parser().parse_args(argv)
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         rank = dist.get_rank()
         destroy()
+        free_destroyed_groups()
         if rank != 0:
             return 0
     if args.json:
