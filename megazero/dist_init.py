@@ -127,9 +127,9 @@ def set_seed(seed: int, pp_rank: int = 0) -> None:
 def import_dynamo_before_the_group() -> None:
     """Import ``torch._dynamo`` while no process group exists.
 
-    Imported after ``init_process_group`` (the model's first ``torch.compile`` or checkpoint
-    import does it), torch 2.13's dynamo keeps references to the default group that
-    ``destroy_process_group`` does not drop. The group's worker threads then outlive the
+    Imported after ``init_process_group`` (``torch.nn.init`` on the meta device, ``torch.optim``
+    and ``torch.compile`` import it), torch 2.13's dynamo keeps references to the default group
+    that ``destroy_process_group`` does not drop. The group's worker threads then outlive the
     interpreter, and one that releases its last work item during finalization aborts the
     process ("terminate called without an active exception")."""
     import torch._dynamo  # noqa: F401
