@@ -239,6 +239,15 @@ class ParallelTopology:
                     mine[kind] = group
         return cls(layout, rank, mine)
 
+    def destroy_groups(self) -> None:
+        """Destroy the groups :meth:`build` made. Collective: every rank, once the run on this
+        layout has finished its last collective. A process that trains one layout after
+        another (``tools/check_cluster.py``) would otherwise keep every layout's
+        communicators (an NCCL one holds GPU memory) and worker threads to the end."""
+        for group in {id(g): g for g in self.groups.values() if g is not None}.values():
+            dist.destroy_process_group(group)
+        self.groups = dict.fromkeys(self.groups)
+
     # --- sizes and ranks along each axis -------------------------------------------------------
 
     @property

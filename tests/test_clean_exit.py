@@ -20,10 +20,18 @@ and again in an exit hook that runs after every other one.
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import subprocess
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
+from megazero.testing import run_distributed
 from megazero.testing.launch import REPO, SCRIPT, TINY, TORCHRUN, check, env
+from megazero.topology import ParallelTopology
 
 PROBE = r"""
 import atexit, json, os, runpy, sys
@@ -93,3 +101,40 @@ def test_an_engine_script_leaves_only_its_main_thread_to_the_interpreter(tmp_pat
     for rank in range(2):
         seen = json.loads((out / f"{rank}.json").read_text())
         assert len(seen["at exit"]) == 1, (rank, seen["at exit"])
+
+
+def _gloo_threads() -> int:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names.count("pt_gloo_runloop")
+
+
+def _layout_after_layout(rank, world):
+    dist.barrier()  # the default group's threads start on its first collective
+    counts = [_gloo_threads()]
+    for tp in (2, 1, 2):  # tools/check_cluster.py trains one layout after another
+        topo = ParallelTopology.build(tp=tp, timeout=timedelta(minutes=1))
+        for kind in topo.groups:
+            if topo.groups[kind] is not None:
+                dist.all_reduce(torch.ones(1), group=topo.groups[kind])
+        counts.append(_gloo_threads())
+        topo.destroy_groups()
+        assert all(g is None for g in topo.groups.values())
+        del topo
+        gc.collect()
+        counts.append(_gloo_threads())
+    return counts
+
+
+def test_a_layouts_groups_are_destroyed_before_the_next_layout_makes_its_own():
+    """Each layout's groups (here 4 gloo groups, 2 worker threads each) end with it: the
+    threads do not pile up over the layouts a process trains in turn."""
+    for counts in run_distributed(_layout_after_layout, 2, timeout=120):
+        base = counts[0]
+        assert all(c >= base + 8 for c in counts[1::2]), counts
+        assert all(c == base for c in counts[2::2]), counts

@@ -41,6 +41,13 @@ def _die_hard(rank, world_size):
     time.sleep(3600)
 
 
+def _die_then_peer_fails(rank, world_size):
+    if rank == 0:
+        os._exit(7)
+    time.sleep(0.3)  # the consequence, reported while rank 0 is already gone
+    raise RuntimeError("Connection closed by peer")
+
+
 def test_results_from_every_rank():
     out = run_distributed(_sum_of_ranks, 8, 2.0, timeout=60)
     assert [o["rank"] for o in out] == list(range(8))
@@ -77,3 +84,10 @@ def test_collective_hang_reports_missing_rank():
 def test_rank_that_dies_is_reported():
     with pytest.raises(DistributedTestError, match="rank 0 of 2 died with exit code 7"):
         run_distributed(_die_hard, 2, timeout=30)
+
+
+def test_a_death_is_reported_before_the_peer_failure_it_caused():
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(_die_then_peer_fails, 2, timeout=30)
+    assert "rank 0 of 2 died with exit code 7" in str(err.value)
+    assert "rank 1 failed after it" in str(err.value) and "Connection closed" in str(err.value)

@@ -9,6 +9,7 @@ import argparse
 import json
 
 from megazero.cluster_check.training_rows import MICRO, PRECISION_FLAGS, TINY_GPT, train_losses
+from megazero.dist_init import destroy, free_destroyed_groups
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         out[precision], _ = train_losses(args)
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump(out, f)
+    destroy()  # a world of one: nobody to wait for
+    free_destroyed_groups()
     return 0
 
 

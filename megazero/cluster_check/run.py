@@ -99,8 +99,12 @@ def run_checks(opts: Options) -> tuple[list[Row], list[str]]:
 
 
 def main(opts: Options) -> int:
+    from megazero.dist_init import free_destroyed_groups
+
     rows, lines = run_checks(opts)
     if dist.get_rank() == 0:
         print("device binding, per rank:", *lines, sep="\n")
         print(format_table(rows), flush=True)
+    dist.destroy_process_group()  # every rank passed run_checks' last barrier
+    free_destroyed_groups()
     return exit_code(rows)

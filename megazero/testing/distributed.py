@@ -175,9 +175,28 @@ def _collect(procs, results, world_size, timeout, name, logs=None) -> list[Any]:
             else:
                 continue
         if not ok:
+            dead = _died_silently(procs, {*outputs, rank})
+            if dead is not None:  # the cause; the failure reported is its consequence
+                raise DistributedTestError(
+                    f"{name}: rank {dead} of {world_size} died with exit code "
+                    f"{procs[dead].exitcode} without reporting a result; rank {rank} failed "
+                    f"after it:\n{payload}")
             raise DistributedTestError(f"{name}: rank {rank} of {world_size} failed:\n{payload}")
         outputs[rank] = payload
     return [outputs[r] for r in range(world_size)]
+
+
+def _died_silently(procs, reported: set[int], grace: float = 1.0) -> int | None:
+    """A rank, other than ``reported``, that exited with a non-zero code, waiting up to
+    ``grace`` seconds for one. A rank that dies closes its connections, and a peer then fails
+    in whatever it was doing (even ``init_process_group``, "Connection closed by peer"); the
+    peer's report can arrive before the death is seen, but the death is what to report."""
+    deadline = time.monotonic() + grace
+    while True:
+        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode]
+        if dead or time.monotonic() >= deadline:
+            return dead[0] if dead else None
+        time.sleep(0.05)
 
 
 def _kill(procs) -> None:
