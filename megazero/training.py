@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -563,6 +564,7 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
     entry point destroys the group and the watchdog ends a peer left waiting.
     """
     run = setup(cfg, log_json)
+    diverged: TrainingDivergedError | None = None
     try:
         state = _train_or_explain(run)
         # An early exit (pre-emption, time limit) leaves right after its checkpoint.
@@ -576,14 +578,16 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
             run.comms_logger.uninstall()
             run.monitor.info("communication summary (rank 0, from the end of setup to the end "
                              f"of training):\n{run.comms_logger.summary()}")
-    except TrainingDivergedError:
-        shutdown(run)
-        raise
+    except TrainingDivergedError as e:  # every rank raised it: the exit is orderly
+        diverged = e
+        traceback.clear_frames(e.__traceback__)  # the frames the error passed hold the run
     finally:
         run.close()
     shutdown(run)
     del run
     free_destroyed_groups()
+    if diverged is not None:
+        raise diverged
     return state
 
 

@@ -64,22 +64,41 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def test_every_rank_leaves_only_its_main_thread_to_the_interpreter(tmp_path):
+def _probed_pretrain(tmp_path, args: list[str]) -> tuple[subprocess.CompletedProcess,
+                                                          list[dict[str, list[str]]]]:
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     out = tmp_path / "threads"
     out.mkdir()
-    # ZeRO-3 (hooks on every module) x TP 2 x DP 2, with a save: the groups of every kind
-    args = [*TINY, "--train-iters", "2", "--tensor-model-parallel-size", "2", "--zero-stage",
-            "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    # ZeRO-3 (hooks on every module) x TP 2 x DP 2: the groups of every kind
+    layout = ["--tensor-model-parallel-size", "2", "--zero-stage", "3"]
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "4", str(probe),
-                           str(out), SCRIPT, *args], env=env(), cwd=REPO, timeout=300,
-                          capture_output=True, text=True)
+                           str(out), SCRIPT, *TINY, *layout, *args], env=env(), cwd=REPO,
+                          timeout=300, capture_output=True, text=True)
+    return proc, [json.loads(f.read_text()) for f in sorted(out.iterdir())]
+
+
+def test_every_rank_leaves_only_its_main_thread_to_the_interpreter(tmp_path):
+    proc, seen = _probed_pretrain(tmp_path, ["--train-iters", "2", "--save",
+                                             str(tmp_path / "ckpt"), "--save-interval", "2"])
     check(proc)
-    for rank in range(4):
-        seen = json.loads((out / f"{rank}.json").read_text())
-        assert seen["before clean-up"].count("pt_gloo_runloop") >= 2, seen
-        assert len(seen["at exit"]) == 1, (rank, seen["at exit"])
+    assert len(seen) == 4
+    for rank, threads in enumerate(seen):
+        assert threads["before clean-up"].count("pt_gloo_runloop") >= 2, threads
+        assert len(threads["at exit"]) == 1, (rank, threads["at exit"])
+
+
+def test_a_run_that_diverged_leaves_only_its_main_thread_too(tmp_path):
+    """Every rank stops together (each with exit status 3): an orderly exit, though by an
+    error. The first rank to leave with status 3 has torchrun end the others, so only the
+    ranks that got to their exit hooks first have a record."""
+    proc, seen = _probed_pretrain(tmp_path, ["--train-iters", "12", "--lr", "1e6"])
+    assert proc.returncode != 0  # torchrun's own status for a failed worker
+    assert "training diverged at iteration" in proc.stderr, proc.stderr[-3000:]
+    assert seen
+    for rank, threads in enumerate(seen):
+        assert threads["before clean-up"].count("pt_gloo_runloop") >= 2, threads
+        assert len(threads["at exit"]) == 1, (rank, threads["at exit"])
 
 
 def test_an_engine_script_leaves_only_its_main_thread_to_the_interpreter(tmp_path):
