@@ -135,9 +135,13 @@ def import_dynamo_before_the_group() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def destroy() -> None:
+def destroy(orderly: bool = False) -> None:
+    """Leave the process group; ``orderly`` (every rank passed a last barrier, nothing in
+    flight): then also :func:`free_destroyed_groups`."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    if orderly:
+        free_destroyed_groups()
 
 
 def free_destroyed_groups() -> None:

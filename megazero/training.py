@@ -616,6 +616,7 @@ def _train_or_explain(run: Run) -> TrainState:
 
 def shutdown(run: Run) -> None:
     """Barrier, then destroy the process group, then stop the watchdog (see :func:`pretrain`)."""
+    run.engine.wait_for_params()  # a last step's overlapped all-gathers: nothing in flight
     if dist.is_initialized():
         with run.phase("shutdown barrier", "world"):
             if run.topo.world_size > 1:

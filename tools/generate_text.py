@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ``convert.py`` (``MEGAZERO_DEBUG=1`` adds the traceback)."""
     import torch.distributed as dist
 
-    from megazero.dist_init import destroy, free_destroyed_groups
+    from megazero.dist_init import destroy
     from megazero.errors import expected_errors, report_error
 
     args = build_parser().parse_args(argv)
@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(e, "generate_text.py")
     if dist.is_initialized():
         rank = dist.get_rank()
-        destroy()
-        free_destroyed_groups()
+        destroy(orderly=True)  # every rank finished the same generation
         if rank != 0:
             return 0
     if args.json:

@@ -9,7 +9,7 @@ import argparse
 import json
 
 from megazero.cluster_check.training_rows import MICRO, PRECISION_FLAGS, TINY_GPT, train_losses
-from megazero.dist_init import destroy, free_destroyed_groups
+from megazero.dist_init import destroy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         out[precision], _ = train_losses(args)
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump(out, f)
-    destroy()  # a world of one: nobody to wait for
-    free_destroyed_groups()
+    destroy(orderly=True)  # a world of one: nobody to wait for
     return 0
 
 

@@ -99,12 +99,11 @@ def run_checks(opts: Options) -> tuple[list[Row], list[str]]:
 
 
 def main(opts: Options) -> int:
-    from megazero.dist_init import free_destroyed_groups
+    from megazero.dist_init import destroy
 
     rows, lines = run_checks(opts)
     if dist.get_rank() == 0:
         print("device binding, per rank:", *lines, sep="\n")
         print(format_table(rows), flush=True)
-    dist.destroy_process_group()  # every rank passed run_checks' last barrier
-    free_destroyed_groups()
+    destroy(orderly=True)  # every rank passed run_checks' last barrier
     return exit_code(rows)

@@ -75,6 +75,7 @@ def train_losses(args: list[str]) -> tuple[dict[int, float], str]:
             run.monitor.close()
             if run.watchdog is not None:
                 run.watchdog.stop()
+        run.engine.wait_for_params()  # nothing in flight (NCCL aborts what is)
         run.topo.destroy_groups()  # the next layout makes its own
     return {int(h["iteration"]): float(h["loss"]) for h in state.history}, out.getvalue()
 

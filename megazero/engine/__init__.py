@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.comms_logging import CommsLogger, CommsLoggerSettings
-from megazero.dist_init import free_destroyed_groups
+from megazero.dist_init import destroy
 from megazero.engine.engine import EngineStateError, MegazeroEngine
 
 if TYPE_CHECKING:
@@ -79,9 +79,7 @@ class _ExitInOrder:
                     dist.barrier()
             except RuntimeError:
                 pass  # a peer left first; nothing more to wait for
-        dist.destroy_process_group()
-        if not self.failed:
-            free_destroyed_groups()
+        destroy(orderly=not self.failed)
 
 
 _EXIT = _ExitInOrder()
