@@ -5,8 +5,8 @@
 
 Megatron-LM flags plus ``--deepspeed_config ds.json`` (``--help`` lists them). With neither
 ``--data-path`` nor ``--mock-data`` it trains on the built-in demo corpus (see
-``megazero/demo.py``). ``--log-json PATH`` additionally appends every logged iteration's metrics
-to PATH as JSON lines.
+``megazero/data/demo.py``). ``--log-json PATH`` additionally appends every logged iteration's
+metrics to PATH as JSON lines.
 
 Errors megazero raises on purpose (a wrong flag, a missing file, a checkpoint of another model, an
 fp16 run that overflows at the minimum loss scale) print one ``pretrain_gpt.py: error: ...`` line
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     except expected_errors() as e:
         return report_error(e, PROG)
 
-    from megazero.dist_init import destroy
-    from megazero.training import pretrain
+    from megazero.distributed.startup import destroy
+    from megazero.training.pretrain import pretrain
 
     try:
         pretrain(cfg)

@@ -52,10 +52,11 @@ GOAL = 0.25
 
 
 def _rank(rank, world, tmp, stage, offload):
-    from megazero.checkpointing import save_checkpoint
+    from megazero.checkpoint import save_checkpoint
     from megazero.config import load_config
-    from megazero.train_setup import ChunkTrackers
-    from megazero.training import setup, train
+    from megazero.training.builders import ChunkTrackers
+    from megazero.training.lifecycle import setup
+    from megazero.training.loop import train
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))

@@ -81,8 +81,8 @@ def _gemm_rate() -> dict:
 
 def _model(hidden: int, layers: int, seq: int):
     from megazero.config import ModelConfig
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.gpt import GPTModel
-    from megazero.topology import ParallelTopology
 
     mc = ModelConfig.preset("gpt2", num_layers=layers, hidden_size=hidden,
                             num_attention_heads=8 if hidden >= 64 else 2, seq_length=seq,

@@ -4,9 +4,9 @@
 
 Four gloo ranks run tp 1, 2 and 4. For fp32 logits handed over to the loss (as the model hands
 them, ``inplace=True``) and bf16 logits, the loss's forward and backward run under
-``LiveStorageBytes`` (megazero.planner.validate: every storage an operator returns, until it is
-freed); the logits are dropped after forward as the model drops them. Reported, as multiples of
-one fp32 copy of the rank's logits (``4 x tokens x V/t`` bytes):
+``LiveStorageBytes`` (megazero.testing.planner_validate: every storage an operator returns, until
+it is freed); the logits are dropped after forward as the model drops them. Reported, as multiples
+of one fp32 copy of the rank's logits (``4 x tokens x V/t`` bytes):
 
 * ``peak extra``: the peak live bytes beyond the logits themselves;
 * ``saved``: the bytes autograd keeps for backward (what the activation meter and the
@@ -64,9 +64,9 @@ class _Copying(torch.autograd.Function):
 
 
 def _measure(topo, tokens, vocab, dtype, method):
-    from megazero.planner.validate import LiveStorageBytes
     from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from megazero.testing.activation_memory import SavedTensorCounter
+    from megazero.testing.planner_validate import LiveStorageBytes
 
     gen = torch.Generator().manual_seed(topo.tp_rank)
     local = vocab // topo.tp_size
@@ -90,7 +90,7 @@ def _measure(topo, tokens, vocab, dtype, method):
 
 
 def _world(rank, world, tokens, vocab):
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
     rows = []
     for tp in (1, 2, 4):

@@ -22,8 +22,8 @@ written to bench/results/estimator_vs_measured_holdout.json.
 ``--memory``: instead of time, the peak memory per rank of each layout (two iterations through
 the pipeline executor, gradient sync and optimizer step, in one spawned world) against the
 planner's device total, and the executor's peak saved activation bytes against the planner's
-schedule walk (megazero/planner/validate.py). On a machine with CUDA the ranks use NCCL and the
-measure is ``torch.cuda.max_memory_allocated()``; on CPU, gloo and the live bytes of every
+schedule walk (megazero/testing/planner_validate.py). On a machine with CUDA the ranks use NCCL and
+the measure is ``torch.cuda.max_memory_allocated()``; on CPU, gloo and the live bytes of every
 tensor storage. Writes bench/results/estimator_vs_measured_memory.json.
 """
 
@@ -108,8 +108,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 def memory(iters: int) -> None:
     import torch
 
-    from megazero.planner.validate import measure_layouts
     from megazero.testing import run_distributed
+    from megazero.testing.planner_validate import measure_layouts
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
     layouts = [(n, f) for n, f in LAYOUTS if "--offload-optimizer" not in f]

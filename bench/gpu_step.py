@@ -10,10 +10,10 @@ The models (the issue's measurement): GPT 1.3B = 24 layers, h 2048, 16 heads, se
 50304, GELU MLP 4h, learned positions, tied head; Llama 1.5B = 16 layers, h 2048, 32 heads in 8
 KV groups, SwiGLU ffn 8192, RoPE, RMSNorm, vocab 128256, untied head. Every case trains
 ``micro-batch x accumulation`` sequences per iteration in bf16 with fp32 master weights and
-AdamW; FLOPs are counted GEMM by GEMM (:func:`megazero.flops.gpt_flops_per_iteration`, the
-same count the training log uses), so MFU is comparable between rows. Iteration time is the
-median over the iterations after ``--warmup``, with min and max beside it. Peak memory is
-``torch.cuda.max_memory_allocated``.
+AdamW; FLOPs are counted GEMM by GEMM
+(:func:`megazero.observability.flops.gpt_flops_per_iteration`, the same count the training log
+uses), so MFU is comparable between rows. Iteration time is the median over the iterations after
+``--warmup``, with min and max beside it. Peak memory is ``torch.cuda.max_memory_allocated``.
 
 The plain-PyTorch baseline is written here from the definitions, the way a user would write a
 single-GPU loop: ``nn.Linear`` layers, ``F.scaled_dot_product_attention``, fused AdamW (on
@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.config import ModelConfig  # noqa: E402
-from megazero.flops import gpt_flops_per_iteration, peak_flops  # noqa: E402
+from megazero.observability.flops import gpt_flops_per_iteration, peak_flops  # noqa: E402
 from megazero.tensor_parallel import pad_vocab_size  # noqa: E402
 
 PRESETS = {

@@ -13,8 +13,8 @@ weights and its largest tensor. Two devices:
   (a copy into it costs nothing), so the host rise is exactly what a GPU rank's host pays;
 * ``cpu``: the device is the host, so the weights themselves are host memory.
 
-Methods: ``device`` is ``train_setup.build_model_chunks_on`` (meta build, then each parameter
-created on the device and filled chunk by chunk from the host generator); ``host`` is the
+Methods: ``device`` is ``megazero.training.builders.build_model_chunks_on`` (meta build, then each
+parameter created on the device and filled chunk by chunk from the host generator); ``host`` is the
 previous path (``build_model_chunks`` on the host, then ``.to(device)``). Three rounds each:
 medians, with the spread (max - min) in MiB.
 """
@@ -45,9 +45,9 @@ def child(method: str, device_name: str) -> dict:
     import torch
 
     from megazero.config import load_config
+    from megazero.distributed.topology import ParallelTopology
     from megazero.pipeline.partition import build_model_chunks
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_chunks_on
+    from megazero.training.builders import build_model_chunks_on
 
     torch.set_num_threads(1)
     device, topo = torch.device(device_name), ParallelTopology.single()

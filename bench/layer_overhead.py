@@ -29,9 +29,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from megazero.config import ModelConfig  # noqa: E402
-from megazero.model import GPTModel  # noqa: E402
+from megazero.distributed.topology import ParallelTopology  # noqa: E402
+from megazero.model.gpt import GPTModel  # noqa: E402
 from megazero.tensor_parallel import ParallelContext  # noqa: E402
-from megazero.topology import ParallelTopology  # noqa: E402
 
 
 class PlainLayer(nn.Module):

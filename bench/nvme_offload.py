@@ -156,7 +156,8 @@ def _engine(device: str, params: int, nvme_path: str, sub_group: int, buffers: i
         PrecisionConfig,
         ZeroConfig,
     )
-    from megazero.topology import ParallelLayout, ParallelTopology
+    from megazero.config.layout import ParallelLayout
+    from megazero.distributed.topology import ParallelTopology
     from megazero.zero import build_zero_optimizer
 
     model = _model(params)

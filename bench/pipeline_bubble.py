@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import chunk_roles
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
 
 SEQ, MBS, HIDDEN, VOCAB = 16, 2, 32, 64
 

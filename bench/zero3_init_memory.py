@@ -1,11 +1,11 @@
 """Peak host memory per rank while a ~1B-parameter GPT is built and partitioned by ZeRO stage 3.
 
-Four gloo ranks (dp 4, tp = pp = 1) each run ``train_setup.build_model_and_optimizer`` (the
-``pretrain_gpt.py`` path): the chunks are built on the meta device and every unit materialises
-only this rank's partition. Measured per rank: the rise of the process's peak RSS (``VmHWM``,
-reset through ``/proc/self/clear_refs``) from just before the build to just after the engine
-exists (before the first step: Adam's moments are allocated by the first step and are not
-included), against
+Four gloo ranks (dp 4, tp = pp = 1) each run
+``megazero.training.builders.build_model_and_optimizer`` (the ``pretrain_gpt.py`` path): the chunks
+are built on the meta device and every unit materialises only this rank's partition. Measured per
+rank: the rise of the process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``) from
+just before the build to just after the engine exists (before the first step: Adam's moments are
+allocated by the first step and are not included), against
 
 * ``partition``: the bytes this rank's engine holds: bf16 parameter shards, gradient shards,
   fp32 master shards, persistent units held whole;
@@ -38,8 +38,8 @@ def _rank(rank: int, world_size: int) -> dict:
     import torch
 
     from megazero.config import load_config
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.training.builders import build_model_and_optimizer
 
     def config(layers: int, hidden: int, heads: int, vocab: int, seq: int):
         return load_config((

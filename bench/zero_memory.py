@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from megazero.config import ModelConfig, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.testing import run_distributed
 from megazero.testing.reference import formula_bytes
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 from megazero.zero.accounting import formula_comm_bytes
 

@@ -36,8 +36,8 @@ other keys at DeepSpeed defaults.
 A stage's floor is compute (the plain loop) + the stage's minimal collectives, each at the
 fastest implementation the stage can use on this machine (:data:`FLOOR_CHOICES`): gloo's
 (all-reduce, reduce-scatter native / as all-to-all / as an all-reduce keeping one's half,
-all-gather) or megazero's shared-memory ones (:mod:`megazero.shm_collectives`), which work on
-buffers that persist: stage 0-1 gradients, stage 1-2 parameters. All are timed in the run.
+all-gather) or megazero's shared-memory ones (:mod:`megazero.distributed.shm_collectives`), which
+work on buffers that persist: stage 0-1 gradients, stage 1-2 parameters. All are timed in the run.
 
     python bench/zero_speed.py [--driver entry|engine] [--rounds 6] [--steps 6] [--warmup 2]
 
@@ -64,8 +64,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.collectives import reduce_scatter
-from megazero.compat import all_gather_into_tensor
 from megazero.config import (
     LoggingConfig,
     ModelConfig,
@@ -74,14 +72,16 @@ from megazero.config import (
     PrecisionConfig,
     ZeroConfig,
 )
-from megazero.host_allocator import keep_freed_host_memory
-from megazero.model import GPTModel
-from megazero.monitor import Monitor
+from megazero.distributed.collectives import reduce_scatter
+from megazero.distributed.compat import all_gather_into_tensor
+from megazero.distributed.group_comm import CommLog, GroupComm
+from megazero.distributed.host_allocator import keep_freed_host_memory
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
+from megazero.observability.monitor import Monitor
 from megazero.testing import run_distributed
 from megazero.testing.reference import torch_adamw
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.comm import CommLog, GroupComm
 
 MBS, DP = 4, 2
 OPT = OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=1.0)
@@ -184,8 +184,8 @@ def issue_all(op: str, bufs: list[torch.Tensor], outs: list[torch.Tensor], group
               rs_impl: str = "native") -> None:
     """One collective over every bucket, all in flight at once (as the engine issues them),
     then wait: ``all_reduce`` of the buckets, ``reduce_scatter`` of the buckets into their
-    shards (``rs_impl`` as in :func:`megazero.collectives.reduce_scatter`), or ``all_gather``
-    of the shards into the buckets."""
+    shards (``rs_impl`` as in :func:`megazero.distributed.collectives.reduce_scatter`), or
+    ``all_gather`` of the shards into the buckets."""
     if op == "all_reduce":
         works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs]
     elif op == "reduce_scatter":
@@ -328,8 +328,8 @@ DS_SCRIPT = r'''
 import json, os, statistics, sys, time
 sys.path.insert(0, os.environ["MEGAZERO_ROOT"])
 import torch, deepspeed
-from megazero.model import GPTModel
-from megazero.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
+from megazero.distributed.topology import ParallelTopology
 sys.path.insert(0, os.path.join(os.environ["MEGAZERO_ROOT"], "bench"))
 from zero_speed import OPT, MBS, ZERO_COMMON, model_config, ds_zero_block
 stage, offload, steps = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.banner import local_parameter_share
 from megazero.config import ModelConfig
+from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.partition import build_model_chunks
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
+from megazero.training.banner import local_parameter_share
 
 # vocab 1100 pads to 1152 at tp 1, 1280 at tp 2, 1536 at tp 4: the pad rows differ by layout
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,

@@ -15,7 +15,7 @@ from megazero.testing.distributed import preload
 
 # the ranks start with the training code imported, and torch._dynamo, which torch.optim imports
 # on first use (3 s; paid once by the forkserver, not by 4 ranks at once on 2 cores)
-preload("torch._dynamo", "megazero.training", "megazero.cluster_check.run")
+preload("torch._dynamo", "megazero.training.loop", "megazero.cluster_check.run")
 FAST = ["--size", "0.25", "--bandwidth-iters", "2", "--train-iters", "3"]
 
 

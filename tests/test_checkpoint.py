@@ -8,17 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.checkpointing import (
-    TRACKER,
-    CheckpointError,
-    load_checkpoint,
-    read_tracker,
-    save_checkpoint,
-)
+from megazero.checkpoint import TRACKER, load_checkpoint, read_tracker, save_checkpoint
+from megazero.distributed.topology import ParallelTopology
+from megazero.errors import CheckpointError
 from megazero.testing.checkpoint_state import build_state, train_steps
 from megazero.testing.distributed import DistributedTestError, run_distributed
 from megazero.testing.faults import CrashingWriter
-from megazero.topology import ParallelTopology
 
 
 def _save_run(rank, world, root, fault_rank=None):

@@ -26,7 +26,7 @@ def _train_zero3_tp2(rank, world, tmp):
 def _load_tp1(rank, world, tmp, ck, flags):
     from megazero.config import load_config
     from megazero.tensor_parallel.utils import full_model_state_dict
-    from megazero.training import setup
+    from megazero.training.lifecycle import setup
 
     run = setup(load_config([*MODEL, *flags, "--train-iters", "4", "--load", ck], world))
     run.monitor.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from megazero.checkpointing import CheckpointError, Writer, read_tracker
-from megazero.errors import expected_errors
+from megazero.checkpoint import Writer, read_tracker
+from megazero.errors import CheckpointError, expected_errors
 from megazero.testing.distributed import run_distributed
 from megazero.testing.faults import CrashingWriter, FailingWriter, SimulatedCrash
 from megazero.testing.training_runs import TINY, train_in_rank

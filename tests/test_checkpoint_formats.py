@@ -10,11 +10,12 @@ import os
 import pytest
 import torch
 
+from megazero.checkpoint import load_checkpoint
 from megazero.checkpoint.reader import MIN_VERSION, VERSION
-from megazero.checkpointing import CheckpointError, load_checkpoint
+from megazero.distributed.topology import ParallelTopology
+from megazero.errors import CheckpointError
 from megazero.testing.checkpoint_state import build_state, save_single
 from megazero.testing.training_runs import TINY
-from megazero.topology import ParallelTopology
 
 
 def _load_untouched(root):
@@ -86,7 +87,7 @@ def test_refused_before_the_run_starts(tmp_path):
     """pretrain_gpt.py checks the format with the other resume checks, before the process
     group, the data and the model exist."""
     from megazero.config import load_config
-    from megazero.resume_checks import check_resume
+    from megazero.training.resume_checks import check_resume
 
     root = str(tmp_path / "mg")
     path = _megatron(root, "10", "iter_0000010")

@@ -41,8 +41,8 @@ def _held(engine):
 
 def _check_values(run, tmp, rank, optimizer=True):
     """Weights (and optimizer ranges) equal the whole saved tensors' elements (tp 1 runs)."""
+    from megazero.checkpoint import read_global_tensors
     from megazero.checkpoint.tensors import param_infos
-    from megazero.checkpointing import read_global_tensors
 
     glob = read_global_tensors(f"{tmp}/a", kinds=KINDS)
     names = {id(i.param): i.name for i in param_infos(run.chunks, 0, 1)}
@@ -70,9 +70,9 @@ def _check_values(run, tmp, rank, optimizer=True):
 
 
 def _rank(rank, world, tmp, ds3, nvme):
-    import megazero.checkpointing as ckpt
+    import megazero.checkpoint.load as ckpt
     from megazero.config import load_config
-    from megazero.training import setup
+    from megazero.training.lifecycle import setup
 
     # two steps: the first runs at learning rate 0 (warmup), so it leaves the weights as built
     train_in_rank(rank, world, [*MODEL, *TP2, "--train-iters", "2", "--save", f"{tmp}/a"])

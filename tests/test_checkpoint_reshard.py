@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megazero.checkpointing import read_global_tensors, read_model_state
+from megazero.checkpoint import read_global_tensors, read_model_state
 from megazero.testing.distributed import run_distributed
 from megazero.testing.training_runs import TINY, train_in_rank
 
@@ -38,7 +38,7 @@ def _layout_a(rank, world, tmp):
 
 
 def _layout_b(rank, world, tmp, ds):
-    from megazero.training import _save
+    from megazero.training.save_policy import save as _save
 
     b = [*MODEL, "--deepspeed_config", ds]
     _, run = train_in_rank(rank, world, [*b, "--train-iters", "2", "--load", f"{tmp}/a",
@@ -53,7 +53,7 @@ def _layout_b(rank, world, tmp, ds):
 
 def _layout_c(rank, world, tmp, flag):
     from megazero.config import load_config
-    from megazero.training import setup
+    from megazero.training.lifecycle import setup
 
     run = setup(load_config([*MODEL, "--train-iters", "4", "--load", f"{tmp}/b_trained",
                              flag], 1))  # setup loads the checkpoint; no step taken

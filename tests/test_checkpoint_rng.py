@@ -54,8 +54,8 @@ def _a_world(rank, world, tmp):
 def _other_dp(rank, world, tmp):
     """Load at pp2 x dp1; compare the restored states with the saved ones of (pp, dp 0)."""
     from megazero.config import load_config
-    from megazero.train_setup import ChunkTrackers
-    from megazero.training import setup
+    from megazero.training.builders import ChunkTrackers
+    from megazero.training.lifecycle import setup
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))

@@ -10,14 +10,15 @@ import shutil
 import pytest
 import torch
 
+from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.checkpoint.files import sha256
 from megazero.checkpoint.reader import meta_digest
-from megazero.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megazero.distributed.topology import ParallelTopology
+from megazero.errors import CheckpointError
 from megazero.testing.checkpoint_state import build_state, save_single, train_steps
 from megazero.testing.distributed import DistributedTestError, run_distributed
 from megazero.testing.training_runs import TINY, train_in_rank
-from megazero.topology import ParallelTopology
-from megazero.train_setup import ChunkTrackers
+from megazero.training.builders import ChunkTrackers
 
 
 class _Payload:

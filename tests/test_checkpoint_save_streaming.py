@@ -9,7 +9,7 @@ writer (:mod:`megazero.testing.legacy_checkpoint`). Every saved tensor (weights,
 Adam moments, step) must be equal, element for element. A fresh engine then loads the version-2
 checkpoint and saves it again: equal again (the old format loads exactly).
 
-While the streaming save runs, ``megazero.host_resident.track()`` is on and every
+While the streaming save runs, ``megazero.distributed.host_resident.track()`` is on and every
 ``torch.distributed`` collective is wrapped to record whether a tensor it was given is a host
 buffer megazero keeps on purpose (NCCL would refuse it). None may be. The reference writer,
 whose all-reduce over dp sums buffers of the offloaded masters, is recorded too: in the offload
@@ -67,7 +67,7 @@ class Recorder:
                     setattr(mod, name, self._wrap(name, fn))
 
     def _wrap(self, name, fn):
-        from megazero.host_resident import is_host_resident
+        from megazero.distributed.host_resident import is_host_resident
 
         def tensors(x):
             if isinstance(x, torch.Tensor):
@@ -111,7 +111,7 @@ def _engine(cfg: dict, seed: int):
 
 
 def _save(engine, root: str, tag: str) -> str:
-    from megazero.checkpointing import save_checkpoint
+    from megazero.checkpoint import save_checkpoint
 
     return save_checkpoint(root, 2, engine.topo, models=[engine.module],
                            optimizer=engine.optimizer, scheduler=None, consumed_samples=16,
@@ -120,8 +120,8 @@ def _save(engine, root: str, tag: str) -> str:
 
 
 def _world(rank: int, world: int, tmp: str) -> dict:
-    from megazero import host_resident
-    from megazero.checkpointing import load_checkpoint, save_checkpoint
+    from megazero.checkpoint import load_checkpoint, save_checkpoint
+    from megazero.distributed import host_resident
     from megazero.testing.engine_runs import batches, ds_config, train_steps
     from megazero.testing.legacy_checkpoint import save_v2
     from megazero.testing.training_runs import TINY, train_in_rank

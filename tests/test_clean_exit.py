@@ -29,9 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing import run_distributed
 from megazero.testing.launch import REPO, SCRIPT, TINY, TORCHRUN, check, env
-from megazero.topology import ParallelTopology
 
 PROBE = r"""
 import atexit, json, os, runpy, sys
@@ -51,7 +51,7 @@ seen = {}
 atexit.register(lambda: open(os.path.join(out, os.environ["RANK"] + ".json"), "w").write(
     json.dumps({**seen, "at exit": threads()})))
 
-import megazero.training as training
+import megazero.training.pretrain as training
 free = training.free_destroyed_groups
 
 def probed_free():

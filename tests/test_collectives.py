@@ -1,12 +1,13 @@
-"""megazero.collectives: which reduce-scatter each backend gets, that every implementation sums
-the same, and that a collective's own error reaches the caller instead of a silent fallback."""
+"""megazero.distributed.collectives: which reduce-scatter each backend gets, that every
+implementation sums the same, and that a collective's own error reaches the caller instead of a
+silent fallback."""
 
 import pytest
 import torch
 
-from megazero.collectives import has_native, reduce_scatter_impl
+from megazero.distributed.collectives import has_native, reduce_scatter_impl
+from megazero.distributed.group_comm import CommLog, GroupComm
 from megazero.testing import run_distributed
-from megazero.zero.comm import CommLog, GroupComm
 
 
 def test_reduce_scatter_impl_by_backend_and_torch():

@@ -7,17 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.collectives import all_gather, reduce_scatter
-from megazero.comms_logging import (
+from megazero.config import ConfigError
+from megazero.config.observability_schema import CommsLoggerSettings
+from megazero.distributed.collectives import all_gather, reduce_scatter
+from megazero.observability.comms_logging import (
     CommsLogger,
-    CommsLoggerSettings,
     bandwidths,
     human_size,
     installed_logger,
     log_summary,
     trimmed_mean,
 )
-from megazero.config import ConfigError
 from megazero.testing import run_distributed
 from megazero.testing.launch import TINY, check, read_metrics, run_training
 
@@ -174,7 +174,7 @@ def _engine_summary(rank: int, world: int) -> dict:
     import io
 
     import megazero
-    from megazero import comms_logging
+    from megazero.observability import comms_logging
     from megazero.testing.engine_runs import batches, build, ds_config, loss_of
 
     engine, *_ = megazero.initialize(

@@ -1,7 +1,8 @@
-"""The guards in :mod:`megazero.compat` resolve to an implementation on every supported torch."""
+"""The guards in :mod:`megazero.distributed.compat` resolve to an implementation on every supported
+torch."""
 
 
-from megazero import compat
+from megazero.distributed import compat
 
 
 def test_single_tensor_collectives_resolve(monkeypatch):

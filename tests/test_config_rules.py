@@ -1,4 +1,5 @@
-"""megazero.config.rules: each size rule is one function, and its callers give its message.
+"""megazero.config.rules (and the model's split rules in megazero.config.model_schema): each size
+rule is one function, and its callers give its message.
 
 Every case checks the rule against the arithmetic it states (divisibility, the divisor lists the
 messages suggest) and that a caller outside the config (topology, partition, schedules, model
@@ -18,12 +19,14 @@ from megazero.config import (
     ModelConfig,
     ParallelConfig,
     build_parser,
+    check_tensor_parallel_split,
     load_config,
     rules,
 )
+from megazero.config.layout import ParallelLayout
+from megazero.errors import TopologyError
 from megazero.pipeline.partition import chunk_layer_ranges
 from megazero.pipeline.schedules import build_schedule
-from megazero.topology import ParallelLayout, TopologyError
 
 
 def _cli_error(argv, world):
@@ -92,8 +95,7 @@ def test_sequence_parallel_is_active_only_with_tp_and_needs_whole_sequences():
                                           "--tensor-model-parallel-size 4"):
         rules.check_sequence_split(30, 4, True)
     with pytest.raises(ConfigError, match="--seq-length 18"):
-        rules.check_tensor_parallel_split(ModelConfig(seq_length=18, num_attention_heads=4), 4,
-                                          True)
+        check_tensor_parallel_split(ModelConfig(seq_length=18, num_attention_heads=4), 4, True)
 
 
 def test_num_microbatches_and_its_message():

@@ -8,9 +8,10 @@ import pytest
 import torch.distributed as dist
 
 from megazero.config import load_config
+from megazero.config.layout import ParallelLayout
+from megazero.distributed.topology import ParallelTopology
 from megazero.errors import ConfigError
 from megazero.testing import run_distributed
-from megazero.topology import ParallelLayout, ParallelTopology
 
 # World 16, tp 2, cp 2, dp 2, pp 2: rank = tp + 2 (cp + 2 (dp + 2 pp)), as megatron-core's
 # RankGenerator(order="tp-cp-ep-dp-pp") builds them.

@@ -1,7 +1,7 @@
 """Training with context parallelism is training the same model as one process.
 
-Runs go through :func:`megazero.training.setup` and ``train`` (what ``pretrain_gpt.py`` runs)
-in spawned gloo worlds, and one through ``pretrain_gpt.py`` under torchrun. Against the
+Runs go through :func:`megazero.training.lifecycle.setup` and ``train`` (what ``pretrain_gpt.py``
+runs) in spawned gloo worlds, and one through ``pretrain_gpt.py`` under torchrun. Against the
 one-process run of the same flags: losses, grad norms and the saved weights (read back as
 global tensors) at CP 2 x TP 2 + SP x PP 2 (interleaved) x ZeRO 1 (RoPE, GQA, --mock-data)
 and at CP 4 with ZeRO 3 (learned positions, the demo corpus with --eod-mask-loss); a
@@ -37,7 +37,8 @@ LOSS_RTOL, NORM_RTOL = 2e-6, 1e-5
 
 def _train(rank, world, args):
     from megazero.config import load_config
-    from megazero.training import setup, train
+    from megazero.training.lifecycle import setup
+    from megazero.training.loop import train
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))

@@ -7,9 +7,10 @@ bf16 / fp16 logits. For each case:
 * the per-token loss and the logits' gradient equal the dense ``F.cross_entropy`` of the full
   (unsharded) logits to fp32 rounding (16-bit gradients to their own rounding), with padded
   vocabulary columns at ``-inf`` and targets on every rank;
-* the peak bytes of live tensor storage (``megazero.planner.validate.LiveStorageBytes``, which
-  sees every storage an operator returns until it is freed) from the moment the logits exist
-  through forward and backward: at most the logits themselves plus one fp32 copy plus
+* the peak bytes of live tensor storage
+  (``megazero.testing.planner_validate.LiveStorageBytes``, which sees every storage an
+  operator returns until it is freed) from the moment the logits exist through forward and
+  backward: at most the logits themselves plus one fp32 copy plus
   per-token vectors; with fp32 logits given up, no copy at all. The logits are dropped after
   forward as the model drops them (it keeps only the loss);
 * the bytes autograd saves for backward (the activation meter's count, and what the planner
@@ -26,9 +27,9 @@ SLACK_PER_TOKEN = 128  # bytes: max, target logit, sum of exponentials, labels, 
 
 
 def _case(topo, dtype, inplace):
-    from megazero.planner.validate import LiveStorageBytes
     from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from megazero.testing.activation_memory import SavedTensorCounter
+    from megazero.testing.planner_validate import LiveStorageBytes
 
     tp, r = topo.tp_size, topo.tp_rank
     gen = torch.Generator().manual_seed(5)
@@ -64,7 +65,7 @@ def _case(topo, dtype, inplace):
 
 
 def _world(rank, world):
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
     rows = []
     for tp in (1, 2, 4):

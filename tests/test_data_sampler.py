@@ -158,7 +158,7 @@ def test_config_errors(two_corpora, tmp_path):
 
 def test_training_run_builds_the_sample_counts_of_train_valid_test_num_samples():
     from megazero.config import load_config
-    from megazero.train_setup import Batching, build_datasets
+    from megazero.training.builders import Batching, build_datasets
 
     cfg = load_config(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
                        "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",

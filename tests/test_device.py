@@ -1,5 +1,5 @@
 """Which GPU each process takes under torchrun, srun and mpirun, and from megazero.initialize
-after the script's own init_process_group: the rules of megazero.device with fake device
+after the script's own init_process_group: the rules of megazero.distributed.device with fake device
 counts, so they run on a CPU."""
 
 import os
@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from megazero.config import ConfigError
-from megazero.device import choose_device_index, engine_device_index, export_launch, read_launch
+from megazero.distributed.device import (
+    choose_device_index,
+    engine_device_index,
+    export_launch,
+    read_launch,
+)
 
 
 def _two_nodes_of_8(rank: int) -> dict[str, str]:
@@ -71,7 +76,7 @@ def test_mpirun_environment_only():
 def test_initialize_after_the_scripts_init_process_group(monkeypatch):
     """The script ran init_process_group itself (NCCL, LOCAL_RANK=3, 8 GPUs, device never
     set): megazero.initialize works on cuda:3 and makes it current, as DeepSpeed does."""
-    import megazero.compat
+    import megazero.distributed.compat
     import megazero.engine as engine_api
 
     chosen = []
@@ -80,7 +85,7 @@ def test_initialize_after_the_scripts_init_process_group(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setattr(megazero.compat, "bound_device_index", lambda group=None: None)
+    monkeypatch.setattr(megazero.distributed.compat, "bound_device_index", lambda group=None: None)
     for k in ("CUDA_VISIBLE_DEVICES", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("RANK", "11")
@@ -99,7 +104,7 @@ def test_initialize_after_the_scripts_init_process_group(monkeypatch):
 
 
 def test_init_process_group_is_bound_to_the_gpu():
-    from megazero.compat import init_device_kwargs
+    from megazero.distributed.compat import init_device_kwargs
 
     assert init_device_kwargs(torch.device("cuda", 2)) == {"device_id": torch.device("cuda", 2)}
     assert init_device_kwargs(torch.device("cpu")) == {}
@@ -117,7 +122,7 @@ def _launcher_env(monkeypatch, values):
 def test_start_up_under_mpirun_binds_the_group_to_the_local_gpu(monkeypatch):
     """initialize_distributed with Open MPI's variables only and 8 (fake) GPUs: rank 13 of 16
     takes cuda:5 before the group exists and binds the group to it (device_id)."""
-    import megazero.dist_init as dist_init
+    import megazero.distributed.startup as startup
 
     _launcher_env(monkeypatch, {"OMPI_COMM_WORLD_RANK": "13", "OMPI_COMM_WORLD_SIZE": "16",
                                 "OMPI_COMM_WORLD_LOCAL_RANK": "5",
@@ -129,10 +134,10 @@ def test_start_up_under_mpirun_binds_the_group_to_the_local_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: current.__setitem__(0, i))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
-    monkeypatch.setattr(dist_init.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist_init.dist, "init_process_group",
+    monkeypatch.setattr(startup.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(startup.dist, "init_process_group",
                         lambda *a, **k: calls.append((a, k)))
-    got = dist_init.initialize_distributed("nccl")
+    got = startup.initialize_distributed("nccl")
     assert (got.rank, got.world_size, got.local_rank, got.local_world_size) == (13, 16, 5, 8)
     assert got.device == torch.device("cuda", 5) and current == [5]
     (args, kwargs), = calls
@@ -141,20 +146,20 @@ def test_start_up_under_mpirun_binds_the_group_to_the_local_gpu(monkeypatch):
 
     _launcher_env(monkeypatch, {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="MASTER_ADDR / MASTER_PORT are not set"):
-        dist_init.initialize_distributed("gloo")
+        startup.initialize_distributed("gloo")
 
 
 def test_a_world_of_one_binds_its_store_at_once(monkeypatch):
     """Without a launcher the run is a world of one whose store binds a port the OS assigns: a
     port picked free and bound later could be taken by another job in between (EADDRINUSE)."""
-    import megazero.dist_init as dist_init
+    import megazero.distributed.startup as startup
 
     _launcher_env(monkeypatch, {})
     calls = []
-    monkeypatch.setattr(dist_init.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist_init.dist, "init_process_group",
+    monkeypatch.setattr(startup.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(startup.dist, "init_process_group",
                         lambda *a, **k: calls.append((a, k)))
-    got = dist_init.initialize_distributed("gloo")
+    got = startup.initialize_distributed("gloo")
     (args, kwargs), = calls
     store = kwargs["store"]
     assert isinstance(store, torch.distributed.TCPStore) and store.port > 0

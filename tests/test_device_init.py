@@ -4,11 +4,11 @@ the single-process model's, and never a host copy of the rank's shard.
 * Today's weights: the single-process model's checksum (sha256 of names and fp32 bytes) at a
   fixed seed, built on the host and built through the device path, equals the value the host
   build gave before the device path existed.
-* Values: 4 gloo ranks build their chunks with ``train_setup.build_model_chunks_on`` (meta
-  build, then each parameter created on the device and initialised in place) at tp x pp =
-  1x1 (dp 4), 2x1, 1x2 and 2x2, for a GELU/LayerNorm/tied model and a SwiGLU/RoPE/RMSNorm/
-  untied one; every parameter must equal bitwise its slice of the single-process model built
-  on the host the way tests and tools build it (``GPTModel`` with ``initialize_parameters``).
+* Values: 4 gloo ranks build their chunks with ``megazero.training.builders.build_model_chunks_on``
+  (meta build, then each parameter created on the device and initialised in place) at tp x pp = 1x1
+  (dp 4), 2x1, 1x2 and 2x2, for a GELU/LayerNorm/tied model and a SwiGLU/RoPE/RMSNorm/untied one;
+  every parameter must equal bitwise its slice of the single-process model built on the host the way
+  tests and tools build it (``GPTModel`` with ``initialize_parameters``).
 * Host memory: on CPU the device is the host, so the build is measured twice with
   ``LiveStorageBytes`` (every storage an operator returns, until it is freed). With the meta
   device standing in for a device whose memory is not the host's (copies to it cost nothing),
@@ -47,8 +47,8 @@ def _checksum(named_params) -> str:
 
 def test_device_build_keeps_the_weights_checksums():
     from megazero.config import load_config
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_chunks_on
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.training.builders import build_model_chunks_on
 
     for name, extra in MODELS.items():
         cfg = load_config(ARGV + extra, 1)
@@ -58,8 +58,8 @@ def test_device_build_keeps_the_weights_checksums():
 
 
 def _reference(cfg):
-    from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
 
     ref = GPTModel(cfg.model, ParallelTopology.single(), seed=cfg.train.seed)
     return {p.init_spec.key: p.detach() for p in ref.parameters()}, ref
@@ -67,9 +67,9 @@ def _reference(cfg):
 
 def _world(rank, world):
     from megazero.config import load_config
+    from megazero.distributed.topology import ParallelTopology
     from megazero.tensor_parallel.utils import shard_full_param
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_chunks_on
+    from megazero.training.builders import build_model_chunks_on
 
     out = []
     for name, extra in MODELS.items():
@@ -104,9 +104,9 @@ def test_device_build_is_bitwise_the_single_process_model():
 def _host_peak(device: torch.device) -> tuple[float, int, int]:
     """(peak host bytes during the build, bytes of the built weights, largest tensor)."""
     from megazero.config import load_config
-    from megazero.planner.validate import LiveStorageBytes
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_chunks_on
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.testing.planner_validate import LiveStorageBytes
+    from megazero.training.builders import build_model_chunks_on
 
     # the largest tensor (embedding, 8 MiB) is over the generator's scratch (~4 MiB)
     cfg = load_config(("--num-layers 8 --hidden-size 128 --num-attention-heads 4 "

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.checkpointing import read_model_state
+from megazero.checkpoint import read_model_state
+from megazero.checkpoint.save_check import checkpoint_bytes, explain_write_error, save_dir_problem
 from megazero.config import ConfigError, LoggingConfig, load_config
 from megazero.data import token_range
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megazero.lr_scheduler import build_lr_function
-from megazero.monitor import Monitor
-from megazero.save_check import checkpoint_bytes, explain_write_error, save_dir_problem
+from megazero.observability.monitor import Monitor
+from megazero.optim.lr_scheduler import build_lr_function
 from megazero.testing.launch import TINY, check, read_metrics, run_training
-from megazero.training import HISTORY_LENGTH, TrainState
+from megazero.training.run import HISTORY_LENGTH, TrainState
 
 
 def test_divergence_skips_stops_and_keeps_latest(tmp_path):

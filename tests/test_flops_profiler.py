@@ -10,12 +10,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megazero.config import ConfigError
-from megazero.flops_profiler import (
-    FlopsProfilerSettings,
-    extra_formulas,
-    human,
-    module_flops,
-)
+from megazero.config.observability_schema import FlopsProfilerSettings
+from megazero.observability.flops_profiler import extra_formulas, human, module_flops
 from megazero.testing.launch import TINY, check, run_training
 
 
@@ -106,8 +102,8 @@ def _tiny_model_ratio(layers=4, h=32, s=16, vocab=256, recompute=False) -> float
 
 
 def test_one_process_counts_the_model_flops_exactly(tmp_path):
-    """GQA + SwiGLU + an untied output layer: every GEMM megazero/flops.py counts, and nothing
-    else, is what runs."""
+    """GQA + SwiGLU + an untied output layer: every GEMM megazero/observability/flops.py counts,
+    and nothing else, is what runs."""
     cfg = tmp_path / "ds.json"
     cfg.write_text('{"flops_profiler": {"enabled": true, "profile_step": 2, "top_modules": 2}}')
     out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
@@ -130,7 +126,7 @@ def test_one_process_counts_the_model_flops_exactly(tmp_path):
 @pytest.mark.parametrize("grouped", [False, True], ids=["expert-loop", "grouped-gemm"])
 def test_dropless_moe_counts_the_model_flops_exactly(tmp_path, grouped):
     """Top-2 of 4 experts with a gated shared expert: the router, the active experts and the
-    shared expert, as megazero/flops.py counts an MoE layer."""
+    shared expert, as megazero/observability/flops.py counts an MoE layer."""
     cfg = tmp_path / "ds.json"
     cfg.write_text('{"flops_profiler": {"enabled": true, "profile_step": 2, "detailed": false}}')
     out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megazero.convert import hf_to_megazero, load_global_state
-from megazero.generation import (
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.generation import (
     KVCache,
     SamplingConfig,
     forward_full,
@@ -14,10 +15,9 @@ from megazero.generation import (
     generate,
     sample,
 )
-from megazero.model import GPTModel
+from megazero.model.gpt import GPTModel
 from megazero.testing import run_distributed
 from megazero.testing.hf_models import VOCAB, build
-from megazero.topology import ParallelTopology
 
 KINDS = {"gpt2": dict(initializer_range=0.3), "llama": dict(initializer_range=0.1)}
 PROMPT = [[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6]]
@@ -114,7 +114,7 @@ def test_tp2_generates_the_tp1_ids():
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """A tiny GPT-2-style megazero checkpoint (tp=1) whose config names a GPT-2 BPE tokenizer."""
-    from megazero.checkpointing import save_checkpoint
+    from megazero.checkpoint import save_checkpoint
     from megazero.config import DataConfig, MegazeroConfig, ModelConfig
     from megazero.testing.hf_models import write_bpe_files
 
@@ -195,7 +195,7 @@ def test_generate_text_under_torchrun_tp2(saved_run):
 
 
 def _save_tp2_pp2(rank, world, root, mc, cfg):
-    from megazero.checkpointing import save_checkpoint
+    from megazero.checkpoint import save_checkpoint
     from megazero.pipeline.partition import build_model_chunks
 
     topo = ParallelTopology.build(tp=2, pp=2)
@@ -210,7 +210,7 @@ def test_generate_text_loads_a_tp2_pp2_checkpoint_in_one_process(tmp_path, capsy
     the same seed, and holds its weights exactly."""
     import json
 
-    from megazero.checkpointing import read_model_state
+    from megazero.checkpoint import read_model_state
     from megazero.config import MegazeroConfig, ModelConfig
     from megazero.tensor_parallel import full_model_state_dict
 

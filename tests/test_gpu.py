@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import ParallelContext
 from megazero.testing.launch import REPO, SCRIPT, TINY, env, read_metrics
 from megazero.testing.tiny_gpt import assert_close, batch, tiny_config
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 pytestmark = [pytest.mark.gpu,

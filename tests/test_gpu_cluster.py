@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from megazero.observability.timers import Timers
 from megazero.testing.launch import REPO, env
-from megazero.timers import Timers
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

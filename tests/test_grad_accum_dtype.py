@@ -25,11 +25,11 @@ from megazero.config import (
     ZeroConfig,
     load_config,
 )
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import ParallelContext
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 MICRO = 32

@@ -17,11 +17,11 @@ from megazero.convert import (
     megazero_to_hf,
     model_global_state,
 )
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import gather_from_tensor_parallel_region
 from megazero.testing import run_distributed
 from megazero.testing.hf_models import VOCAB, build
-from megazero.topology import ParallelTopology
 
 # GPT-2 with weights large enough that GELU's inputs span O(1), where tanh and exact differ.
 KINDS = {"gpt2": dict(initializer_range=0.3), "llama": dict(initializer_range=0.1)}

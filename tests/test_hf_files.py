@@ -59,8 +59,8 @@ def test_llama_export_with_sentencepiece_tokenizer(tmp_path):
     from megazero.config import ModelConfig
     from megazero.convert import model_global_state
     from megazero.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
-    from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
 
     words = "the quick brown fox jumps over a lazy dog while hello world".split()
     g = torch.Generator().manual_seed(0)

@@ -76,8 +76,8 @@ def test_mixtral_config_and_refusals():
     assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in legacy
     # transformers' fused in-memory layout imports the model transformers computes
     from megazero.convert import load_global_state
-    from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
 
     topo = ParallelTopology.single()
     model = GPTModel(mc, topo).eval()

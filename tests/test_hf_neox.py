@@ -11,11 +11,11 @@ import stat
 import pytest
 import torch
 
-from megazero.checkpointing import write_model_state
+from megazero.checkpoint import write_model_state
 from megazero.config import ModelConfig
 from megazero.convert import ConversionError, hf_to_megazero, megazero_to_hf, model_global_state
-from megazero.model import GPTModel
-from megazero.topology import ParallelTopology
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 VOCAB = 96

@@ -112,8 +112,8 @@ def test_imports_generates_and_exports_the_same_model(case, tmp_path, capsys):
 
 
 def _megazero_logits(mc, state, toks):
-    from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
 
     topo = ParallelTopology.single()
     model = GPTModel(mc, topo).eval()
@@ -197,10 +197,10 @@ def test_qwen3_dense_tied_and_head_dim():
 
 def _imported_at_layouts(rank, world, mc, state, toks):
     """This rank's logits of the imported model at TP 2 + SP and at EP 2 (alltoall)."""
-    from megazero.model import GPTModel
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
     from megazero.tensor_parallel import gather_from_tensor_parallel_region
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     out = {}
     for name, topo, sp, dispatcher in (

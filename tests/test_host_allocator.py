@@ -1,4 +1,5 @@
-"""CPU training keeps what an iteration frees for the next (``megazero.host_allocator``).
+"""CPU training keeps what an iteration frees for the next
+(``megazero.distributed.host_allocator``).
 
 What the tuning does to glibc is checked directly (a fresh process's large blocks come from the
 heap and stay there when freed). What it does to training is measured in page faults: a stage-0
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-from megazero.host_allocator import (
+from megazero.distributed.host_allocator import (
     OTHER_ALLOCATORS,
     USER_TUNING,
     keep_freed_host_memory,
@@ -35,7 +36,7 @@ BENCH_MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size
 # own account (mallinfo2) before, while held, and after.
 MALLINFO_PROBE = r"""
 import ctypes, json, sys
-from megazero.host_allocator import keep_freed_host_memory
+from megazero.distributed.host_allocator import keep_freed_host_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                                                 "usmblks", "fsmblks", "uordblks", "fordblks",
@@ -61,8 +62,8 @@ print(json.dumps({"tuned": tuned, "before": before, "held": held, "freed": accou
 # rank 0 prints both as JSON at exit.
 FAULTS_WRAPPER = r"""
 import atexit, json, os, resource, runpy, sys
-import megazero.dist_init as dist_init
-import megazero.training as training
+import megazero.distributed.startup as startup
+import megazero.training.loop as training
 faults, tuned = [], []
 step = training.train_step
 def counted(*a, **k):
@@ -70,11 +71,11 @@ def counted(*a, **k):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
     return out
 training.train_step = counted
-tune = dist_init.keep_freed_host_memory
+tune = startup.keep_freed_host_memory
 def recorded(*a, **k):
     tuned.append(tune(*a, **k))
     return tuned[-1]
-dist_init.keep_freed_host_memory = recorded
+startup.keep_freed_host_memory = recorded
 if os.environ["RANK"] == "0":
     atexit.register(lambda: print("FAULTS " + json.dumps({"faults": faults, "tuned": tuned}),
                                   flush=True))

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig, load_config
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing.reference import TinyLM, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer, host_step
 from megazero.zero.optimizers import update_kernel
 

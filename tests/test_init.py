@@ -115,8 +115,8 @@ def test_shard_init_draws_only_shard_elements(monkeypatch):
 # --- the init rule belongs to the layer ---------------------------------------------------------
 
 def _gpt(**kw):
-    from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
 
     cfg = _config(num_layers=2, **kw)
     return cfg, GPTModel(cfg, ParallelTopology.single(), seed=5)

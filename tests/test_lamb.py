@@ -25,13 +25,13 @@ from megazero.config import (
     PrecisionConfig,
     ZeroConfig,
 )
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.optim.lamb import Lamb
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import build_model_chunks
 from megazero.tensor_parallel import ParallelContext, full_model_state_dict
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 SEQ, VOCAB, HIDDEN, STEPS, ROWS = 16, 100, 32, 5, 8
@@ -253,7 +253,7 @@ def _resume_world(rank, world_size, root):
     """Lamb's state is saved per parameter like Adam's: 3 steps at dp 4 ZeRO-1, saved, loaded
     at tp 2 x dp 2 ZeRO-3 (other pieces, other ranks), 2 more steps: the one-process Lamb's
     5 steps."""
-    from megazero.checkpointing import load_checkpoint, save_checkpoint
+    from megazero.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = gpt_config()
     ref_losses, ref_w, _ = reference(cfg)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megazero.config import ConfigError, OptimizerConfig
-from megazero.lr_scheduler import LRScheduler, build_lr_function
+from megazero.optim.lr_scheduler import LRScheduler, build_lr_function
 
 
 def _sched(train_iters=100, **kw):

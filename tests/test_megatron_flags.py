@@ -17,7 +17,7 @@ from megazero.data.indexed_dataset import IndexedDatasetBuilder
 from megazero.model.positional import RotaryEmbedding, apply_rotary
 from megazero.testing.distributed import run_distributed
 from megazero.testing.launch import TINY, check, read_metrics, run_training
-from megazero.train_setup import Batching, get_batch
+from megazero.training.builders import Batching, get_batch
 
 
 def test_rampup_follows_megatrons_formula():

@@ -6,9 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from megazero.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, load_config
+from megazero.config.layout import ParallelLayout
+from megazero.distributed.topology import ParallelTopology
 from megazero.errors import MegazeroError
-from megazero.model import GPTModel, apply_recompute
-from megazero.model.recompute import RecomputedModule
+from megazero.model.gpt import GPTModel
+from megazero.model.recompute import RecomputedModule, apply_recompute
 from megazero.model.transformer import TransformerLayer
 from megazero.pipeline.partition import build_model_chunks
 from megazero.tensor_parallel import (
@@ -18,7 +20,6 @@ from megazero.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megazero.topology import ParallelLayout, ParallelTopology
 
 
 def _cfg(**kw) -> ModelConfig:

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import RecomputeConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import full_model_state_dict
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
@@ -16,7 +17,6 @@ from megazero.testing.tiny_gpt import (
     stage0_engine,
     tiny_config,
 )
-from megazero.topology import ParallelTopology
 
 WORD = "embedding.word_embeddings.weight"
 

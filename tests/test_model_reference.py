@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from megazero.config import ConfigError
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.model.positional import RotaryEmbedding, apply_rotary
 from megazero.tensor_parallel import ParallelContext, full_model_state_dict
 from megazero.testing.tiny_gpt import assert_close, batch, tiny_config
-from megazero.topology import ParallelTopology
 
 
 def _norm(x, sd, prefix, cfg):

@@ -13,7 +13,8 @@ import torch
 from megazero.config import (
     RecomputeConfig,
 )
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import full_model_state_dict, gather_from_tensor_parallel_region
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
@@ -26,7 +27,6 @@ from megazero.testing.tiny_gpt import (
     loss_and_grads,
     tiny_config,
 )
-from megazero.topology import ParallelTopology
 
 
 def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -47,10 +47,10 @@ def _share(t: torch.Tensor, tp: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def _world(rank, world_size):
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     out = []
     for tp, cp in LAYOUTS:
@@ -79,9 +79,9 @@ def results():
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["cp4", "tp2sp-cp2"])
 def test_context_parallel_router_equals_the_whole_micro_batch(results, layout):
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
-    from megazero.topology import ParallelTopology
 
     tp, cp = layout
     base = LAYOUTS.index(layout) * len(CASES)

@@ -33,10 +33,10 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _world(rank, world_size):
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     single = ParallelTopology.single()
     topos = {ep: ParallelTopology.build(ep=ep, expert_groups=True) for ep in (2, 4)}
@@ -56,9 +56,9 @@ def _world(rank, world_size):
 
 
 def test_expert_parallel_layer_equals_the_one_rank_layer():
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
-    from megazero.topology import ParallelTopology
 
     results = run_distributed(_world, 4, timeout=300, nccl_rules=True)
     for i, (ep, disp, cap) in enumerate(CASES):

@@ -50,10 +50,10 @@ def _nonzero_biases(layer, swiglu: bool, etp_rank: int = 0, etp: int = 1) -> Non
 
 
 def _world(rank, world_size):
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     single = ParallelTopology.single()
     out = []
@@ -84,9 +84,9 @@ def _slice(full: torch.Tensor, name: str, swiglu: bool, etp_rank: int, etp: int
 
 
 def test_expert_tensor_parallel_layer_equals_the_one_rank_layer():
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
-    from megazero.topology import ParallelTopology
 
     results = run_distributed(_world, 4, timeout=300, nccl_rules=True)
     for i, (ep, etp, disp, swiglu, grouped, cap) in enumerate(CASES):
@@ -120,10 +120,10 @@ def test_expert_tensor_parallel_layer_equals_the_one_rank_layer():
 
 def test_expert_slices_are_the_one_rank_experts():
     """Layout-independent init: ETP 2's slices of every expert are the one-rank tensors'."""
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     cfg = _cfg("alltoall", True, False, None)
     ref = MoELayer(cfg)

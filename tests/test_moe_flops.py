@@ -9,7 +9,7 @@ import pytest
 
 from megazero.config import ModelConfig, load_config
 from megazero.config.moe_schema import MoEConfig
-from megazero.flops import gpt_flops_per_iteration
+from megazero.observability.flops import gpt_flops_per_iteration
 
 DENSE = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=256, swiglu=True, ffn_hidden_size=2 * 48)
@@ -52,10 +52,10 @@ def _moe_states_world(rank, world_size):
 
     import torch
 
+    from megazero.distributed.topology import ParallelTopology
     from megazero.planner.model_states import model_state_report
     from megazero.planner.shapes import meta_chunks, shape_topology
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.training.builders import build_model_and_optimizer
 
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "1",

@@ -7,11 +7,11 @@ import torch
 
 from megazero.config import ModelConfig
 from megazero.config.moe_schema import MoEConfig
+from megazero.distributed.topology import ParallelTopology
 from megazero.model.gpt import GPTModel
 from megazero.model.init import initialize_parameters
 from megazero.moe.moe_layer import MoELayer
 from megazero.tensor_parallel.context import ParallelContext
-from megazero.topology import ParallelTopology
 
 
 def _cfg() -> ModelConfig:

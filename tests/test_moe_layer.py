@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from megazero.config import ModelConfig
 from megazero.config.moe_schema import MoEConfig
+from megazero.distributed.topology import ParallelTopology
 from megazero.model.init import initialize_parameters
 from megazero.moe import moe_utils as mu
 from megazero.moe.moe_layer import MoELayer
-from megazero.topology import ParallelTopology
 
 
 def _config(**moe) -> ModelConfig:

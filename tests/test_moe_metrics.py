@@ -7,10 +7,10 @@ import torch
 
 from megazero.config import ModelConfig
 from megazero.config.moe_schema import MoEConfig
+from megazero.distributed.topology import ParallelTopology
 from megazero.model.init import initialize_parameters
 from megazero.moe import metrics
 from megazero.moe.moe_layer import MoELayer
-from megazero.topology import ParallelTopology
 
 
 def test_collect_averages_losses_and_counts_tokens_per_iteration():

@@ -34,10 +34,10 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def _world(rank, world_size):
     import torch.distributed as dist
 
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     out = []
     for case in CASES:
@@ -56,9 +56,9 @@ def _world(rank, world_size):
 
 
 def test_sequence_parallel_router_equals_the_whole_micro_batch():
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
     from megazero.moe.moe_layer import MoELayer
-    from megazero.topology import ParallelTopology
 
     results = run_distributed(_world, 2, timeout=300)
     for i, case in enumerate(CASES):

@@ -8,14 +8,14 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megazero.config import LoggingConfig, ModelConfig
-from megazero.flops import (
+from megazero.observability.flops import (
     gpt_flops_per_iteration,
     mfu,
     model_flops_per_iteration,
     peak_flops,
     tflops_per_device,
 )
-from megazero.monitor import (
+from megazero.observability.monitor import (
     TB_TAGS,
     Monitor,
     Timers,

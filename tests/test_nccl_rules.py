@@ -10,17 +10,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero import collectives, host_resident
 from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.distributed import collectives, host_resident
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing import DistributedTestError, run_distributed
 from megazero.testing.nccl_rules import NcclRuleError
 from megazero.testing.reference import TinyLM, engine_train_step, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
        "reduce_scatter_tensor", "all_to_all_single", "batch_isend_irecv",
-       "megazero.collectives.reduce_scatter", "megazero.collectives.all_gather"]
+       "megazero.distributed.collectives.reduce_scatter",
+       "megazero.distributed.collectives.all_gather"]
 
 
 def _calls(rank, world, t, out):
@@ -38,9 +39,10 @@ def _calls(rank, world, t, out):
         "all_to_all_single": lambda: dist.all_to_all_single(out, t),
         "batch_isend_irecv": lambda: [w.wait() for w in dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, out, peer)])],
-        "megazero.collectives.reduce_scatter": lambda: collectives.reduce_scatter(
+        "megazero.distributed.collectives.reduce_scatter": lambda: collectives.reduce_scatter(
             t[:2], out, g, collectives.reduce_scatter_impl("auto", "gloo")),
-        "megazero.collectives.all_gather": lambda: collectives.all_gather(out, t[:2], g),
+        "megazero.distributed.collectives.all_gather": lambda: collectives.all_gather(
+            out, t[:2], g),
     }
 
 

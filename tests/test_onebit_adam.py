@@ -20,12 +20,12 @@ from megazero.config import (
     ZeroConfig,
     load_config,
 )
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.optim.onebit import OneBitAdam
 from megazero.tensor_parallel import full_model_state_dict
 from megazero.testing import run_distributed
 from megazero.testing.reference import torch_adamw
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 SEQ, VOCAB, HIDDEN, ROWS, FREEZE, STEPS = 16, 96, 32, 8, 3, 8
@@ -200,8 +200,8 @@ def _resume_world(rank, world_size, root):
     """Save in the compressed phase at dp 4, resume at dp 4: the same numbers as not stopping
     (moments and every rank's error buffers restored, gradients local from the first step). At
     dp 2 (tp 2) the load is refused in one line; with --no-load-optim it loads the weights."""
-    from megazero.checkpoint.files import CheckpointError
-    from megazero.checkpointing import load_checkpoint, save_checkpoint
+    from megazero.checkpoint import load_checkpoint, save_checkpoint
+    from megazero.errors import CheckpointError
 
     data = batches()
     topo = ParallelTopology.build()

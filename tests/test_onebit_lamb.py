@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ModelConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.optim.lamb import Lamb
 from megazero.optim.onebit_lamb import OneBitLamb
 from megazero.tensor_parallel import full_model_state_dict
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 SEQ, VOCAB, HIDDEN, ROWS, FREEZE, STEPS = 16, 96, 32, 8, 4, 8
@@ -121,7 +121,7 @@ def test_each_pasted_type_builds_and_steps():
     import pytest
 
     from megazero.config import ConfigError, load_config
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.training.builders import build_model_and_optimizer
 
     argv = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--vocab-size 96 --micro-batch-size 2 --train-iters 1").split()
@@ -159,7 +159,7 @@ def test_each_pasted_type_builds_and_steps():
 def _resume_world(rank, world_size, root):
     """Saved in the compressed phase (error buffers, frozen ratio, factor and momentum scales
     per rank), resumed at the same layout: the same numbers as not stopping."""
-    from megazero.checkpointing import load_checkpoint, save_checkpoint
+    from megazero.checkpoint import load_checkpoint, save_checkpoint
 
     topo = ParallelTopology.build()
     rows = ROWS // topo.dp_size

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig, load_config
-from megazero.monitor import Timers
+from megazero.distributed.group_comm import Handle
+from megazero.distributed.topology import ParallelTopology
+from megazero.observability.monitor import Timers
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 from megazero.zero.buffers import GradBuffer
-from megazero.zero.comm import Handle
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 1 --train-iters 1").split()

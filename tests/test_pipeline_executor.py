@@ -16,12 +16,12 @@ from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.data.random_batches import random_lm_batches
+from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.executor import backward_step, deallocate_output_tensor, forward_backward
 from megazero.pipeline.grads import sync_tied_embeddings
 from megazero.pipeline.partition import chunk_layer_ranges, chunk_roles
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 VOCAB, HIDDEN, SEQ, MBS, LAYERS = 50, 16, 8, 2, 8

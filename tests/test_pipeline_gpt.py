@@ -23,12 +23,12 @@ from megazero.config import (
     ZeroConfig,
 )
 from megazero.data.random_batches import random_lm_batches
+from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import build_model_chunks
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 SEQ, MBS, VOCAB, LAYERS, HIDDEN = 16, 2, 100, 8, 32
@@ -46,7 +46,7 @@ def make_batches(m: int, seed: int) -> list[dict]:
 
 
 def reference(cfg: ModelConfig, batches: list[dict]) -> tuple[list[float], dict]:
-    from megazero.model import GPTModel
+    from megazero.model.gpt import GPTModel
     from megazero.tensor_parallel import full_model_state_dict
 
     topo = ParallelTopology.single()

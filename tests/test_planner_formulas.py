@@ -76,9 +76,9 @@ def test_layer_bytes_against_a_measured_layer():
     rank: measured saved bytes within 5% of the prediction (gpt2 0.1%, llama 2.8%, with q/k
     norms 3.3%; leaving their inputs out of the prediction would read +2.3%)."""
     from megazero.config import ModelConfig
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.gpt import GPTModel
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     llama = dict(num_query_groups=2, normalization="LayerNorm", group_query_attention=True)
     qk = dict(llama, qk_layernorm=True, kv_channels=24)

@@ -1,4 +1,4 @@
-"""The planner against real iterations on 2 gloo ranks (megazero/planner/validate.py).
+"""The planner against real iterations on 2 gloo ranks (megazero/testing/planner_validate.py).
 
 One spawned world runs every layout of a tiny GPT (8 layers, hidden 64, seq 32; dropout 0
 unless the layout says) for 2 iterations through the pipeline executor, the ZeRO engine's gradient
@@ -10,18 +10,18 @@ sync and the optimizer step, and returns per rank:
   and bf16, dropout on and off): within 5%. The in-flight counts come from the schedule
   builder itself, so the prediction follows any change of the schedules;
 * the peak bytes of live tensor storage during the second iteration (every storage an
-  operator returns, held by a weak reference until it is freed: megazero.planner.validate.
+  operator returns, held by a weak reference until it is freed: megazero.testing.planner_validate.
   LiveStorageBytes) against the planner's device total (model states + the largest of the
   forward-backward, gradient-sync and optimizer-step phases): within 10% for every layout.
 
 The ZeRO-3 layout here has every unit under stage3_param_persistence_threshold (nothing is
-partitioned at this size); partitioned units are a known gap (megazero/planner/validate.py).
+partitioned at this size); partitioned units are a known gap (megazero/testing/planner_validate.py).
 """
 
 import pytest
 
-from megazero.planner.validate import measure_layouts
 from megazero.testing import run_distributed
+from megazero.testing.planner_validate import measure_layouts
 
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
         "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",

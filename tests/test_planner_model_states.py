@@ -49,8 +49,8 @@ def _predict(cfg, topo):
 
 
 def _world(rank, world_size):
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.training.builders import build_model_and_optimizer
 
     rows = []
     for tp, pp, extra in LAYOUTS:
@@ -82,8 +82,8 @@ def test_model_states_equal_engine_bytes_dp1_2_4():
 
 def test_model_states_equal_engine_bytes_dp8(monkeypatch):
     """dp 8 in one process: the engine's buffers built for each of 8 dp ranks."""
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.training.builders import build_model_and_optimizer
     from megazero.zero import optimizer as zopt
 
     real = zopt.Comms.from_topology

@@ -113,7 +113,7 @@ def test_expert_tensor_parallel_gathers_and_reduce_scatters_the_routed_rows():
 
 
 def test_no_dispatch_term_at_ep1_and_mfu_counts_active_parameters():
-    from megazero.flops import gpt_flops_per_iteration
+    from megazero.observability.flops import gpt_flops_per_iteration
 
     cfg = _config(BASE, MOE, 4)
     out = step_time(cfg, cluster(), 2, PARAMS)

@@ -25,7 +25,7 @@ OPTIMIZERS = (("onebitadam", dict(freeze_step=1), 1000),
 
 
 def _measure_and_predict(base, topo, kind, params, sub_group):
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.training.builders import build_model_and_optimizer
 
     cfg = replace(base, optimizer=replace(base.optimizer, optimizer=kind, **params),
                   zero=replace(base.zero, stage=0, sub_group_size=sub_group))
@@ -45,7 +45,7 @@ def _measure_and_predict(base, topo, kind, params, sub_group):
 
 
 def _world(rank, world_size):
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
     rows = []
     for tp, extra in ((1, []), (2, ["--sequence-parallel"])):
@@ -70,7 +70,7 @@ def test_onebit_state_equals_engine_bytes_dp2_4():
 
 
 def test_onebit_state_equals_engine_bytes_dp1():
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
     base = load_config(BASE, 1)
     topo = ParallelTopology.single()

@@ -13,8 +13,9 @@ import pytest
 from megazero.config import load_config
 from megazero.planner.cluster import CLUSTER_DIR, Cluster, load_cluster
 from megazero.planner.estimate import estimate
+from megazero.planner.links import dp_link_gbps
 from megazero.planner.published import GPT3_175B, TABLE1, gpt3_175b_published_seconds, predict
-from megazero.planner.step_time import ADAM_BYTES_16, dp_link_gbps, step_time
+from megazero.planner.step_time import ADAM_BYTES_16, step_time
 
 
 def test_table1_every_row_within_15_percent():

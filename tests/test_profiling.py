@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, load_config
-from megazero.config.schema import LoggingConfig
-from megazero.profiling import StepProfiler
+from megazero.config.sections import LoggingConfig
+from megazero.observability.profiling import StepProfiler
 
 
 def _run(profiler, iterations):

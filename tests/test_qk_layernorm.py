@@ -10,12 +10,12 @@ groups) and the GPT-2 block (LayerNorm: weight and bias), a head width of 12 set
 
 import torch
 
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import full_model_state_dict
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.testing.tiny_gpt import assert_close, batch, stage0_engine, tiny_config
-from megazero.topology import ParallelTopology
 
 CONFIG = dict(qk_layernorm=True, kv_channels=12)
 
@@ -74,7 +74,7 @@ def test_qk_norm_grads_and_grad_norm_equal_one_process_at_tp2():
 
 
 def test_loading_with_other_qk_norms_or_head_width_names_the_flag():
-    from megazero.checkpointing import _config_difference
+    from megazero.checkpoint.load import _config_difference
 
     base = {"hidden_size": 64, "num_attention_heads": 8, "qk_layernorm": True}
     saved = {"model": {**base, "kv_channels": 12}}
@@ -102,7 +102,7 @@ def test_head_width_counts_in_flops_and_the_step_time_model():
     """With ``--kv-channels`` the QKV, attention and output GEMMs are ``heads x kv_channels``
     wide: FLOPs by formula, the same in the run's counter and the planner's step-time model."""
     from megazero.config import load_config
-    from megazero.flops import gpt_flops_per_iteration
+    from megazero.observability.flops import gpt_flops_per_iteration
     from megazero.planner.step_time import gemm_flops_per_token
 
     argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --num-query-groups 4 "

@@ -14,12 +14,12 @@ import torch
 
 from megazero.config import load_config
 from megazero.convert import load_global_state, model_global_state
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import full_model_state_dict
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.testing import run_distributed
 from megazero.testing.tiny_gpt import VOCAB, assert_close, batch, loss_and_grads, tiny_config
-from megazero.topology import ParallelTopology
 
 QKV_BIAS = "self_attention.linear_qkv.bias"
 
@@ -92,7 +92,7 @@ def test_tp2_equals_tp1_with_qkv_bias():
 
 
 def test_loading_without_the_saved_qkv_bias_names_the_flag():
-    from megazero.checkpointing import _config_difference
+    from megazero.checkpoint.load import _config_difference
 
     saved = {"model": {"add_bias_linear": False, "add_qkv_bias": True}}
     assert _config_difference(saved, {"model": {"add_bias_linear": False,

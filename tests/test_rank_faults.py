@@ -21,8 +21,8 @@ import time
 import pytest
 import torch
 
+from megazero.checkpoint import read_model_state, read_tracker
 from megazero.checkpoint.reader import complete_iterations
-from megazero.checkpointing import read_model_state, read_tracker
 from megazero.testing.distributed import run_distributed
 from megazero.testing.faults import launched_ranks
 from megazero.testing.launch import REPO, SCRIPT, TINY, TORCHRUN, env, read_metrics

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from megazero.checkpointing import config_dict
+from megazero.checkpoint import config_dict
 from megazero.config import ConfigError, load_config
-from megazero.resume_checks import TRACKER, check_resume
+from megazero.training.resume_checks import TRACKER, check_resume
 
 BASE = ["--mock-data", "--train-iters", "100", "--lr", "1e-3", "--min-lr", "1e-5",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "10"]

@@ -20,10 +20,8 @@ import time
 import pytest
 
 from megazero.checkpoint import ownership
+from megazero.checkpoint.save_check import remove_failed_saves
 from megazero.config import ConfigError, load_config
-from megazero.divergence import SpikeWatch
-from megazero.resume_checks import check_save_path
-from megazero.save_check import remove_failed_saves
 from megazero.testing.launch import (
     REPO,
     SCRIPT,
@@ -33,6 +31,8 @@ from megazero.testing.launch import (
     read_metrics,
     run_training,
 )
+from megazero.training.divergence import SpikeWatch
+from megazero.training.resume_checks import check_save_path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 BASE = [*TINY, "--lr-decay-iters", "100"]  # runs that resume with more --train-iters

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from megazero.config import RecomputeConfig, load_config
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.saved_inputs import SavedInputLayout
 from megazero.testing import run_distributed
 from megazero.testing.activation_memory import measure_saved_bytes
 from megazero.testing.launch import TINY
 from megazero.testing.tiny_gpt import BATCH, SEQ, batch, loss_and_grads, tiny_config
-from megazero.topology import ParallelTopology
 
 
 def _layouts(rank: int, world: int) -> dict:

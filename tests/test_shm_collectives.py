@@ -1,5 +1,6 @@
-"""The shared-memory collectives (:mod:`megazero.shm_collectives`): their results against the
-backend's, how the ZeRO engine uses them at stages 0-2, and what happens when a group cannot."""
+"""The shared-memory collectives (:mod:`megazero.distributed.shm_collectives`): their results
+against the backend's, how the ZeRO engine uses them at stages 0-2, and what happens when a group
+cannot."""
 
 import errno
 import os
@@ -9,15 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero import shm_collectives
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.distributed import shm_collectives
+from megazero.distributed.group_comm import CommLog, GroupComm
+from megazero.distributed.shm_collectives import SharedOp, merge_ops
+from megazero.distributed.topology import ParallelTopology
 from megazero.errors import ConfigError
-from megazero.shm_collectives import SharedOp, merge_ops
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, engine_train_step, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.comm import CommLog, GroupComm
 
 
 def _leftover_files(pids) -> list[str]:

@@ -7,10 +7,10 @@ import time
 import pytest
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.monitor import Timers
+from megazero.distributed.topology import ParallelTopology
+from megazero.observability.monitor import Timers
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from megazero.config import ConfigError, ModelConfig
-from megazero.model import GPTModel
+from megazero.config.layout import ParallelLayout
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -31,7 +33,6 @@ from megazero.tensor_parallel import (
 from megazero.tensor_parallel.mappings import reduce_scatter_dim0
 from megazero.tensor_parallel.utils import shard_tensor, unshard_tensor
 from megazero.testing import run_distributed
-from megazero.topology import ParallelLayout, ParallelTopology
 
 W = 4  # ranks
 

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from megazero.data.demo import demo_files
 from megazero.data.tokenizers import SentencePieceTokenizer, build_tokenizer, train_sentencepiece
-from megazero.demo import demo_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNICODE = ["def f(x):\n    return x\n", "café ½ ﬁ", "naïve Ångström Straße",
@@ -61,7 +61,7 @@ def models(tmp_path_factory, corpus):
     assert tool.main(["--input", str(src), "--output-prefix", str(d / "old"), "--vocab-size",
                       "1000", "--threads", "1", "--normalization", "nmt_nfkc",
                       "--remove-extra-whitespaces"]) == 0
-    from megazero.demo import _tokenizer_texts
+    from megazero.data.demo import _tokenizer_texts
 
     demo = train_sentencepiece(_tokenizer_texts(demo_files(), 300_000), str(d / "demo"), 800,
                                max_sentence_length=8192)
@@ -84,7 +84,7 @@ def test_old_settings_only_on_request(models):
 
 def test_demo_cache_is_keyed_by_tokenizer_settings(monkeypatch):
     import megazero.data.tokenizers as tokenizers
-    from megazero.demo import _cache_key
+    from megazero.data.demo import _cache_key
 
     files = demo_files()[:3]
     key = _cache_key(files, 2048)
@@ -98,8 +98,8 @@ def export(info, out):
     """convert.py --saver hf's tokenizer path, through the saver plug-in with a tiny model."""
     from megazero.config import ModelConfig
     from megazero.convert import model_global_state
-    from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
 
     vocab = build_tokenizer(**info).vocab_size
     mc = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,

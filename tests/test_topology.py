@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megazero.config.layout import GROUP_KINDS, ParallelLayout
+from megazero.distributed.topology import ParallelTopology
+from megazero.errors import TopologyError
 from megazero.testing import run_distributed
-from megazero.topology import GROUP_KINDS, ParallelLayout, ParallelTopology, TopologyError
 
 
 def factorisations(world):

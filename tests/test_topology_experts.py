@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.topology import ParallelLayout, TopologyError
+from megazero.config.layout import ParallelLayout
+from megazero.errors import TopologyError
 
 GOLDEN = {
     # (world, tp, pp, ep, etp): {kind: every group}
@@ -119,8 +120,8 @@ def test_expert_grads_with_context_parallelism_are_scaled_to_the_mean_loss(key):
     edp / (dp cp): each CP rank back-propagates CP times its share of the loss."""
     import torch
 
+    from megazero.distributed.topology import ParallelTopology
     from megazero.moe.grads import experts_need_own_group, scale_expert_grads
-    from megazero.topology import ParallelTopology
 
     world, tp, cp, pp, ep = key
     layout = ParallelLayout(world, tp, pp, cp=cp, ep=ep)

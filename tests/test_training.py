@@ -9,7 +9,7 @@ import torch
 
 from megazero.config import ConfigError, load_config
 from megazero.testing.launch import TINY, check, read_metrics, run_training
-from megazero.train_setup import Batching, get_batch
+from megazero.training.builders import Batching, get_batch
 
 DS_CONFIG = """{
   // a DeepSpeed config as pasted from a tutorial
@@ -109,8 +109,8 @@ def test_backend_choice_slurm_env_and_seeds():
 
     import numpy as np
 
-    from megazero.device import export_launch
-    from megazero.dist_init import choose_backend, set_seed
+    from megazero.distributed.device import export_launch
+    from megazero.distributed.startup import choose_backend, set_seed
 
     assert choose_backend(None) == ("nccl" if torch.cuda.is_available() else "gloo")
     assert choose_backend("gloo") == "gloo"
@@ -132,7 +132,7 @@ def test_backend_choice_slurm_env_and_seeds():
 
 
 def test_more_processes_than_gpus_is_one_clear_error():
-    from megazero.device import choose_device_index
+    from megazero.distributed.device import choose_device_index
 
     with pytest.raises(ConfigError, match=r"8 processes on this node but only 1 visible GPU.*"
                                           r"--nproc_per_node 1.*--distributed-backend gloo"):

@@ -10,7 +10,7 @@ import sys
 import warnings
 
 from megazero.config import load_config
-from megazero.monitor import format_log_line
+from megazero.observability.monitor import format_log_line
 from megazero.testing.launch import SCRIPT, TINY, check, env, run_training
 
 
@@ -24,13 +24,13 @@ def _warnings_for(ds: dict, tmp_path) -> list[str]:
 
 
 def test_monitoring_blocks_warn_only_where_they_have_no_effect(tmp_path):
-    # comms_logger acts (megazero/comms_logging.py): no warning, enabled or not
+    # comms_logger acts (megazero/observability/comms_logging.py): no warning, enabled or not
     assert _warnings_for({"comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
                                            "debug": False, "prof_ops": ["all_reduce"]}},
                          tmp_path) == []
     assert _warnings_for({"comms_logger": {"enabled": False}}, tmp_path) == []
-    # so does flops_profiler (megazero/flops_profiler.py), but for recompute_fwd_factor: the
-    # recomputed forward is counted, not estimated
+    # so does flops_profiler (megazero/observability/flops_profiler.py), but for
+    # recompute_fwd_factor: the recomputed forward is counted, not estimated
     assert _warnings_for({"flops_profiler": {"enabled": True, "profile_step": 1}},
                          tmp_path) == []
     said = _warnings_for({"flops_profiler": {"enabled": True, "recompute_fwd_factor": 1.0}},

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 
 from megazero.testing.distributed import DistributedTestError, run_distributed
-from megazero.watchdog import WATCHDOG_EXIT_CODE, Watchdog
+from megazero.training.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +71,7 @@ def _group_timeout(rank, world_size, tmp):
     import torch
     import torch.distributed as dist
 
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
     topo = ParallelTopology.build(timeout=timedelta(seconds=2))
     done = os.path.join(tmp, "rank0-done")
@@ -116,7 +116,7 @@ PARENT = textwrap.dedent("""
 """)
 CHILD = textwrap.dedent("""
     import sys, time
-    from megazero.watchdog import Watchdog
+    from megazero.training.watchdog import Watchdog
     Watchdog(1000.0, 5, poll_s=0.05).start()
     print("ready", flush=True)
     time.sleep(60)
@@ -171,7 +171,7 @@ def test_peer_registry_names_dead_and_stopped_peers_and_ends_the_stopped():
     import signal
     import socket
 
-    from megazero.peers import PeerRegistry, _stat
+    from megazero.distributed.peers import PeerRegistry, _stat
 
     store = _Store()
     PeerRegistry(store, 0).register()
@@ -222,7 +222,7 @@ def test_sigterm_is_held_until_the_survivor_has_spoken():
     must come out first. Inside the block the signal is recorded; after it, delivered."""
     import signal
 
-    from megazero.exit_conditions import sigterm_deferred
+    from megazero.training.exit_conditions import sigterm_deferred
 
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("handler"))
@@ -243,7 +243,7 @@ def test_a_stopped_peer_is_called_stopped_by_every_survivor():
     import signal
     import socket
 
-    from megazero.peers import PeerRegistry, _stat
+    from megazero.distributed.peers import PeerRegistry, _stat
 
     store = _Store()
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -67,8 +67,8 @@ class _Net(nn.Module):
 
 
 def _build(cfg: ModelConfig, parallel=None) -> _Net:
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.init import initialize_parameters
-    from megazero.topology import ParallelTopology
 
     torch.manual_seed(3)
     net = _Net(cfg, parallel)
@@ -82,8 +82,8 @@ def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _world(rank: int, world: int, tmp: str) -> list:
+    from megazero.distributed.topology import ParallelTopology
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
     from megazero.zero import build_zero_optimizer
     from megazero.zero.stage3 import Stage3Params
 
@@ -168,7 +168,7 @@ def _modify_through_gathered_parameters(net, engine, topo) -> None:
 
 def _reference(dispatcher: str) -> tuple[list[list[float]], list[float], dict]:
     """The one-process model on all ranks' batches: the mean of the ranks' losses."""
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
     from megazero.zero import build_zero_optimizer
 
     net = _build(_cfg(dispatcher))

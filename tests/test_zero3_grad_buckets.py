@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.distributed.group_comm import Handle
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
-from megazero.zero.comm import Handle
 from megazero.zero.stage3_grads import Stage3Grads, plan_grad_buckets
 from megazero.zero.units import Unit
 

@@ -32,9 +32,9 @@ def _world(rank, world_size):
 
 def _case(world_size, extra, tp, pp, threshold):
     from megazero.config import load_config
+    from megazero.distributed.topology import ParallelTopology
     from megazero.pipeline.partition import build_model_chunks
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.training.builders import build_model_and_optimizer
     from megazero.zero import build_zero_optimizer
 
     ds = None
@@ -99,8 +99,8 @@ def test_meta_build_materialises_the_same_partitions():
 def _engine_world(rank, world_size):
     import megazero
     from megazero.config import ConfigError, ModelConfig
-    from megazero.model import GPTModel
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
 
     mcfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
                        seq_length=16, swiglu=True, position_embedding_type="rope",

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.config.schema import RecomputeConfig
-from megazero.model import GPTModel
+from megazero.config.sections import RecomputeConfig
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.testing.tiny_gpt import batch, tiny_config
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 from megazero.zero.stage3 import Stage3Params
 

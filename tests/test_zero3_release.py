@@ -8,9 +8,9 @@ buffer once the unit is released."""
 import torch
 
 from megazero.config import ModelConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 from megazero.zero.stage3 import Stage3Params
 

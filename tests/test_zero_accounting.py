@@ -9,9 +9,9 @@ master weights (the device keeps the parameters it computes with): K = 12 there.
 """
 
 from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, formula_bytes, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 from megazero.zero.accounting import formula_comm_bytes
 

@@ -5,7 +5,8 @@ import warnings
 import pytest
 
 from megazero.config import ConfigError, OffloadConfig, ZeroConfig
-from megazero.topology import ParallelLayout, ParallelTopology
+from megazero.config.layout import ParallelLayout
+from megazero.distributed.topology import ParallelTopology
 from megazero.zero.build import IMPLEMENTED_KEYS, NO_EFFECT_KEYS, check_zero_config
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing import run_distributed
 from megazero.testing.reference import (
     TinyLM,
@@ -18,7 +19,6 @@ from megazero.testing.reference import (
     reference_run,
     torch_adamw,
 )
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)

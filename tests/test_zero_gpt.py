@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ModelConfig, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import build_model_chunks
 from megazero.tensor_parallel import ParallelContext, full_model_state_dict
 from megazero.testing import run_distributed
 from megazero.testing.reference import torch_adamw
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 SEQ, VOCAB, HIDDEN, STEPS, ROWS = 16, 100, 32, 10, 8  # ROWS: global batch

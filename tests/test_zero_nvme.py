@@ -19,9 +19,9 @@ from megazero.config import (
     PrecisionConfig,
     ZeroConfig,
 )
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, engine_train_step, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
@@ -121,7 +121,7 @@ def test_nvme_offload_trains_bitwise_like_cpu_offload(tmp_path):
 # ------------------------------------------------------------------ bad nvme_path, early
 
 def _topo1():
-    from megazero.topology import ParallelLayout
+    from megazero.config.layout import ParallelLayout
 
     return ParallelTopology(ParallelLayout(world_size=1), rank=0)
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint.files import CheckpointError
+from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.checkpoint.tensors import param_infos
-from megazero.checkpointing import load_checkpoint, save_checkpoint
 from megazero.config import (
     ConfigError,
     OffloadConfig,
@@ -22,10 +21,11 @@ from megazero.config import (
     ZeroConfig,
     load_config,
 )
+from megazero.distributed.topology import ParallelTopology
+from megazero.errors import CheckpointError
 from megazero.testing import run_distributed
 from megazero.testing.legacy_checkpoint import optimizer_state_per_param
 from megazero.testing.reference import TinyLM, engine_train_step, make_batches
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 STEPS, BATCH, SEQ, VOCAB = 4, 8, 8, 64
@@ -300,10 +300,10 @@ def test_planner_counts_each_optimizers_state(argv, ds, kind):
     test_planner_model_states)."""
     from dataclasses import replace
 
+    from megazero.distributed.topology import ParallelTopology
     from megazero.planner.model_states import model_state_report
     from megazero.planner.shapes import meta_chunks, shape_topology
-    from megazero.topology import ParallelTopology
-    from megazero.train_setup import build_model_and_optimizer
+    from megazero.training.builders import build_model_and_optimizer
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--vocab-size 100 --micro-batch-size 1 --train-iters 1").split()

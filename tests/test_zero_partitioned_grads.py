@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing import run_distributed
 from megazero.testing.reference import TinyLM, make_batches, reference_run
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)

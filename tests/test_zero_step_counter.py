@@ -7,9 +7,9 @@ import torch
 
 import megazero.zero.optimizer as zero_optimizer
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.testing.tiny_gpt import tiny_config
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 from megazero.zero.optimizers import place_step
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from megazero.config import OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.config.layout import ParallelLayout
+from megazero.distributed.topology import ParallelTopology
 from megazero.testing.reference import TinyLM, engine_train_step, make_batches
-from megazero.topology import ParallelLayout, ParallelTopology
 from megazero.zero import build_zero_optimizer
 from megazero.zero.optimizers import update_kernel
 

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ModelConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.model import GPTModel
+from megazero.distributed.topology import ParallelTopology
+from megazero.model.gpt import GPTModel
 from megazero.optim.zeroone import ZeroOneAdam
 from megazero.tensor_parallel import full_model_state_dict
 from megazero.testing import run_distributed
-from megazero.topology import ParallelTopology
 from megazero.zero import build_zero_optimizer
 
 SEQ, VOCAB, HIDDEN, ROWS, STEPS = 16, 96, 32, 8, 16

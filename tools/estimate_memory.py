@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.deepspeed_compat:
         from dataclasses import replace
 
+        from megazero.config.layout import ParallelLayout
         from megazero.planner.deepspeed_compat import deepspeed_table, model_param_counts
         from megazero.planner.shapes import meta_chunks, shape_topology
-        from megazero.topology import ParallelLayout
 
         single = replace(cfg, parallel=replace(
             cfg.parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

@@ -80,11 +80,11 @@ def _topology(backend: str | None = None):
     """Single process, or (under torchrun) every rank one tensor-parallel slice."""
     import torch
 
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return ParallelTopology.single(), "cuda" if torch.cuda.is_available() else "cpu"
-    from megazero.dist_init import initialize_distributed
+    from megazero.distributed.startup import initialize_distributed
 
     env = initialize_distributed(backend)
     return ParallelTopology.build(tp=env.world_size), env.device
@@ -95,10 +95,10 @@ def run(args: argparse.Namespace) -> dict:
     prompt included, or is null without a tokenizer)."""
     import torch
 
-    from megazero.checkpointing import read_model_state
+    from megazero.checkpoint import read_model_state
     from megazero.convert import load_global_state, model_config_from_dict
-    from megazero.generation import SamplingConfig, generate
-    from megazero.model import GPTModel
+    from megazero.model.generation import SamplingConfig, generate
+    from megazero.model.gpt import GPTModel
     from megazero.tensor_parallel import ParallelContext
 
     sampling_flags = args.temperature is not None or args.top_k > 0 or args.top_p < 1.0
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ``convert.py`` (``MEGAZERO_DEBUG=1`` adds the traceback)."""
     import torch.distributed as dist
 
-    from megazero.dist_init import destroy
+    from megazero.distributed.startup import destroy
     from megazero.errors import expected_errors, report_error
 
     args = build_parser().parse_args(argv)

@@ -18,8 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megazero.config.sections import TOKENIZER_TYPES  # noqa: E402
 from megazero.data.preprocess import TEXT_MODES, PreprocessError, preprocess  # noqa: E402
-from megazero.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

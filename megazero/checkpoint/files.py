@@ -17,11 +17,9 @@ from typing import Any
 
 import torch
 
+from megazero.errors import CheckpointError
+
 TMP_TAG = ".tmp."
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this run; the message says why and what to do."""
 
 
 class Writer:

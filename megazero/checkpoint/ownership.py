@@ -48,7 +48,7 @@ class RunOwner:
 
     @staticmethod
     def this_process(run_id: str) -> RunOwner:
-        from megazero.peers import _stat
+        from megazero.distributed.peers import _stat
 
         stat = _stat(os.getpid())
         return RunOwner(run_id, socket.gethostname(), os.getpid(), stat[1] if stat else "?",
@@ -81,7 +81,7 @@ def read_owner(save_dir: str) -> RunOwner | None:
 def owner_alive(owner: RunOwner, save_dir: str, now: float | None = None) -> bool:
     """On this host: the very process (pid and start time) still exists. Elsewhere its process
     cannot be looked at, so the heartbeat decides."""
-    from megazero.peers import _stat
+    from megazero.distributed.peers import _stat
 
     if owner.host == socket.gethostname():
         stat = _stat(owner.pid)

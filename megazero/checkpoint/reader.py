@@ -1,5 +1,5 @@
 """Reading a portable checkpoint: the ``latest`` tracker, ``metadata.json``, and global
-tensors or this rank's slices of them (see :mod:`megazero.checkpointing` for the format)."""
+tensors or this rank's slices of them (see :mod:`megazero.checkpoint` for the format)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from megazero.checkpoint.files import CheckpointError, verified_load, verify
+from megazero.checkpoint.files import verified_load, verify
 from megazero.checkpoint.ranged import RangedPiece, as_tensor
 from megazero.checkpoint.save_ranges import range_key
 from megazero.checkpoint.tensors import ParamInfo, assemble, read_flat, read_slice
+from megazero.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TAG_TRACKER = "latest"  # names the newest tagged checkpoint (DeepSpeed's layout)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megazero.checkpoint.tensors import ParamInfo
-from megazero.host_resident import host_empty, mark
+from megazero.distributed.host_resident import host_empty, mark
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # one save file's tensors; the host memory a save adds
 

@@ -4,7 +4,7 @@ Three kinds of rows, one PASS/FAIL line each (SKIP where a row cannot apply, e.g
 in a world of one), and a non-zero exit on any FAIL:
 
 - device binding (:mod:`.binding`): each rank's device, unique per node, the one its launcher's
-  local rank gives (:mod:`megazero.device`);
+  local rank gives (:mod:`megazero.distributed.device`);
 - collectives (:mod:`.bandwidth`): the job's all-reduce, reduce-scatter, all-gather, broadcast
   and pipeline send/recv at its sizes, checked for the right values, with nccl-tests' bus
   bandwidth against the link's nominal figure;

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero import collectives
 from megazero.cluster_check import Row
+from megazero.distributed import collectives
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv")
 
@@ -84,7 +84,7 @@ class Link:
 def _op(op: str, nbytes: int, device: torch.device, link: Link
         ) -> tuple[Callable[[], object], Callable[[], bool]]:
     """(run once, check the values of the last run) for ``op`` over ``link``'s group, through
-    :mod:`megazero.collectives` where the job does (its reduce-scatter on gloo is an
+    :mod:`megazero.distributed.collectives` where the job does (its reduce-scatter on gloo is an
     all-to-all)."""
     group = link.group
     n, r = len(link.ranks), link.ranks.index(dist.get_rank())

@@ -1,9 +1,9 @@
 """The device-binding row: every rank reports where it runs, rank 0 judges the whole job.
 
 On GPUs a rank must drive the device its launcher's local rank gives it
-(:func:`megazero.device.choose_device_index`), and no two ranks of one node may drive the same
-physical GPU (compared by UUID, so per-process ``CUDA_VISIBLE_DEVICES`` binding, where every
-rank sees "cuda:0", is judged by the GPU itself). On CPU (gloo) the ranks of a node must have
+(:func:`megazero.distributed.device.choose_device_index`), and no two ranks of one node may drive
+the same physical GPU (compared by UUID, so per-process ``CUDA_VISIBLE_DEVICES`` binding, where
+every rank sees "cuda:0", is judged by the GPU itself). On CPU (gloo) the ranks of a node must have
 distinct local ranks.
 """
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megazero.cluster_check import Row
 from megazero.config import ConfigError
-from megazero.device import choose_device_index, read_launch
+from megazero.distributed.device import choose_device_index, read_launch
 
 
 def local_record(device: torch.device) -> dict[str, Any]:

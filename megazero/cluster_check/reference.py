@@ -1,6 +1,6 @@
 """The one-rank run the training rows compare with: ``python -m megazero.cluster_check.
 reference --out F --iters N --world W --precisions fp32,...`` trains the rows' GPT in a world of
-one (no launcher variables; :mod:`megazero.dist_init`) with the same global batch as ``W``
+one (no launcher variables; :mod:`megazero.distributed.startup`) with the same global batch as ``W``
 ranks, by gradient accumulation, and writes ``{precision: {iteration: loss}}`` to ``F``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import json
 
 from megazero.cluster_check.training_rows import MICRO, PRECISION_FLAGS, TINY_GPT, train_losses
-from megazero.dist_init import destroy
+from megazero.distributed.startup import destroy
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from megazero.cluster_check import Row, exit_code, format_table
 from megazero.cluster_check.bandwidth import collective_rows, job_sizes, nominal_gbps
 from megazero.cluster_check.binding import binding_row
 from megazero.cluster_check.training_rows import finish_reference, layout_rows, start_reference
-from megazero.topology import ParallelTopology
+from megazero.distributed.topology import ParallelTopology
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Options:
 
 def run_checks(opts: Options) -> tuple[list[Row], list[str]]:
     """Collective: every row, and the per-rank binding lines (the same on every rank)."""
-    from megazero.dist_init import initialize_distributed
+    from megazero.distributed.startup import initialize_distributed
 
     env = initialize_distributed(opts.backend, opts.timeout_minutes)
     device = env.device
@@ -99,7 +99,7 @@ def run_checks(opts: Options) -> tuple[list[Row], list[str]]:
 
 
 def main(opts: Options) -> int:
-    from megazero.dist_init import destroy
+    from megazero.distributed.startup import destroy
 
     rows, lines = run_checks(opts)
     if dist.get_rank() == 0:

@@ -1,12 +1,12 @@
 """The training rows: a small GPT at each ZeRO stage, saved and resumed, against one rank.
 
-Each layout row trains through :func:`megazero.training.setup` and :func:`megazero.training.
-train`, the code ``pretrain_gpt.py`` runs, on mock data: once uninterrupted, and once stopped
-by ``--exit-interval`` (which saves, as a pre-empted job does) and resumed with ``--load``.
-The global batch is one micro-batch per rank, so the one-rank reference (a subprocess of rank
-0, :mod:`megazero.cluster_check.reference`) trains the same batches by gradient accumulation:
-every layout trains the same model, so the losses agree to the precision's rounding. The rows
-are data parallel over every rank (the job's ``--tensor-model-parallel-size`` and
+Each layout row trains through :func:`megazero.training.lifecycle.setup` and
+:func:`megazero.training.loop.train`, the code ``pretrain_gpt.py`` runs, on mock data: once
+uninterrupted, and once stopped by ``--exit-interval`` (which saves, as a pre-empted job does) and
+resumed with ``--load``. The global batch is one micro-batch per rank, so the one-rank reference (a
+subprocess of rank 0, :mod:`megazero.cluster_check.reference`) trains the same batches by gradient
+accumulation: every layout trains the same model, so the losses agree to the precision's rounding.
+The rows are data parallel over every rank (the job's ``--tensor-model-parallel-size`` and
 ``--pipeline-model-parallel-size`` shape the collective rows only).
 """
 
@@ -63,7 +63,8 @@ def train_losses(args: list[str]) -> tuple[dict[int, float], str]:
     """Train one run of ``args`` in this world (or a world of one); ``({iteration: loss},
     what it printed)``."""
     from megazero.config import load_config
-    from megazero.training import setup, train
+    from megazero.training.lifecycle import setup
+    from megazero.training.loop import train
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -27,6 +27,7 @@ from megazero.config.cli import FLAGS, build_parser, field_default, flag_values,
 from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES, UnimplementedConfigWarning
 from megazero.config.jsonc import load_ds_json, parse_ds_json
 from megazero.config.merge import config_from_dict
+from megazero.config.model_schema import ModelConfig, check_tensor_parallel_split
 from megazero.config.optim_schema import (
     AioConfig,
     OffloadConfig,
@@ -34,18 +35,12 @@ from megazero.config.optim_schema import (
     PrecisionConfig,
     ZeroConfig,
 )
-from megazero.config.rules import (
-    check_microbatch_groups,
-    check_tensor_parallel_split,
-    valid_microbatch_group_sizes,
-    validate,
-)
-from megazero.config.schema import (
+from megazero.config.rules import check_microbatch_groups, valid_microbatch_group_sizes
+from megazero.config.schema import MegazeroConfig, validate
+from megazero.config.sections import (
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
-    MegazeroConfig,
-    ModelConfig,
     ParallelConfig,
     RecomputeConfig,
     TrainConfig,

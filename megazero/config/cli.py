@@ -18,7 +18,7 @@ from typing import Any
 from megazero.config.flag_aliases import rewrite_aliases, suggest
 from megazero.config.flag_help import GROUP_OF_FLAG, GROUP_OF_SECTION, GROUPS, HELP
 from megazero.config.schema import MegazeroConfig, field_choices
-from megazero.data.tokenizers import TOKENIZER_TYPES
+from megazero.config.sections import TOKENIZER_TYPES
 from megazero.errors import ConfigError
 
 

@@ -229,7 +229,7 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     **{f"flops_profiler.{name}": _k(kind) for name, kind in (
         ("enabled", BOOL), ("profile_step", INT), ("module_depth", INT), ("top_modules", INT),
         ("detailed", BOOL), ("output_file", STR))},
-    # the recomputed forward is counted, not estimated (megazero/flops_profiler.py)
+    # the recomputed forward is counted, not estimated (megazero/observability/flops_profiler.py)
     "flops_profiler.recompute_fwd_factor": _k(FLOAT, 0.0, None, TODO),
     # what a checkpointed layer group keeps; which layers are checkpointed is --recompute-*
     "activation_checkpointing": _k(BLOCK),

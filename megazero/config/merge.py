@@ -12,7 +12,7 @@ Rules, in order:
    or checked, with ``dp_size = world_size / (tp * pp)``.
 4. The dataclasses are built (each validates itself, :func:`megazero.config.validate` checks
    across them); they are the only copy of the settings (the scheduler's ``params`` are kept
-   with every ``"auto"`` filled in, as :mod:`megazero.lr_scheduler` reads them).
+   with every ``"auto"`` filled in, as :mod:`megazero.optim.lr_scheduler` reads them).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from megazero.config.deepspeed import (
     get_path,
     json_field_values,
 )
+from megazero.config.model_schema import ModelConfig
 from megazero.config.moe_schema import MoEConfig
 from megazero.config.optim_schema import (
     AioConfig,
@@ -51,12 +52,11 @@ from megazero.config.optim_schema import (
     nccl_zero_defaults,
 )
 from megazero.config.rules import num_microbatches
-from megazero.config.schema import (
+from megazero.config.schema import MegazeroConfig
+from megazero.config.sections import (
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
-    MegazeroConfig,
-    ModelConfig,
     ParallelConfig,
     TrainConfig,
 )
@@ -276,7 +276,7 @@ def _cuda_available() -> bool:
 def _backend(parallel: ParallelConfig) -> str:
     """The backend the run will use: the flag, else the process group's where one exists (a
     config read inside a gloo world on a GPU machine is a CPU run's), else NCCL where CUDA is
-    available (the rule of :func:`megazero.dist_init.choose_backend`)."""
+    available (the rule of :func:`megazero.distributed.startup.choose_backend`)."""
     if parallel.distributed_backend is not None:
         return parallel.distributed_backend
     import torch.distributed as dist

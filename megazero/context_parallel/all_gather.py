@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from megazero.collectives import Group, group_rank, group_size
 from megazero.context_parallel import blockwise
 from megazero.context_parallel.split import chunk_ids, zigzag_order
+from megazero.distributed.collectives import Group, group_rank, group_size
 from megazero.tensor_parallel.mappings import all_gather_dim0, reduce_scatter_dim0
 
 

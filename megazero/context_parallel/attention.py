@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from megazero.collectives import Group, group_size
 from megazero.context_parallel.all_gather import AllGatherAttention
 from megazero.context_parallel.ring import RingAttention
 from megazero.context_parallel.ulysses import CoreFn, ulysses_attention
+from megazero.distributed.collectives import Group, group_size
 
 #: ``--cp-comm-type`` values (Megatron-core's names).
 COMM_TYPES = ("p2p", "all_gather", "a2a")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.collectives import Group, group_size
+from megazero.distributed.collectives import Group, group_size
 
 
 def exact_mean_loss(per_token: torch.Tensor, loss_mask: torch.Tensor | None,

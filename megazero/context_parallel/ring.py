@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.collectives import Group, group_rank, group_size
 from megazero.context_parallel import blockwise
+from megazero.distributed.collectives import Group, group_rank, group_size
 
 _KV_TAG, _DKV_TAG = 11, 12
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.collectives import Group, group_size
 from megazero.context_parallel.split import zigzag_order
+from megazero.distributed.collectives import Group, group_size
 
 #: ``core(q [S, b, heads, d], k [S, b, groups, d], v) -> [S, b, heads * d]``, causal.
 CoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

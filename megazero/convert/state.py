@@ -18,7 +18,7 @@ from megazero.tensor_parallel.layers import load_full_into_shard
 from megazero.tensor_parallel.utils import full_model_state_dict
 
 if TYPE_CHECKING:
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
 
 def load_global_state(model: nn.Module, state: Mapping[str, torch.Tensor],

@@ -1,5 +1,5 @@
 """Deterministic random language-model micro-batches: the planner's measurement runs
-(``megazero.planner.validate``) and tests drive the model with them."""
+(``megazero.testing.planner_validate``) and tests drive the model with them."""
 
 from __future__ import annotations
 

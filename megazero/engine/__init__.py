@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazero.comms_logging import CommsLogger, CommsLoggerSettings
-from megazero.dist_init import destroy
+from megazero.config.observability_schema import CommsLoggerSettings
+from megazero.distributed.startup import destroy
 from megazero.engine.engine import EngineStateError, MegazeroEngine
+from megazero.observability.comms_logging import CommsLogger
 
 if TYPE_CHECKING:
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
 __all__ = ["EngineStateError", "MegazeroEngine", "init_distributed", "initialize"]
 
@@ -41,7 +42,7 @@ def init_distributed(dist_backend: str | None = None, timeout_minutes: float = 3
     launcher); a no-op when the process group already exists."""
     if dist.is_initialized():
         return
-    from megazero.dist_init import initialize_distributed
+    from megazero.distributed.startup import initialize_distributed
 
     initialize_distributed(dist_backend, timeout_minutes)
     _EXIT.arm(timedelta(minutes=timeout_minutes))
@@ -87,10 +88,10 @@ _EXIT = _ExitInOrder()
 
 def _device() -> tuple[torch.device, int]:
     """This rank's device and local rank. On NCCL the CUDA device is chosen as DeepSpeed
-    chooses it (:func:`megazero.device.engine_device_index`) and made current, also when the
-    script called ``init_process_group`` itself (else every rank would work on GPU 0)."""
-    from megazero.compat import bound_device_index
-    from megazero.device import engine_device_index, read_launch
+    chooses it (:func:`megazero.distributed.device.engine_device_index`) and made current, also
+    when the script called ``init_process_group`` itself (else every rank would work on GPU 0)."""
+    from megazero.distributed.compat import bound_device_index
+    from megazero.distributed.device import engine_device_index, read_launch
 
     launch = read_launch(os.environ)
     local_rank = launch.local_rank if launch is not None and launch.local_rank is not None \
@@ -159,9 +160,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     returned as a DataLoader over this rank's share (micro-batch size, DistributedSampler).
     """
     from megazero.config import ConfigError
+    from megazero.distributed.topology import ParallelTopology
     from megazero.engine.config import load_engine_config
     from megazero.engine.optim import build_optimizer, build_scheduler
-    from megazero.topology import ParallelTopology
 
     if model is None or not isinstance(model, nn.Module):
         raise ConfigError("megazero.initialize needs model= (a torch.nn.Module)")
@@ -209,6 +210,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine = MegazeroEngine(model, cfg, topo, zero, scheduler, client, device, local_rank,
                             loader)
     comms = CommsLoggerSettings.from_block(cfg.logging.comms_logger)
-    if comms.enabled:  # megazero.comms_logging.log_summary() prints its table
+    if comms.enabled:  # megazero.observability.comms_logging.log_summary() prints its table
         CommsLogger(comms, log=print if topo.rank == 0 else None).install()
     return engine, zero, loader, scheduler

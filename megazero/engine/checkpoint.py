@@ -1,5 +1,5 @@
 """The engine's ``save_checkpoint`` / ``load_checkpoint``: megazero's portable checkpoint
-(:mod:`megazero.checkpointing`) in DeepSpeed's directory layout (``save_dir/<tag>/`` and a
+(:mod:`megazero.checkpoint`) in DeepSpeed's directory layout (``save_dir/<tag>/`` and a
 ``save_dir/latest`` file naming the newest tag).
 
 Weights, fp32 masters and Adam moments are stored per parameter name (as ranges of its
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megazero import checkpointing
+from megazero import checkpoint
 from megazero.checkpoint.reader import TAG_TRACKER
 from megazero.errors import MegazeroError
 
@@ -81,7 +81,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, An
     latest = os.path.join(save_dir, TAG_TRACKER)
     before = open(latest, encoding="utf-8").read() if (
         not save_latest and os.path.isfile(latest)) else None
-    directory = checkpointing.save_checkpoint(
+    directory = checkpoint.save_checkpoint(
         save_dir, engine.global_steps, engine.topo, models=[engine.module],
         optimizer=engine.optimizer, scheduler=None, consumed_samples=engine.global_samples,
         config=engine.config, zero_stage=engine.zero_optimization_stage(), tag=tag,
@@ -90,7 +90,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, An
         if before is None:
             os.remove(latest)
         else:
-            checkpointing.Writer().text(before, latest)
+            checkpoint.Writer().text(before, latest)
     return directory
 
 
@@ -103,7 +103,7 @@ def load(engine: Any, load_dir: str, tag: str | None, load_optimizer_states: boo
                           "save a checkpoint first", stacklevel=3)
             return None, None
         tag = open(latest, encoding="utf-8").read().strip()
-    res = checkpointing.load_checkpoint(
+    res = checkpoint.load_checkpoint(
         load_dir, engine.topo, models=[engine.module], optimizer=engine.optimizer,
         scheduler=None, zero_stage=engine.zero_optimization_stage(),
         no_load_optim=not load_optimizer_states or load_module_only,

@@ -18,7 +18,7 @@ from typing import Any
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.deepspeed import SCHEDULER_TYPES, get_path
 from megazero.config.jsonc import load_ds_json
-from megazero.lr_scheduler import DEEPSPEED_SCHEDULERS
+from megazero.optim.lr_scheduler import DEEPSPEED_SCHEDULERS
 
 #: JSON key absent -> DeepSpeed's value (megazero's CLI defaults follow Megatron instead).
 #: (JSON keys that set the field, the OptimizerConfig field, DeepSpeed's default)

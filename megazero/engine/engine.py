@@ -29,10 +29,10 @@ from torch import nn
 
 from megazero.config import MegazeroConfig
 from megazero.errors import MegazeroError
-from megazero.monitor import Timers
+from megazero.observability.monitor import Timers
 
 if TYPE_CHECKING:
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
     from megazero.zero.optimizer import ZeroOptimizer
 
 

@@ -20,12 +20,12 @@ from torch import nn
 
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.engine.config import has_optimizer_block, has_scheduler_block
-from megazero.lr_scheduler import LRScheduler, build_lr_function
+from megazero.optim.lr_scheduler import LRScheduler, build_lr_function
 from megazero.zero import ZeroOptimizer, build_zero_optimizer
 from megazero.zero.optimizers import class_factory, config_class, config_defaults, kind_of
 
 if TYPE_CHECKING:
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
 
 def _groups_from(params: Any, defaults: dict[str, Any]) -> list[dict[str, Any]]:

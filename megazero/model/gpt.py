@@ -22,6 +22,7 @@ from torch import nn
 
 from megazero.config import ConfigError, ModelConfig, RecomputeConfig, check_tensor_parallel_split
 from megazero.config.rules import check_sequence_split
+from megazero.distributed.topology import ParallelTopology
 from megazero.model.dropout import dropout
 from megazero.model.init import ParamInitializer, declare, initialize_parameters, scope
 from megazero.model.materialize import materialize_parameters
@@ -43,7 +44,6 @@ from megazero.tensor_parallel.random import (
     MODEL_PARALLEL_STREAM,
     RNGStatesTracker,
 )
-from megazero.topology import ParallelTopology
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 

@@ -40,12 +40,12 @@ import torch
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.distributed.host_resident import host_empty
 from megazero.errors import MegazeroError
-from megazero.host_resident import host_empty
 from megazero.tensor_parallel.utils import shard_rank_size
 
 if TYPE_CHECKING:
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
 KINDS = ("normal", "ones", "zeros")
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megazero.collectives import Group, group_rank, group_size
+from megazero.distributed.collectives import Group, group_rank, group_size
 from megazero.moe.token_dispatcher import chunk_order
 from megazero.tensor_parallel.mappings import (
     all_gather_dim0,

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.collectives import Group
 from megazero.config import ModelConfig
+from megazero.distributed.collectives import Group
 from megazero.errors import ConfigError
 from megazero.model.init import declare_linear, scope
 from megazero.moe.expert_tp import add_once

@@ -7,8 +7,8 @@ every token of the step; dividing by the size of the dense gradient group (as th
 weights are averaged) makes it the gradient of the same mean loss the one-process run
 minimises.
 
-That group is ``dp`` x ``cp`` (:attr:`~megazero.topology.ParallelTopology.grad_group`): under
-context parallelism each CP rank back-propagates ``CP`` times its share of the loss
+That group is ``dp`` x ``cp`` (:attr:`~megazero.distributed.topology.ParallelTopology.grad_group`):
+under context parallelism each CP rank back-propagates ``CP`` times its share of the loss
 (:mod:`megazero.context_parallel.loss`), so every token's gradient reaches its expert ``CP``
 times too large and the sum over ``edp`` is divided by ``dp * cp``, not ``dp``.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.topology import ParallelTopology
+from megazero.distributed.topology import ParallelTopology
 
 
 def is_expert(param: nn.Parameter) -> bool:

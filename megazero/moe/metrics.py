@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megazero.distributed.topology import ParallelTopology
 from megazero.moe.router import TopKRouter, routers
-from megazero.topology import ParallelTopology
 
 #: columns of a router's accumulator before its per-expert counts
 LB, Z, MICRO, ROUTED, COUNTS = 0, 1, 2, 3, 4

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.collectives import Group, group_size
 from megazero.config import ModelConfig
+from megazero.distributed.collectives import Group, group_size
 from megazero.errors import ConfigError
 from megazero.model.init import scope
 from megazero.moe.expert_tp import ExpertTensorParallelRegion

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazero.collectives import Group, group_size
 from megazero.config import ModelConfig
 from megazero.config.moe_schema import MoEConfig
+from megazero.distributed.collectives import Group, group_size
+from megazero.distributed.topology import ParallelTopology
 from megazero.model.init import declare
 from megazero.moe import moe_utils as mu
-from megazero.topology import ParallelTopology
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.collectives import Group, group_rank, group_size
+from megazero.distributed.collectives import Group, group_rank, group_size
 from megazero.tensor_parallel.mappings import (
     all_gather_dim0,
     gather_from_sequence_parallel_region,

@@ -73,8 +73,8 @@ class CompressedAllReduce:
     scales, for the per-step log and the bandwidth check."""
 
     def __init__(self, group: Any, log: Any = None, name: str = "dp") -> None:
-        """``log``: a :class:`megazero.zero.comm.CommLog` that records each call's bytes as
-        ``<name>/compressed_allreduce`` (the engine's per-step communication report)."""
+        """``log``: a :class:`megazero.distributed.group_comm.CommLog` that records each call's
+        bytes as ``<name>/compressed_allreduce`` (the engine's per-step communication report)."""
         self.group, self.log, self.name = group, log, name
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0

@@ -129,7 +129,7 @@ def attach(opt: Any, stores: list[Any], comms: Any) -> None:
     """Wire a :class:`OneBitAdam` (or a ZeroOneAdam) built over stage-0 masters to the engine:
     the compressed all-reduce over the data-parallel group (its bytes go to the engine's
     per-step comm log) and the switch of the gradient buffers between dp and local reduction."""
-    from megazero.zero.comm import GroupComm
+    from megazero.distributed.group_comm import GroupComm
 
     if comms.dp.size > 1:
         opt.compress = CompressedAllReduce(comms.dp.group, log=comms.log, name=comms.dp.name)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megazero.checkpoint.files import CheckpointError
+from megazero.errors import CheckpointError
 
 ErrorState = dict[str, list[tuple[int, dict[str, torch.Tensor]]]]
 

@@ -21,14 +21,13 @@ needed. The sums cross the wire on the model's device (NCCL refuses host tensors
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from megazero.zero.comm import GroupComm
-    from megazero.zero.master import MasterParams
+    from megazero.distributed.group_comm import GroupComm
 
 
 class WholeParamNorms:
@@ -74,42 +73,3 @@ class WholeParamNorms:
 
             self.tp.all_reduce(total, op=dist.ReduceOp.MAX, what="lamb_norms")
         return total.cpu()[rows]
-
-
-def step_whole_norms(masters: MasterParams, factor: float) -> None:
-    """Lamb's step over a rank's masters (:mod:`megazero.optim.lamb`): every sub-group stages
-    its gradients (times ``factor``: unscale x clip), updates its moments and sums its pieces'
-    squares; one reduction (``masters.norm_reduce``, else the pieces here are summed per
-    parameter) gives the whole-parameter sums; then every sub-group applies its update and
-    writes the model's copy. Only one sub-group's gradients are staged at a time, as Adam's."""
-    from megazero.host_resident import mark, tracking
-    from megazero.zero.master import store_model
-
-    opt: Any = masters.optimizer
-    sums: list[torch.Tensor] = []
-    for group in masters.sub_groups:
-        grads = masters._staged(group) if masters.copy else [p.grad for p in group]
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        for p, g in zip(group, grads):
-            p.master.grad = g
-        sums.append(opt.partial_sums([p.master for p in group]))
-        for p in group:
-            p.master.grad = None
-    owners = [p.param for g in masters.sub_groups for p in g]
-    local = torch.cat(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
-    reduce = masters.norm_reduce or WholeParamNorms(
-        list({id(p): p for p in owners}.values()), None, None, 0, torch.device("cpu"))
-    whole = reduce(owners, local)
-    pos = 0
-    for group in masters.sub_groups:
-        ts = [p.master for p in group]
-        opt.apply(ts, opt.coefficients(ts, whole[pos:pos + len(group)]))
-        pos += len(group)
-        for p in group:
-            if masters.offload and tracking():  # moments created beside host masters
-                for t in opt.state.get(p.master, {}).values():
-                    if isinstance(t, torch.Tensor):
-                        mark(t)
-            if masters.copy:
-                store_model(p, p.master, non_blocking=True)

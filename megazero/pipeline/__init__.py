@@ -9,7 +9,7 @@ Training-loop use, per iteration (every rank)::
     engine.finish_grad_sync()   # dp reduction, sequence-parallel and tied-embedding sums
     engine.step()
 
-``engine`` is a :class:`megazero.protocols.GradSync` (the ZeRO engine at any stage; stage 0
+``engine`` is a :class:`megazero.pipeline.grad_sync.GradSync` (the ZeRO engine at any stage; stage 0
 without ZeRO).
 """
 

@@ -11,7 +11,7 @@ Training-loop order for one iteration::
     engine.finish_grad_sync()
     engine.step()
 
-``grad_sync`` is a :class:`megazero.protocols.GradSync` (the ZeRO engine, stage 0 without
+``grad_sync`` is a :class:`megazero.pipeline.grad_sync.GradSync` (the ZeRO engine, stage 0 without
 ZeRO): ``no_sync()`` wraps every backward but each chunk's last, ``start_grad_sync()`` launches
 the reduction of what is left, and ``finish_grad_sync()`` (the caller's) completes it together
 with the sequence-parallel and tied-embedding sums. Without one (``grad_sync=None``, e.g.
@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.activation_meter import ActivationMeter
+from megazero.pipeline.grad_sync import GradSync
 from megazero.pipeline.p2p import P2P, tensor_shape
 from megazero.pipeline.schedules import build_schedule, virtual_stage
-from megazero.protocols import GradSync
-from megazero.topology import ParallelTopology
 
 GradSyncArg: TypeAlias = "GradSync | Sequence[GradSync] | None"
 
@@ -121,8 +121,8 @@ def forward_backward(
     last virtual stage draw from it. A list gives each chunk its own iterator (Megatron's
     interleaved convention); a single iterator is shared, one draw per micro-batch.
 
-    ``grad_sync``: ``None``, a :class:`megazero.protocols.GradSync`, or a list of them, one per
-    chunk. Every backward except each chunk's last micro-batch runs inside ``no_sync()``; a
+    ``grad_sync``: ``None``, a :class:`megazero.pipeline.grad_sync.GradSync`, or a list of them,
+    one per chunk. Every backward except each chunk's last micro-batch runs inside ``no_sync()``; a
     per-chunk object gets ``start_grad_sync()`` right after its chunk's last backward (so
     reduction of early-finished chunks overlaps with the rest of the cool-down), a single shared
     object once after the schedule. The caller completes the sync with ``finish_grad_sync()``.

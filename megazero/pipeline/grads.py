@@ -2,10 +2,11 @@
 
 With pp > 1 and tied input / output embeddings, the first stage holds the word embedding and the
 last stage a copy for the output layer; both are flagged ``shared_embedding``. Their gradients
-are summed over the embedding group by the gradient sync (:class:`megazero.protocols.GradSync`,
-``finish_grad_sync()`` of :class:`megazero.zero.ZeroOptimizer`), after the schedule: the first
-stage finishes its backwards long after the last stage, so a collective between them in
-mid-schedule would deadlock. This module keeps the two copies' values equal.
+are summed over the embedding group by the gradient sync
+(:class:`megazero.pipeline.grad_sync.GradSync`, ``finish_grad_sync()`` of
+:class:`megazero.zero.ZeroOptimizer`), after the schedule: the first stage finishes its backwards
+long after the last stage, so a collective between them in mid-schedule would deadlock. This module
+keeps the two copies' values equal.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.topology import ParallelTopology
+from megazero.distributed.topology import ParallelTopology
 
 
 def shared_embedding_params(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.schedules import POST_ORDER, Action, Step
-from megazero.topology import ParallelTopology
 
 TAG_ACTIVATION = 0
 TAG_GRAD = 1

@@ -14,8 +14,8 @@ from typing import Any
 
 from megazero.config import ConfigError, ModelConfig, RecomputeConfig
 from megazero.config.rules import pipeline_chunks
+from megazero.distributed.topology import ParallelTopology
 from megazero.tensor_parallel.context import ParallelContext
-from megazero.topology import ParallelTopology
 
 LayerRange = tuple[int, int]
 
@@ -58,7 +58,7 @@ def build_model_chunks(
     of the full model built with the same seed.
     """
     if model_cls is None:
-        from megazero.model import GPTModel
+        from megazero.model.gpt import GPTModel
 
         model_cls = GPTModel
     ranges = chunk_layer_ranges(model_config.num_layers, topo.pp_size, layers_per_virtual_stage)

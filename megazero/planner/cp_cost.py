@@ -45,7 +45,7 @@ def cp_seconds(cfg: MegazeroConfig, cluster: Cluster, attention_seconds: float) 
     """Exposed seconds of one micro-batch's K/V traffic over all of a stage's layers.
     ``attention_seconds``: the stage's core-attention compute for that micro-batch (forward +
     backward), which ring attention's transfers overlap."""
-    from megazero.planner.step_time import alpha_beta
+    from megazero.planner.links import alpha_beta
 
     p = cfg.parallel
     if p.cp == 1:

@@ -100,7 +100,7 @@ def all_to_all_seconds(cluster: Cluster, nbytes: float, ep: int, etp: int) -> fl
     """One all-to-all of a ``nbytes`` send buffer over an expert-parallel group: each peer
     gets ``nbytes / ep``; peers on the node over NVLink, the others over the rank's NIC share
     (both at once). A measured ``all_to_all`` entry in the cluster's table replaces this."""
-    from megazero.planner.step_time import alpha_beta, wire_bytes
+    from megazero.planner.links import alpha_beta, wire_bytes
 
     measured = (cluster.collectives or {}).get("all_to_all")
     alpha, beta = alpha_beta(cluster, "all_to_all", cluster.intra_node_gbps)
@@ -115,7 +115,7 @@ def all_to_all_seconds(cluster: Cluster, nbytes: float, ep: int, etp: int) -> fl
 def moe_dispatch_seconds(cfg: MegazeroConfig, cluster: Cluster) -> float:
     """Seconds of one micro-batch's dispatcher traffic over the MoE layers of the slowest
     pipeline stage (its share ``1/pp`` of them)."""
-    from megazero.planner.step_time import collective_seconds, dp_link_gbps
+    from megazero.planner.links import collective_seconds, dp_link_gbps
 
     layout = cfg.layout()
     ep, etp = layout.ep, layout.etp

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import MegazeroConfig
+from megazero.config.layout import GROUP_KINDS, ParallelLayout
 from megazero.config.rules import sequence_parallel_active
-from megazero.topology import GROUP_KINDS, ParallelLayout, ParallelTopology
+from megazero.distributed.topology import ParallelTopology
 
 
 class ShapeGroup:

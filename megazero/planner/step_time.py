@@ -19,7 +19,7 @@
   experts and any shared expert of each MoE layer; with expert parallelism the token
   dispatcher's all-to-all (or all-gather + reduce-scatter) per MoE layer, forward and
   backward, over NVLink or the NICs as the expert group sits; MFU then counts the active
-  parameters' FLOPs (:func:`megazero.flops.gpt_flops_per_iteration`);
+  parameters' FLOPs (:func:`megazero.observability.flops.gpt_flops_per_iteration`);
 * tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
   4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), 6 of each with full
   recompute (the recomputed forward repeats its 2), over NVLink when the TP group fits in a
@@ -52,9 +52,10 @@ from dataclasses import dataclass, field
 
 from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
-from megazero.flops import model_flops_per_iteration
+from megazero.observability.flops import model_flops_per_iteration
 from megazero.planner.cluster import Cluster
 from megazero.planner.hbm_traffic import stage_nongemm_bytes
+from megazero.planner.links import alpha_beta, collective_seconds, dp_link_gbps, wire_bytes
 
 
 def gemm_flops_per_token(cfg: MegazeroConfig) -> tuple[float, float, float]:
@@ -67,7 +68,7 @@ def gemm_flops_per_token(cfg: MegazeroConfig) -> tuple[float, float, float]:
     attn = 2 * 2 * s * q
     layers = dense * m.num_layers
     if m.moe.num_experts is not None:  # MoE layers: router, k active experts, shared expert
-        from megazero.flops import moe_mlp_flops_per_token
+        from megazero.observability.flops import moe_mlp_flops_per_token
         from megazero.planner.moe_cost import moe_layers
 
         layers += moe_layers(cfg) * (moe_mlp_flops_per_token(m)
@@ -101,34 +102,6 @@ class StepTime:
                 "model_flops_per_iteration": self.model_flops}
 
 
-RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
-
-
-def alpha_beta(cluster: Cluster, kind: str, gbps: float) -> tuple[float, float]:
-    """(seconds per call, wire bytes per second) of one collective kind: the cluster's measured
-    ``collectives`` table where it names ``kind``, else ``per_collective_latency_us`` and the
-    link's ``gbps``."""
-    measured = (cluster.collectives or {}).get(kind)
-    if measured is not None:
-        return measured[0] * 1e-6, measured[1] * 1e9
-    return cluster.per_collective_latency_us * 1e-6, gbps * 1e9
-
-
-def wire_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends for a ``nbytes`` buffer over ``n`` ranks in a ring: ``2(n-1)/n`` of
-    it for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter (and for an all-to-all of
-    an ``nbytes`` send buffer: the share for the other ranks), all of it for send/recv."""
-    return nbytes if kind == "send_recv" else RING[kind] * nbytes * (n - 1) / n
-
-
-def collective_seconds(cluster: Cluster, kind: str, nbytes: float, n: int, gbps: float) -> float:
-    """One collective of a ``nbytes`` buffer over ``n`` ranks: ``alpha + wire / beta``."""
-    if n <= 1 and kind != "send_recv":
-        return 0.0
-    alpha, beta = alpha_beta(cluster, kind, gbps)
-    return alpha + wire_bytes(kind, nbytes, n) / beta
-
-
 def stage_flops_per_microbatch(cfg: MegazeroConfig) -> float:
     """GEMM FLOPs of the slowest pipeline stage for one micro-batch, forward + backward
     (+ the recomputed forward): its share of the layers, plus the logits on the last stage."""
@@ -142,18 +115,6 @@ def stage_flops_per_microbatch(cfg: MegazeroConfig) -> float:
     layers = m.num_layers / p.pp
     tokens = cfg.train.micro_batch_size * m.seq_length / p.cp  # this rank's share with CP
     return tokens * (layers * per_layer + 3.0 * logits) / p.tp
-
-
-def dp_link_gbps(cluster: Cluster, tp: int, dp: int) -> float:
-    """Per-rank bandwidth of a data-parallel ring: NVLink inside a node; across nodes, the NICs
-    of the group's ranks on each node (ranks are ordered tp fastest, then dp: a group has
-    ``node / tp`` ranks on a node when tp < node, each with its share ``inter_node_gbps`` of
-    the node's NICs; NCCL runs one ring per NIC), never more than NVLink."""
-    node = cluster.gpus_per_node
-    if tp * dp <= node:
-        return cluster.intra_node_gbps
-    per_node = max(1, min(dp, node // tp))
-    return min(cluster.intra_node_gbps, per_node * cluster.inter_node_gbps)
 
 
 #: bytes a 16-bit mixed-precision Adam step streams per parameter on the device: 16-bit grad
@@ -285,7 +246,7 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     out.model_flops = model_flops_per_iteration(gbs, m.seq_length, m.num_layers, h,
                                                 m.vocab_size)
     if m.moe.num_experts is not None:  # MoE: the active parameters' FLOPs, GEMM by GEMM
-        from megazero.flops import gpt_flops_per_iteration
+        from megazero.observability.flops import gpt_flops_per_iteration
 
         out.model_flops = gpt_flops_per_iteration(m, gbs)
     return out

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from megazero.config.rules import sequence_parallel_active
+from megazero.distributed.topology import ParallelTopology
 from megazero.errors import ConfigError, MegazeroError
 from megazero.tensor_parallel.mappings import Group, group_rank, group_size
 from megazero.tensor_parallel.random import RNGStatesTracker
-from megazero.topology import ParallelTopology
 
 #: Core-attention implementations; ``auto`` is flash-attn when usable, else SDPA.
 ATTENTION_BACKENDS = ("auto", "unfused", "sdpa", "flash")

@@ -21,7 +21,8 @@ region
 
 All take the process group explicitly and are the identity when it is ``None`` or has one rank.
 The raw collectives (:func:`all_gather_dim0`, :func:`reduce_scatter_dim0`) go through
-:mod:`megazero.collectives`, which picks the implementation per backend for TP and ZeRO alike.
+:mod:`megazero.distributed.collectives`, which picks the implementation per backend for TP and ZeRO
+alike.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero import collectives
-from megazero.collectives import Group, group_rank, group_size
+from megazero.distributed import collectives
+from megazero.distributed.collectives import Group, group_rank, group_size
 
 # --- raw collectives (no autograd) -----------------------------------------------------------
 

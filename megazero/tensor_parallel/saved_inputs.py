@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megazero.collectives import all_gather
+from megazero.distributed.collectives import all_gather
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from megazero.tensor_parallel.mappings import (
 )
 
 if TYPE_CHECKING:
-    from megazero.topology import ParallelTopology
+    from megazero.distributed.topology import ParallelTopology
 
 
 def divide(numerator: int, denominator: int) -> int:

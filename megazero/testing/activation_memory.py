@@ -101,9 +101,9 @@ def measure_layer_cases(rank: int, world: int, s: int, b: int, h: int, a: int,
     communicate. Returns rank 0's measurements (every rank measures the same sizes).
     """
     from megazero.config import ModelConfig, RecomputeConfig
+    from megazero.distributed.topology import ParallelTopology
     from megazero.model.gpt import GPTModel
     from megazero.tensor_parallel.context import ParallelContext
-    from megazero.topology import ParallelTopology
 
     cfg = ModelConfig.preset("gpt2", num_layers=1, hidden_size=h, num_attention_heads=a,
                              seq_length=s, vocab_size=100, attention_dropout=attention_dropout,

@@ -10,10 +10,10 @@ import random
 import numpy as np
 import torch
 
-from megazero.checkpointing import save_checkpoint
-from megazero.lr_scheduler import LRScheduler
+from megazero.checkpoint import save_checkpoint
+from megazero.distributed.topology import ParallelTopology
+from megazero.optim.lr_scheduler import LRScheduler
 from megazero.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megazero.topology import ParallelTopology
 
 
 class StubRngTracker:

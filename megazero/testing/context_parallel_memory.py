@@ -30,9 +30,9 @@ def measure_cp_sizes(rank: int, world: int, flags: list[str], cps: tuple[int, ..
     prediction for it, and (``repeats`` > 0) the median forward+backward seconds."""
     from megazero.config import load_config
     from megazero.context_parallel.batch import split_batch
+    from megazero.distributed.topology import ParallelTopology
     from megazero.pipeline.activation_meter import ActivationMeter
     from megazero.planner.activations import chunk_saved_bytes
-    from megazero.topology import ParallelTopology
 
     rows = []
     for cp in cps:

@@ -18,11 +18,20 @@ from typing import Any
 
 import torch
 
+from megazero.checkpoint.common import (
+    gather_all as _gather,
+)
+from megazero.checkpoint.common import (
+    pair_dir as _pair_dir,
+)
+from megazero.checkpoint.common import (
+    rank_dir as _rank_dir,
+)
 from megazero.checkpoint.files import Writer, sha256
 from megazero.checkpoint.rng import get_rng_state
+from megazero.checkpoint.save import _write_index
 from megazero.checkpoint.tensors import ParamInfo, param_infos
-from megazero.checkpointing import _gather, _pair_dir, _rank_dir, _write_index
-from megazero.host_resident import is_host_resident, mark
+from megazero.distributed.host_resident import is_host_resident, mark
 
 
 def save_v2(root: str, topo: Any, *, models: Sequence[torch.nn.Module], engine: Any,

@@ -7,8 +7,8 @@ call made by a rank of :func:`megazero.testing.run_distributed` goes through a w
 
 1. **refuses host-resident tensors**: a tensor that megazero keeps on the host on purpose
    (offloaded masters and moments, pinned staging, NVMe swap buffers, checkpoint I/O buffers:
-   everything allocated by :func:`megazero.host_resident.host_empty` or passed to ``mark``)
-   raises :class:`NcclRuleError` naming the op, the group and the tensor;
+   everything allocated by :func:`megazero.distributed.host_resident.host_empty` or passed to
+   ``mark``) raises :class:`NcclRuleError` naming the op, the group and the tensor;
 2. **logs** ``(op, dtype, element count, root/peer)`` per group (keyed by the group's global
    ranks; a point-to-point pair is keyed ``src->dst``) to a per-rank file, flushed per entry;
    :class:`LogReader` requires every member of each group to have issued the same sequence and
@@ -24,16 +24,17 @@ call made by a rank of :func:`megazero.testing.run_distributed` goes through a w
 
 The calls are wrapped in ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (so
 ``P2POp``/``batch_isend_irecv`` and the object collectives go through them too) and wherever a
-megazero module already holds a reference to the original function (``megazero.compat``'s
-aliases, ``from ... import`` copies), so megazero's wrappers in :mod:`megazero.collectives` and
-:mod:`megazero.zero.comm` are covered whichever way they reach torch.
+megazero module already holds a reference to the original function
+(``megazero.distributed.compat``'s aliases, ``from ... import`` copies), so megazero's wrappers in
+:mod:`megazero.distributed.collectives` and :mod:`megazero.distributed.group_comm` are covered
+whichever way they reach torch.
 
-**Shared-memory collectives** (:mod:`megazero.shm_collectives`) stay on in the mode, and their
-``/dev/shm`` buffers are not host-resident: that path is taken only by gloo groups whose ranks
-share one host (:func:`~megazero.shm_collectives.shared_host_group` refuses any other backend),
-so under NCCL it does not exist and its buffers never reach an NCCL collective. What it does
-issue on the backend (1-element barrier all-reduces, the setup's object all-gathers) is logged
-and compared like everything else.
+**Shared-memory collectives** (:mod:`megazero.distributed.shm_collectives`) stay on in the
+mode, and their ``/dev/shm`` buffers are not host-resident: that path is taken only by gloo
+groups whose ranks share one host (:func:`~megazero.distributed.shm_collectives.shared_host_group`
+refuses any other backend), so under NCCL it does not exist and its buffers never reach an NCCL
+collective. What it does issue on the backend (1-element barrier all-reduces, the setup's object
+all-gathers) is logged and compared like everything else.
 
 Switched on by ``MEGAZERO_NCCL_RULES=1`` in the environment of the test process (read when a
 world starts), by ``run_distributed(..., nccl_rules=True)``, or by ``pytest --nccl-rules``;
@@ -54,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from megazero import host_resident
+from megazero.distributed import host_resident
 
 ENV = "MEGAZERO_NCCL_RULES"
 WAIT_ENV = "MEGAZERO_NCCL_RULES_WAIT_S"
@@ -75,7 +76,7 @@ _ALWAYS_BLOCKING = {"send", "recv"}
 # megazero's own wrappers, checked for host tensors too: an implementation may keep an argument
 # out of the backend call on gloo (the all-to-all reduce-scatter sums into ``out`` locally) that
 # NCCL's native one passes to it.
-_OWN_WRAPPERS = {"megazero.collectives": ("reduce_scatter", "all_gather")}
+_OWN_WRAPPERS = {"megazero.distributed.collectives": ("reduce_scatter", "all_gather")}
 _TENSOR_ARGS = ("tensor", "tensor_list", "output", "input", "output_tensor", "input_tensor",
                 "output_tensor_list", "input_tensor_list", "input_list", "gather_list",
                 "scatter_list", "out", "inp", "shard")

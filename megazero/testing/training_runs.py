@@ -19,7 +19,8 @@ TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100
 def train_in_rank(rank: int, world: int, args: list[str], writer=None, keep_run=False):
     """Set up and train one run on this rank; returns ``{iteration: loss}`` (and the run)."""
     from megazero.config import load_config
-    from megazero.training import setup, train
+    from megazero.training.lifecycle import setup
+    from megazero.training.loop import train
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))

@@ -8,7 +8,7 @@ reduce-scatter and all-gather split it into equal shards (rank ``r`` owns elemen
 
 Where the data-parallel group can use shared memory (one host, gloo), the gradient buffer of
 stages 0-1 and the parameter buffer of stages 1-2 live there, and their reductions and the
-parameters' all-gather run in it (:meth:`megazero.zero.comm.GroupComm.shared_buffer`).
+parameters' all-gather run in it (:meth:`megazero.distributed.group_comm.GroupComm.shared_buffer`).
 
 Gradients accumulate over micro-batches in the buffer's dtype (``grad_dtype``, fp32 for bf16
 parameters by default: :attr:`megazero.config.PrecisionConfig.grad_dtype`). Where it is wider
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megazero.zero.comm import GroupComm, Handle
-from megazero.zero.master import Piece
+from megazero.distributed.group_comm import GroupComm, Handle
+from megazero.zero.pieces import Piece
 
 #: Stage-2 reductions in flight at once (see GradBuffer.in_flight).
 MAX_IN_FLIGHT = 1

@@ -13,16 +13,16 @@ from torch import nn
 from megazero.config import ConfigError, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.deepspeed import unimplemented_zero_keys
 from megazero.config.rules import sequence_parallel_active
+from megazero.distributed.group_comm import GroupComm
+from megazero.distributed.topology import ParallelTopology
 from megazero.moe.grads import scale_expert_grads, split_expert_params, stage3_experts_own_group
-from megazero.protocols import ParamStore
-from megazero.topology import ParallelTopology
 from megazero.zero.buffers import GradBuffer
-from megazero.zero.comm import GroupComm
 from megazero.zero.master import MasterParams
 from megazero.zero.offload import OffloadPlan
 from megazero.zero.optimizer import Comms, ZeroOptimizer
 from megazero.zero.optimizers import OptimizerFactory
 from megazero.zero.param_gather import register_param_gather_hooks
+from megazero.zero.param_store import ParamStore
 
 # zero_optimization keys accepted without an implementation yet: (key, value meaning "off"). The
 # DeepSpeed key table marks them TODO and warns once when a config sets them, so the engine does
@@ -105,7 +105,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
     meta device; stage 3 materialises only this rank's partition of each unit.
     ``reduce_scatter_impl`` picks how the data-parallel group reduce-scatters, and
     ``shared_memory`` whether its buffers live in shared memory on one host
-    (:mod:`megazero.zero.comm`; ``auto`` is right everywhere).
+    (:mod:`megazero.distributed.group_comm`; ``auto`` is right everywhere).
     """
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     check_zero_config(zero_config, topo)

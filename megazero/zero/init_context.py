@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from megazero import collectives
-from megazero.host_resident import mark, to_device
+from megazero.distributed import collectives
+from megazero.distributed.host_resident import mark, to_device
 from megazero.model.init import workspace
 
 if TYPE_CHECKING:
@@ -104,7 +104,8 @@ def gather_partitioned(param: nn.Parameter) -> torch.Tensor:
         full = shard
     else:
         full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=device)
-        # None is the default (world) group here; in megazero.collectives it means "no group".
+        # None is the default (world) group here; in megazero.distributed.collectives it means "no
+        # group".
         collectives.all_gather(full, shard, group if group is not None else dist.group.WORLD)
     n = torch.Size(p.mz_shape).numel()
     return full[:n].view(p.mz_shape).clone()

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from megazero.config import ConfigError, OptimizerConfig
-from megazero.host_resident import host_empty, mark, tracking
+from megazero.distributed.host_resident import host_empty, mark, tracking
+from megazero.optim.whole_norms import WholeParamNorms
 from megazero.zero.host_step import copy_to_host, host_threads, step_threads
 from megazero.zero.optimizers import (
     OptimizerFactory,
@@ -35,51 +35,10 @@ from megazero.zero.optimizers import (
     decay_groups,
     kind_of,
 )
+from megazero.zero.pieces import Piece, model_values, split_pieces, store_model
 
 if TYPE_CHECKING:
     from megazero.zero.swap import OptimizerSwapper
-
-
-@dataclass
-class Piece:
-    param: nn.Parameter  # the model parameter this range belongs to (for its attributes)
-    model: torch.Tensor  # 1-D view of the model's storage
-    grad: torch.Tensor  # 1-D view of the reduced gradient
-    master: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # MasterParams sets it
-    ndim: int = -1  # the parameter's full rank (stage 3 releases parameters to 0 elements)
-    offset: int = 0  # where ``model`` starts in the parameter's flattened values (checkpoints)
-    # NVMe parameter offload: (the unit's swap, first element in its shard); ``model`` then has
-    # no storage and its values live in the swap file (see megazero.zero.param_swap)
-    swapped: tuple[Any, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.ndim < 0:
-            self.ndim = self.param.ndim
-
-
-def split_pieces(pieces: list[Piece], limit: int) -> list[Piece]:
-    """Cut pieces longer than ``limit`` so that sub-groups can respect ``sub_group_size``."""
-    out: list[Piece] = []
-    for p in pieces:
-        n = p.model.numel()
-        for lo in range(0, n, max(1, limit)):
-            hi = min(n, lo + limit)
-            swapped = None if p.swapped is None else (p.swapped[0], p.swapped[1] + lo)
-            out.append(Piece(p.param, p.model[lo:hi], p.grad[lo:hi], ndim=p.ndim,
-                             offset=p.offset + lo, swapped=swapped))
-    return out
-
-
-def model_values(p: Piece) -> torch.Tensor:
-    """The piece's current model-dtype values (read from the swap file when swapped out)."""
-    return p.model if p.swapped is None else p.swapped[0].read_range(p.swapped[1], p.model.numel())
-
-
-def store_model(p: Piece, values: torch.Tensor, non_blocking: bool = False) -> None:
-    if p.swapped is None:
-        p.model.copy_(values, non_blocking=non_blocking)
-    else:
-        p.swapped[0].write_range(p.swapped[1], values.to(p.model.dtype))
 
 
 def master_groups(pieces: list[Piece], groups: list[dict[str, Any]] | None
@@ -272,9 +231,7 @@ class MasterParams:
 
     def _step(self, factor: float) -> None:
         if self.kind.whole_norms:  # Lamb: two phases around one norm reduction
-            from megazero.optim.whole_norms import step_whole_norms
-
-            step_whole_norms(self, factor)
+            self._step_whole_norms(factor)
             return
         if self.swap is not None:
             def update(g: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
@@ -286,6 +243,42 @@ class MasterParams:
             return
         for group in self.sub_groups:
             self._step_group(group, factor)
+
+    def _step_whole_norms(self, factor: float) -> None:
+        """Lamb's step over this rank's masters (:mod:`megazero.optim.lamb`): every sub-group stages
+        its gradients (times ``factor``: unscale x clip), updates its moments and sums its pieces'
+        squares; one reduction (``self.norm_reduce``, else the pieces here are summed per
+        parameter) gives the whole-parameter sums; then every sub-group applies its update and
+        writes the model's copy. Only one sub-group's gradients are staged at a time, as Adam's.
+        The sums of each whole parameter come from :mod:`megazero.optim.whole_norms`."""
+        opt: Any = self.optimizer
+        sums: list[torch.Tensor] = []
+        for group in self.sub_groups:
+            grads = self._staged(group) if self.copy else [p.grad for p in group]
+            if factor != 1.0:
+                torch._foreach_mul_(grads, factor)
+            for p, g in zip(group, grads):
+                p.master.grad = g
+            sums.append(opt.partial_sums([p.master for p in group]))
+            for p in group:
+                p.master.grad = None
+        owners = [p.param for g in self.sub_groups for p in g]
+        local = torch.cat(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
+        reduce = self.norm_reduce or WholeParamNorms(
+            list({id(p): p for p in owners}.values()), None, None, 0, torch.device("cpu"))
+        whole = reduce(owners, local)
+        pos = 0
+        for group in self.sub_groups:
+            ts = [p.master for p in group]
+            opt.apply(ts, opt.coefficients(ts, whole[pos:pos + len(group)]))
+            pos += len(group)
+            for p in group:
+                if self.offload and tracking():  # moments created beside host masters
+                    for t in opt.state.get(p.master, {}).values():
+                        if isinstance(t, torch.Tensor):
+                            mark(t)
+                if self.copy:
+                    store_model(p, p.master, non_blocking=True)
 
     def _staged(self, group: list[Piece]) -> list[torch.Tensor]:
         """fp32 copies of the group's gradients on the masters' device. On the host they land

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megazero.config import ConfigError, ZeroConfig
-from megazero.host_resident import host_empty
+from megazero.distributed.host_resident import host_empty
 
 _Z = "zero_optimization"
 #: Adam's per-element state that swaps: the fp32 master, exp_avg and exp_avg_sq.

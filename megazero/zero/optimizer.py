@@ -28,16 +28,17 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.config import PrecisionConfig, ZeroConfig
-from megazero.protocols import ParamStore
+from megazero.distributed.group_comm import CommLog, GroupComm
+from megazero.distributed.topology import ParallelTopology
 from megazero.tensor_parallel.utils import is_duplicate_copy
-from megazero.topology import ParallelTopology
 from megazero.zero import clip_grads
 from megazero.zero.accounting import MemoryReport, StorageCounter
 from megazero.zero.buffers import GradBuffer
-from megazero.zero.comm import CommLog, GroupComm
 from megazero.zero.loss_scaler import LossScaler
-from megazero.zero.master import MasterParams, Piece
+from megazero.zero.master import MasterParams
 from megazero.zero.optimizers import place_step
+from megazero.zero.param_store import ParamStore
+from megazero.zero.pieces import Piece
 
 
 @dataclass
@@ -106,7 +107,7 @@ _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat
 class ZeroOptimizer:
     """See the module docstring; build it with :func:`megazero.zero.build_zero_optimizer`.
 
-    A :class:`megazero.protocols.GradSync` at every stage: the pipeline executor and the
+    A :class:`megazero.pipeline.grad_sync.GradSync` at every stage: the pipeline executor and the
     training loop drive its ``no_sync`` / ``start_grad_sync`` / ``finish_grad_sync``; stage 0
     (plain all-reduce, no sharding) is how a run without ZeRO synchronises gradients.
     """

@@ -54,19 +54,19 @@ import torch
 from torch import nn
 
 from megazero.config import ZeroConfig
+from megazero.distributed.host_resident import host_empty, to_device
 from megazero.errors import MegazeroError
-from megazero.host_resident import host_empty, to_device
 from megazero.model.init import ParamInitializer, workspace
 from megazero.zero import units as unit_ops
 from megazero.zero.init_context import forget_partition, gather_partitioned, is_partitioned
-from megazero.zero.master import Piece
 from megazero.zero.offload import OffloadPlan
 from megazero.zero.param_swap import ParamSwapper, plan_swapped_units
+from megazero.zero.pieces import Piece
 from megazero.zero.stage3_grads import Stage3Grads
 from megazero.zero.units import Unit, leave_meta, unit_param_groups, unit_values, wrap_outputs
 
 if TYPE_CHECKING:
-    from megazero.zero.comm import GroupComm
+    from megazero.distributed.group_comm import GroupComm
     from megazero.zero.optimizer import Comms
 
 

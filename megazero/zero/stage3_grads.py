@@ -38,48 +38,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from megazero.zero.comm import GroupComm, Handle
-from megazero.zero.units import Unit
-
-
-class GradBucket:
-    """Consecutive units whose gradients are reduce-scattered together. ``shard`` is the flat
-    persistent gradient shard of all of them (each unit's ``grad_shard`` is a view into it);
-    ``full`` (``dp x width``, row-major) exists from the first absorbed unit until the
-    collective finished."""
-
-    def __init__(self, units: list[Unit], dp: int, dtype: torch.dtype,
-                 device: torch.device, comm: GroupComm | None = None) -> None:
-        self.units = units
-        self.dp = dp
-        self.comm = comm  # the units' group (Unit.comm); None: the store's dp
-        self.width = sum(u.shard_size for u in units)
-        self.shard = torch.zeros(self.width, dtype=dtype, device=device)
-        self.full: torch.Tensor | None = None
-        self.handle: Handle | None = None
-        self.absorbed = 0
-        self.launched = False
-        self.reductions = 0  # launched this step
-        col = 0
-        for u in units:
-            u.bucket, u.column = self, col
-            u.grad_shard = self.shard[col:col + u.shard_size]
-            col += u.shard_size
-
-    def numel(self) -> int:
-        return self.dp * self.width
-
-    def rows(self, dtype: torch.dtype, device: torch.device, zeroed: bool = False
-             ) -> torch.Tensor:
-        """The ``dp x width`` input, allocated on first use (every column is written or
-        zeroed before the launch; ``zeroed``: filled with zeros, to add gradients into)."""
-        if self.full is None:
-            alloc = torch.zeros if zeroed else torch.empty
-            self.full = alloc(self.numel(), dtype=dtype, device=device)
-        return self.full.view(self.dp, self.width)
-
-    def free(self) -> None:
-        self.full = None
+from megazero.distributed.group_comm import GroupComm, Handle
+from megazero.zero.units import GradBucket, Unit
 
 
 def plan_grad_buckets(sizes: list[int], alone: list[bool], bucket_numel: int,

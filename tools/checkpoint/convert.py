@@ -39,11 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megazero.checkpointing import (  # noqa: E402
-    CheckpointError,
-    read_model_state,
-    write_model_state,
-)
+from megazero.checkpoint import read_model_state, write_model_state
+from megazero.errors import CheckpointError
 
 Loader = Callable[[argparse.Namespace], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 Saver = Callable[[argparse.Namespace, dict[str, Any], dict[str, torch.Tensor], str], None]

@@ -1,0 +1,258 @@
+"""Building what the training loop runs on: tokenizer, datasets, model chunks, optimizer.
+
+Kept apart from :mod:`megazero.training.loop` so the loop reads as the loop. Every function takes
+the validated :class:`~megazero.config.MegazeroConfig` and the topology explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from megazero.config import ConfigError, MegazeroConfig
+from megazero.config.rules import check_rampup, num_microbatches, rampup_batch_size
+from megazero.distributed.host_resident import mark
+from megazero.distributed.topology import ParallelTopology
+from megazero.errors import DataError, MegazeroError
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The batch arithmetic of one run (Megatron's names). With ``rampup`` (Megatron's
+    ``--rampup-batch-size``) the global batch of an iteration depends on the samples consumed
+    before it (:func:`megazero.config.rules.rampup_batch_size`); ``global_batch_size`` and
+    ``num_microbatches`` are then the full size the ramp reaches."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    train_iters: int
+    dp: int = 1
+    rampup: tuple[int, int, int] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: MegazeroConfig, dp: int) -> Batching:
+        t = cfg.train
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        count = num_microbatches(gbs, t.micro_batch_size, dp)
+        rampup = t.rampup_batch_size
+        if rampup is not None:
+            check_rampup(rampup, gbs, t.micro_batch_size, dp)
+        iters = t.train_iters
+        if iters is None and t.train_samples is not None:
+            iters = cls(t.micro_batch_size, gbs, count, 1, dp, rampup).iters_for(t.train_samples)
+        if not iters:
+            raise ConfigError("set --train-iters (or --train-samples) to say how long to train")
+        return cls(t.micro_batch_size, gbs, count, iters, dp, rampup)
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        if self.rampup is None:
+            return self.global_batch_size
+        return rampup_batch_size(self.rampup, self.global_batch_size, consumed_samples)
+
+    def microbatches_at(self, consumed_samples: int) -> int:
+        return self.global_batch_at(consumed_samples) // (self.micro_batch_size * self.dp)
+
+    def iters_for(self, samples: int) -> int:
+        """Iterations until ``samples`` are consumed (Megatron: whole batches only)."""
+        if self.rampup is None:
+            return samples // self.global_batch_size
+        consumed = iters = 0
+        while consumed + self.global_batch_at(consumed) <= samples:
+            if self.global_batch_at(consumed) == self.global_batch_size:
+                return iters + (samples - consumed) // self.global_batch_size
+            consumed += self.global_batch_at(consumed)
+            iters += 1
+        return iters
+
+    @property
+    def sampler_batch(self) -> int:
+        """The unit the sampler serves whole: the global batch, or with a ramp one micro-batch
+        per data-parallel rank (iterations then draw as many as their batch needs)."""
+        return self.global_batch_size if self.rampup is None else self.micro_batch_size * self.dp
+
+
+def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
+                                  log: Callable[..., None] = print
+                                  ) -> tuple[Any, MegazeroConfig]:
+    """The tokenizer, and the config with ``model.vocab_size`` (and the demo's data path) set.
+
+    ``--mock-data``: NullTokenizer over ``--vocab-size``. ``--data-path``: the tokenizer the
+    flags name. Neither: the built-in demo corpus (:mod:`megazero.data.demo`) with its own
+    tokenizer.
+    """
+    import torch.distributed as dist
+
+    from megazero.data.tokenizers import NullTokenizer, SentencePieceTokenizer, build_tokenizer
+
+    d = cfg.data
+    if d.mock_data:
+        if d.tokenizer_type not in (None, "NullTokenizer"):
+            raise ConfigError(f"--mock-data works with --tokenizer-type NullTokenizer, got "
+                              f"{d.tokenizer_type}")
+        tok: Any = NullTokenizer(cfg.model.vocab_size)
+    elif d.data_path:
+        if not d.tokenizer_type and d.vocab_file and d.merge_file:
+            # Megatron's default tokenizer: GPT-2's BPE from --vocab-file and --merge-file.
+            d = replace(d, tokenizer_type="GPT2BPETokenizer")
+            cfg = replace(cfg, data=d)
+            log("> tokenizer: GPT2BPETokenizer (Megatron's default, from --vocab-file and "
+                "--merge-file)")
+        if not d.tokenizer_type:
+            raise ConfigError("--data-path needs a tokenizer: --vocab-file and --merge-file "
+                              "(GPT-2 BPE, Megatron's default), or --tokenizer-type "
+                              "(SentencePieceTokenizer with --tokenizer-model, "
+                              "HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer "
+                              "with --vocab-size)")
+        try:
+            tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                                  vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                  vocab_size=cfg.model.vocab_size)
+        except (OSError, ValueError) as e:  # a missing or unreadable tokenizer file
+            raise DataError(f"--tokenizer-type {d.tokenizer_type}: {e}") from e
+    else:
+        from megazero.data.demo import prepare_demo_data
+
+        # One builder per node (the cache may be node-local); the others wait at the barrier.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        data = None
+        if local_rank == 0:
+            data = prepare_demo_data(d.data_cache_path, log=log if topo.rank == 0 else _quiet)
+        dist.barrier()
+        if data is None:
+            data = prepare_demo_data(d.data_cache_path, log=_quiet)
+        tok = SentencePieceTokenizer(data.tokenizer_model)
+        cfg = replace(cfg, data=replace(d, data_path=(data.data_prefix,),
+                                        tokenizer_type="SentencePieceTokenizer",
+                                        tokenizer_model=data.tokenizer_model))
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=tok.vocab_size))
+    return tok, cfg
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    pass
+
+
+def build_datasets(cfg: MegazeroConfig, batching: Batching) -> tuple[Any, Any]:
+    """``(train, valid)`` datasets (valid may be None when --eval-iters is 0)."""
+    from megazero.data.builder import (
+        DataConfig,
+        build_train_valid_test_datasets,
+        train_valid_test_num_samples,
+    )
+
+    t = cfg.train
+    dc = DataConfig(seq_length=cfg.model.seq_length,
+                    num_samples=train_valid_test_num_samples(
+                        batching.train_iters, batching.global_batch_size, t.eval_interval,
+                        t.eval_iters),
+                    data_path=tuple(cfg.data.data_path), split=cfg.data.split, seed=t.seed,
+                    cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data,
+                    vocab_size=cfg.model.vocab_size)
+    try:
+        train, valid_ds, _ = build_train_valid_test_datasets(dc)
+    except (FileNotFoundError, ValueError) as e:  # a missing prefix, a split with no samples
+        if isinstance(e, MegazeroError):  # IndexFormatError names the file already
+            raise
+        raise DataError(f"--data-path: {e}") from e
+    return train, valid_ds
+
+
+def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
+                   consumed_samples: int = 0, cyclic: bool = False
+                   ) -> Iterator[dict[str, Any]]:
+    from megazero.data.builder import build_data_iterator
+
+    return build_data_iterator(dataset, batching.micro_batch_size, topo.dp_rank, topo.dp_size,
+                               batching.sampler_batch, consumed_samples, cyclic=cyclic)
+
+
+def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | None = None,
+              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1)
+              ) -> dict[str, torch.Tensor]:
+    """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
+    ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
+    ``--eod-mask-loss``) also ``loss_mask [b, s]``: 0 where the input token is that id, so no
+    loss is taken on predicting a new document's first token from the previous one's end
+    (Megatron's rule).
+
+    The batch is moved once, here, where it is drawn: on CUDA from pinned host memory with a
+    non-blocking copy, so the transfer overlaps the work already queued on the GPU.
+
+    ``cp``: ``(cp_rank, cp_size)``; with context parallelism the rank keeps its share of the
+    sequence (:func:`megazero.context_parallel.batch.split_batch`).
+    """
+    tokens = next(data_iterator)["tokens"]
+    if device is not None and device.type != "cpu":
+        tokens = mark(tokens.pin_memory()).to(device, non_blocking=True)  # pinned staging
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    if eod_mask is not None:
+        batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    if cp[1] > 1:
+        from megazero.context_parallel.batch import split_batch
+
+        batch = split_batch(batch, *cp)
+    return batch
+
+
+def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: torch.device
+                          ) -> tuple[list[torch.nn.Module], Any]:
+    """This rank's model chunks, fp32, with the weights every layout shares; and, at ZeRO
+    stage 3, the initializer the engine materialises its partitions with (else ``None``).
+
+    The chunks are built on the meta device. At stages 0-2 each parameter is then created on
+    ``device`` and initialised there, one at a time (``GPTModel.materialize``): the host never
+    holds the rank's shard. At stage 3 the parameters stay on the meta device for the engine,
+    which materialises only this rank's partition of each unit."""
+    from megazero.pipeline.partition import build_model_chunks
+    from megazero.tensor_parallel.context import ParallelContext
+
+    parallel = ParallelContext.from_topology(topo,
+                                             sequence_parallel=cfg.parallel.sequence_parallel,
+                                             cp_comm_type=cfg.parallel.cp_comm_type)
+    with torch.device("meta"):
+        chunks = build_model_chunks(
+            cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
+            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed)
+    if cfg.zero.stage == 3:
+        for c in chunks:
+            c.materialize_buffers(device)
+        return chunks, chunks[0].param_initializer(device)
+    for c in chunks:
+        c.materialize(device)
+    return chunks, None
+
+
+def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
+                              device: torch.device) -> tuple[list[torch.nn.Module], Any]:
+    """Model chunks for this rank (:func:`build_model_chunks_on`: fp32, identical at every
+    layout, created on ``device`` without a host copy of the shard), then the ZeRO engine,
+    which casts them to the training dtype and keeps fp32 masters. With ZeRO stage 3 a model
+    larger than one rank's memory can start: only this rank's partitions are materialised."""
+    from megazero.zero import build_zero_optimizer
+
+    chunks, param_init = build_model_chunks_on(cfg, topo, device)
+    engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
+                                  sequence_parallel=cfg.parallel.sequence_parallel_active,
+                                  param_init=param_init)
+    return chunks, engine
+
+
+class ChunkTrackers:
+    """The TP-aware RNG trackers of all model chunks, saved and restored as one."""
+
+    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+        self.trackers = [getattr(c, "rng_tracker", None) for c in chunks]
+
+    def get_states(self) -> list[Any]:
+        return [t.get_states() if t is not None else None for t in self.trackers]
+
+    def set_states(self, states: list[Any]) -> None:
+        for t, s in zip(self.trackers, states):
+            if t is not None and s is not None:
+                t.set_states(s)
+

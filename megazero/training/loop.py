@@ -1,0 +1,142 @@
+"""The training loop: pipeline schedule -> gradient sync -> optimizer step -> schedule -> log ->
+evaluate -> checkpoint, until ``--train-iters`` or an exit condition (one iteration is
+:func:`megazero.training.step.train_step`).
+
+Exit conditions (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM) are agreed by every
+rank (:mod:`megazero.training.exit_conditions`). A NaN/inf step is skipped and a diverged run
+stops without saving (:mod:`megazero.training.divergence`); a stuck or orphaned rank is ended by
+the watchdog (:mod:`megazero.training.watchdog`), which the loop tells what it is doing through
+:meth:`Run.phase`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from megazero.checkpoint.ownership import HEARTBEAT_S, heartbeat
+from megazero.observability.flops import gpt_flops_per_iteration, peak_flops
+from megazero.observability.flops_profiler import for_run as flops_profiler_for
+from megazero.observability.profiling import StepProfiler
+from megazero.optim.onebit import exchange_scalars
+from megazero.training.builders import batch_iterator
+from megazero.training.divergence import PendingSave, note_nonfinite, read_tracker_text
+from megazero.training.exit_conditions import ExitFlags, exit_decision, exit_votes
+from megazero.training.run import Run, TrainState
+from megazero.training.save_policy import discard_save, save_if_sound
+from megazero.training.step import evaluate, moe_metrics, train_step
+
+
+def train(run: Run) -> TrainState:
+    cfg, st, b = run.cfg, run.state, run.batching
+    log_interval = run.monitor.config.log_interval
+    vocab = cast(int, run.chunks[0].padded_vocab_size)
+    peak = None
+    if run.env.device.type == "cuda":
+        peak = peak_flops(torch.cuda.get_device_name(run.env.device),
+                          cfg.precision.fp16 or cfg.precision.bf16)
+    data_iter = batch_iterator(run.train_ds, b, run.topo, st.consumed_samples)
+    flags = ExitFlags()
+    flags.install()
+    # --manual-gc (Megatron): a collection pauses one rank at an arbitrary point and every other
+    # rank waits for it at the next collective; collecting every N iterations on all ranks at
+    # once turns those stalls into one known pause.
+    gc_every = cfg.train.manual_gc_interval if cfg.train.manual_gc else 0
+    if cfg.train.manual_gc:
+        gc.disable()
+        gc.collect()
+    profiler = StepProfiler(cfg.logging, dist.get_rank() if dist.is_initialized() else 0,
+                            run.env.device)
+    # the profiled iteration's model FLOPs: ``gbs`` is read when the report is made
+    flops_profiler = flops_profiler_for(
+        run, lambda: gpt_flops_per_iteration(cfg.model, gbs, vocab))
+    start = time.time()
+    saved_at = st.iteration if cfg.checkpoint.load else None
+    pending: PendingSave | None = None
+    run.timers.pop_all()
+    run.timers.pop_overlapped()
+    run.monitor.start_interval()
+    try:
+        while st.iteration < b.train_iters:
+            t0 = time.perf_counter()
+            gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
+            profiler.before(st.iteration + 1)
+            flops_profiler.before(st.iteration + 1)
+            loss, result, votes = train_step(
+                run, data_iter, lambda: exit_votes(cfg.train, flags, start))
+            st.iteration += 1
+            st.consumed_samples += gbs
+            for table in (profiler.after(st.iteration), flops_profiler.after(st.iteration)):
+                if table is not None:
+                    print(table, flush=True)
+            t = run.timers
+            with t.region("logging"):
+                phases = t.pop_all() if st.iteration % log_interval == 0 else None
+                run.monitor.record(loss, result.skipped, time.perf_counter() - t0, phases,
+                                   nonfinite=result.nonfinite)
+                st.history.append({"iteration": st.iteration, "loss": loss,
+                                   "grad_norm": result.grad_norm,
+                                   "loss_scale": result.loss_scale,
+                                   "skipped": float(result.skipped),
+                                   **({"num_zeros": result.num_zeros}
+                                      if result.num_zeros is not None else {})})
+                if st.iteration % log_interval == 0:
+                    norm = None if result.skipped or math.isnan(result.grad_norm) else (
+                        result.grad_norm)
+                    # 1-bit optimizers: the bytes the step's compressed exchange sent
+                    run.monitor.memory_phases.update(exchange_scalars(run.engine))
+                    moe = moe_metrics(run, log_interval)
+                    run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
+                                       run.scheduler.get_lr(), gbs,
+                                       cfg.model.seq_length, result.loss_scale, norm,
+                                       gpt_flops_per_iteration(cfg.model, gbs, vocab),
+                                       run.topo.world_size, peak,
+                                       overlapped=t.pop_overlapped(),
+                                       num_zeros=result.num_zeros, moe=moe)
+            spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)
+            if pending is not None:  # the step after a save judges the weights it saved
+                if spiked:
+                    saved_at = discard_save(run, pending, saved_at)
+                pending = None
+            note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save,
+                           st.spikes)
+            if run.owner is not None and cfg.checkpoint.save:
+                heartbeat(cfg.checkpoint.save, every_s=HEARTBEAT_S)
+            if gc_every and st.iteration % gc_every == 0:
+                gc.collect()
+            if cfg.train.eval_interval and st.iteration % cfg.train.eval_interval == 0:
+                with t.region("evaluation"), t.paused(), run.phase(
+                        f"evaluation at iteration {st.iteration}", "mp"):
+                    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+                        gc.collect()
+                    val = evaluate(run)
+                    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+                        gc.collect()
+                if val is not None:
+                    run.monitor.report_validation(st.iteration, val)
+            if (cfg.checkpoint.save_interval
+                    and st.iteration % cfg.checkpoint.save_interval == 0):
+                with t.region("checkpoint save"), t.paused(), run.phase(
+                        f"checkpoint save at iteration {st.iteration}", "world"):
+                    before = read_tracker_text(cfg.checkpoint.save)
+                    if save_if_sound(run, "interval", saved_at):
+                        pending = PendingSave(st.iteration, before, saved_at)
+                        saved_at = st.iteration
+            stop, why = exit_decision(cfg.train, st.iteration, votes)
+            if stop:
+                run.monitor.info(f"exiting at iteration {st.iteration}: {why}")
+                st.exit_reason = why
+                break
+    finally:
+        flags.uninstall()
+        if cfg.train.manual_gc:
+            gc.enable()
+    if saved_at != st.iteration:
+        with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
+            save_if_sound(run, "final", saved_at)
+    return st

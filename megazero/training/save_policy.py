@@ -1,0 +1,104 @@
+"""When a run saves and loads: the ``--save`` of an interval or of the end, refused while the
+state is not worth keeping (a NaN/inf step, a spike, a non-finite weight), a save discarded when
+the step after it spikes, and ``--load`` at start-up with what it did not restore.
+
+The checkpoint format itself (what a save writes, how a load reads it at any layout) is
+:mod:`megazero.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from megazero.checkpoint import load_checkpoint, save_checkpoint
+from megazero.checkpoint.save_check import save_allowed
+from megazero.training.builders import ChunkTrackers
+from megazero.training.divergence import (
+    PendingSave,
+    discard_checkpoint,
+    params_finite,
+    spike_kept_from_save,
+)
+from megazero.training.run import Run
+
+
+def save(run: Run) -> None:
+    ck = run.cfg.checkpoint
+    if not ck.save:
+        return
+    t0 = time.perf_counter()
+    save_allowed(ck.save, run.owner, run.topo, run.env.device)  # still this run's directory
+    # A write that fails (a full disk, a directory gone or made read-only) is a CheckpointError
+    # on every rank; a collective that fails (a peer died mid-save) stays the backend's error.
+    save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
+                    optimizer=run.engine, scheduler=run.scheduler,
+                    consumed_samples=run.state.consumed_samples, config=run.cfg,
+                    zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
+                    writer=run.checkpoint_writer,
+                    run_id=run.owner.run_id if run.owner is not None else None)
+    run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
+                     f"({time.perf_counter() - t0:.2f}s)")
+
+
+def load(run: Run) -> None:
+    ck = run.cfg.checkpoint
+    if not ck.load:
+        return
+    res = load_checkpoint(ck.load, run.topo, models=run.chunks, optimizer=run.engine,
+                          scheduler=run.scheduler, zero_stage=run.cfg.zero.stage,
+                          rng_tracker=ChunkTrackers(run.chunks), no_load_optim=ck.no_load_optim,
+                          no_load_rng=ck.no_load_rng, finetune=ck.finetune, config=run.cfg)
+    if res is None:
+        run.monitor.info(f"no checkpoint found in {ck.load}; starting from scratch")
+        return
+    run.state.iteration, run.state.consumed_samples = res.iteration, res.consumed_samples
+    if ck.no_load_optim and not ck.finetune:
+        run.scheduler.load_state_dict({"num_steps": res.iteration})
+    for note in res.notes:
+        run.monitor.info(f"note: {note}")
+    run.monitor.info(f"loaded checkpoint {res.path} at iteration {res.iteration}")
+    if ck.finetune:
+        run.monitor.info("> --finetune: weights only; iteration 0, fresh optimizer state and "
+                         "learning-rate schedule")
+    elif ck.no_load_optim:
+        run.monitor.info(f"> --no-load-optim: optimizer state NOT loaded (Adam moments start "
+                         f"at zero); the learning-rate schedule continues at iteration "
+                         f"{res.iteration}")
+
+
+def save_if_sound(run: Run, why: str, saved_at: int | None = None) -> bool:
+    """Save unless the state is not worth keeping: the last step had a NaN/inf loss or
+    gradient (its weights produce garbage), the run is in a loss or grad-norm spike
+    (:class:`~megazero.training.divergence.SpikeWatch`), or a weight is NaN/inf. ``latest`` then
+    keeps naming the last sound checkpoint."""
+    if not run.cfg.checkpoint.save:
+        return False
+    st = run.state
+    if st.spikes.since is not None:  # the same global loss and norm on every rank
+        run.monitor.info(spike_kept_from_save(st.spikes, st.iteration, saved_at,
+                                              run.cfg.checkpoint.save))
+        return False
+    run.engine.wait_for_params()  # --overlap-param-gather: the weights are read here
+    if st.nonfinite_streak or not params_finite(run.chunks, run.topo, run.env.device):
+        run.monitor.info(f"not saving the {why} checkpoint at iteration {st.iteration}: the "
+                         f"model's loss, gradients or weights are NaN/inf; the last checkpoint "
+                         f"in {run.cfg.checkpoint.save} stays the latest")
+        return False
+    save(run)
+    return True
+
+
+def discard_save(run: Run, pending: PendingSave, saved_at: int | None) -> int | None:
+    """The step after a save spiked: the weights that save holds came out of the update that
+    caused it. Rank 0 puts ``latest`` back and removes the save; returns the newest sound
+    checkpoint."""
+    save_dir = run.cfg.checkpoint.save
+    assert save_dir
+    if run.topo.rank == 0:
+        discard_checkpoint(save_dir, pending.iteration, pending.tracker_before)
+    kept = (f"the checkpoint of iteration {pending.saved_before} is the latest again"
+            if pending.saved_before is not None else "no checkpoint of this run is kept")
+    run.monitor.info(f"discarded the checkpoint of iteration {pending.iteration}: the step "
+                     f"after it is a spike ({run.state.spikes.why}), so the update it saved "
+                     f"is suspect; {kept}")
+    return pending.saved_before

@@ -1,0 +1,176 @@
+"""One training iteration and one evaluation: the pipeline schedule over a global batch's
+micro-batches, the gradient sync, the optimizer step with its one scalar all-reduce, the learning
+rate.
+
+One iteration on every rank::
+
+    losses = forward_backward(chunks, train_iter, topo, m, ...)   # m micro-batches, 1F1B
+    engine.finish_grad_sync()      # dp reduce (-scatter), TP-SP and tied-embedding sums
+    result = engine.step()         # overflow check, grad norm + clip, AdamW on the shard
+    scheduler.step()               # only after an update, as Megatron and DeepSpeed do
+
+The reported ``lm loss`` is the mean of the per-micro-batch token means over all micro-batches
+and data-parallel ranks, the same number a one-process run on the whole global batch computes.
+Rank 0 reports (the pipeline executor returns the losses on every pipeline rank).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megazero.distributed.topology import ParallelTopology
+from megazero.observability.monitor import Timers
+from megazero.pipeline.activation_meter import ActivationMeter
+from megazero.training.builders import batch_iterator, get_batch
+from megazero.training.run import Run
+
+
+def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
+              activation_meter: ActivationMeter | None = None,
+              num_microbatches: int | None = None) -> list[float]:
+    """One pass of the pipeline schedule over ``num_microbatches`` micro-batches (default: a
+    full global batch's); returns their mean losses."""
+    from megazero.pipeline.executor import default_loss_fn, forward_backward
+
+    scale = run.engine.loss_scale if (run.cfg.precision.fp16 and not forward_only) else 1.0
+
+    def loss_fn(per_token: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        # fp16: the executor back-propagates what this returns, so the loss scale goes here;
+        # the scale is a power of two, so dividing the reported loss by it below is exact.
+        if run.topo.cp_size > 1:  # the micro-batch's tokens are split over the CP group
+            from megazero.context_parallel.loss import exact_mean_loss
+
+            return exact_mean_loss(per_token, batch.get("loss_mask"), run.topo.cp_group) * scale
+        return default_loss_fn(per_token, batch) * scale
+
+    m = run.cfg.model
+    count = num_microbatches or run.batching.num_microbatches
+    if m.moe.enabled:  # MoE auxiliary losses are scaled as each micro-batch's loss is
+        from megazero.moe.moe_utils import set_aux_loss_scale
+
+        set_aux_loss_scale(scale / count)
+    losses = forward_backward(
+        run.chunks, data_iter, run.topo,
+        num_microbatches or run.batching.num_microbatches, m.seq_length // run.topo.cp_size,
+        run.batching.micro_batch_size, m.hidden_size, forward_only=forward_only,
+        sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
+        get_batch=_timed_get_batch(run),
+        grad_sync=None if forward_only else run.engine, activation_meter=activation_meter,
+        microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage)
+    return [x / scale for x in losses]
+
+
+def moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
+    """The routers' scalars of the log interval (collective: every rank calls it)."""
+    moe = run.cfg.model.moe
+    if not moe.enabled:
+        return None
+    from megazero.moe.metrics import collect
+
+    assert moe.num_experts is not None
+    return collect(run.chunks, run.topo, run.cfg.model.num_layers, moe.num_experts, iterations,
+                   moe.moe_per_layer_logging)
+
+
+def _timed_get_batch(run: Run) -> Callable[[Iterator[dict[str, Any]]], dict[str, torch.Tensor]]:
+    fetch = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask,
+                              cp=(run.topo.cp_rank, run.topo.cp_size))
+    if not run.timers.enabled:
+        return fetch
+
+    def timed(data_iterator: Iterator[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        with run.timers.region("data"):
+            return fetch(data_iterator)
+
+    return timed
+
+
+def _dp_mean(values: list[float], topo: ParallelTopology, device: torch.device) -> float:
+    t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64, device=device)
+    if topo.dp_size > 1:
+        dist.all_reduce(t, group=topo.dp_group)
+    return (t[0] / t[1]).item()
+
+
+def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
+               exit_votes: Callable[[], list[float]] = lambda: []
+               ) -> tuple[float, Any, list[float]]:
+    """One iteration; returns (global mean loss, StepResult, this rank's ``exit_votes()``
+    (taken before the update) summed over every rank). The loss and the votes ride in the
+    optimizer step's one scalar all-reduce: besides gradient and parameter traffic an
+    iteration makes a single blocking collective. Its ``wall_clock_breakdown`` regions stay
+    in ``run.timers`` until the loop reads them at a logged iteration (on GPUs resolving
+    their events is a wait for the device: once per log line, not per iteration)."""
+    t, it = run.timers, run.state.iteration + 1
+    mem = None
+    if run.cfg.logging.log_memory_phases:
+        from megazero.observability.memory_phases import MemoryPhases
+
+        mem = MemoryPhases(run.engine, run.env.device)
+    with t.region("backward"), run.phase(f"iteration {it}: forward-backward (pipeline "
+                                         "schedule)", "mp"):
+        losses = _schedule(run, data_iter, forward_only=False,
+                           activation_meter=mem.meter if mem is not None else None,
+                           num_microbatches=run.batching.microbatches_at(
+                               run.state.consumed_samples))
+    with t.region("grad sync (local)"), run.phase(f"iteration {it}: gradient sync", "dp"):
+        run.engine.finish_grad_sync()
+    if mem is not None:
+        mem.after_backward()
+    finite = all(math.isfinite(x) for x in losses)
+    own = _loss_sums(losses, run.topo)
+    votes = exit_votes()
+    with t.region("optimizer"), run.phase(f"iteration {it}: optimizer step (non-finite "
+                                          "check, grad norm, loss and exit votes)", "world"):
+        result = run.engine.step(loss_is_finite=finite,
+                                 skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad,
+                                 also_sum=[*own, *votes])
+    if mem is not None:
+        run.monitor.record_memory(mem.after_step())
+    with t.region("scheduler"):
+        if result.updated:
+            run.scheduler.step()
+    if run.cfg.model.moe.enabled:
+        from megazero.moe.router import update_expert_biases
+
+        update_expert_biases(run.chunks, run.topo, apply=result.updated)
+    loss_sum, count, *summed_votes = result.sums
+    return loss_sum / count, result, summed_votes
+
+
+def _loss_sums(losses: list[float], topo: ParallelTopology) -> tuple[float, float]:
+    """This rank's part of the global mean loss: (sum, count) of its micro-batch losses. Every
+    tp x pp rank of a data-parallel replica holds the replica's losses (the executor hands them
+    to every pipeline stage), so only its tp 0, pp 0 rank counts them. They are summed over
+    every rank inside the optimizer step's scalar all-reduce, with the exit votes."""
+    owner = topo.tp_rank == 0 and topo.pp_rank == 0 and topo.cp_rank == 0
+    return (sum(losses), float(len(losses))) if owner else (0.0, 0.0)
+
+
+def time_forwards(chunks: list[torch.nn.Module], timers: Timers) -> None:
+    for c in chunks:
+        c.register_forward_pre_hook(lambda *_: timers.start("forward"))
+        c.register_forward_hook(lambda *_: timers.stop("forward"))
+
+
+def evaluate(run: Run) -> float | None:
+    """Mean validation loss over ``--eval-iters`` global batches, forward only. The validation
+    iterator restarts at its first sample each time, so evaluations are comparable."""
+    if run.valid_ds is None or run.cfg.train.eval_iters <= 0:
+        return None
+    for c in run.chunks:
+        c.eval()
+    it = batch_iterator(run.valid_ds, run.batching, run.topo, 0, cyclic=True)
+    losses: list[float] = []
+    with torch.no_grad():
+        for _ in range(run.cfg.train.eval_iters):
+            losses += _schedule(run, it, forward_only=True)
+    for c in run.chunks:
+        c.train()
+    return _dp_mean(losses, run.topo, run.env.device)
