@@ -22,9 +22,12 @@ BASE = dict(optimizer="zerooneadam", lr=3e-3, weight_decay=0.1, clip_grad=0.0, a
 PLAIN = OptimizerConfig(**BASE, var_freeze_step=10**6, var_update_scaler=10**6)
 SHORT = OptimizerConfig(**BASE, var_freeze_step=7, var_update_scaler=2, local_step_scaler=3,
                         local_step_clipper=4)
-TOL, WTOL = 2e-5, 1e-4
+TOL, WTOL = 2e-5, 5e-4
 # Without bias correction the first steps move every element by ~3 lr whatever its gradient, so
-# rounding differences of the dp reduction grow fast: 8 steps stay within TOL (seen 1e-6), 16 not
+# rounding differences of the dp reduction grow fast: 8 steps stay within TOL (seen 1e-6), 16 not.
+# An element whose gradient is at rounding level moves by ~3 lr in a direction the rounding
+# picks, which differs between CPU kernels: the weights agree to 3e-5 relative on some hosts,
+# 1.5e-4 on others (AVX512-BF16); a wrong update rule is off by 1e-2 or more
 PLAIN_STEPS = 8
 
 
