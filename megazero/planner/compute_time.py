@@ -22,7 +22,8 @@ batch overheads are added per pass over a layer and per chunk.
 
 The slowest stage holds ``layers / pp`` layers and the logits (the last stage); with Megatron's
 embedding and loss slots (:attr:`Features.embedding_and_loss_slots`) a middle stage holds
-``slots / pp`` layers and the last one less layer plus the logits, whichever is slower.
+``slots / pp`` layers and the last one a layer less plus the logits, whichever is slower (one
+stage alone: two slots less).
 """
 
 from __future__ import annotations
@@ -148,9 +149,11 @@ def microbatch_compute(cfg: MegazeroConfig, cluster: Cluster, features: Features
                        flash: bool) -> MicrobatchCompute:
     """The slowest stage's compute for one micro-batch."""
     pp = cfg.parallel.pp
-    if features.embedding_and_loss_slots:
-        slots = cfg.model.num_layers / pp
-        candidates = [(slots - 1.0, True)] if pp == 1 else [(slots, False), (slots - 1.0, True)]
+    if features.embedding_and_loss_slots:  # the first stage's first slot is the embedding,
+        slots = cfg.model.num_layers / pp   # the last one's last the loss
+        candidates = [(slots - (2.0 if pp == 1 else 1.0), True)]
+        if pp > 2:  # a middle stage: all its slots are layers
+            candidates.append((slots, False))
     else:
         candidates = [(cfg.model.num_layers / pp, True)]
     return max((_stage(cfg, cluster, features, flash, n, lg) for n, lg in candidates),
