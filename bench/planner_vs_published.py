@@ -125,7 +125,13 @@ def moe_terms(est: Any, cluster: Cluster) -> dict[str, float]:
 
 
 def bridge_h100(cluster: Cluster, out: Path) -> None:
-    from megazero.planner.published_bridge import BRIDGE_H100, SOURCE, bound, predict_mixtral
+    from megazero.planner.published_bridge import (
+        BRIDGE_H100,
+        MIXTRAL_LAYOUTS,
+        SOURCE,
+        bound,
+        predict_mixtral,
+    )
     from megazero.planner.published_bridge import predict as predict_row
 
     print(f"{SOURCE}\ncluster {cluster.name}: {cluster.device}")
@@ -173,14 +179,18 @@ def bridge_h100(cluster: Cluster, out: Path) -> None:
                   f"(efficiency {e['grouped_gemm_efficiency']:.2f} at "
                   f"{e['tokens_per_expert']:.0f} rows per expert), permute "
                   f"{e['permute_s']:.2f} s, of a {e['step_s']:.2f} s step")
-    mix = predict_mixtral(cluster)
-    mx = moe_terms(mix, cluster)
-    share = (mx["exposed_dispatch_s"] + mx["exposed_combine_s"]) / mx["step_s"]
-    print(f"Mixtral 8x7B, 64 H100 (tp 2, etp 2, ep 8 over two nodes, bf16): step "
-          f"{mx['step_s']:.2f} s; all-to-all {share:.0%} of it (dispatch "
-          f"{mx['dispatch_s']:.2f} s, combine {mx['combine_s']:.2f} s), grouped GEMM "
-          f"{mx['grouped_gemm_s']:.2f} s at {mx['tokens_per_expert']:.0f} rows per expert; "
-          + ", ".join(f"{k} {v:.2f}" for k, v in mix.time.terms.items() if v >= 0.005))
+    mixtral = {}
+    for layout in MIXTRAL_LAYOUTS:
+        mix = predict_mixtral(cluster, layout)
+        mx = moe_terms(mix, cluster)
+        share = (mx["exposed_dispatch_s"] + mx["exposed_combine_s"]) / mx["step_s"]
+        print(f"Mixtral 8x7B, 64 H100, bf16, {layout}: step {mx['step_s']:.2f} s; all-to-all "
+              f"{share:.0%} of it (dispatch {mx['dispatch_s']:.2f} s, combine "
+              f"{mx['combine_s']:.2f} s), grouped GEMM {mx['grouped_gemm_s']:.2f} s "
+              f"(efficiency {mx['grouped_gemm_efficiency']:.2f} at "
+              f"{mx['tokens_per_expert']:.0f} rows per expert); "
+              + ", ".join(f"{k} {v:.2f}" for k, v in mix.time.terms.items() if v >= 0.005))
+        mixtral[layout] = dict(terms_s=mix.time.terms, alltoall_share=share, **mx)
     spans = assumed_ranges(cluster, BRIDGE_H100, ests)
     for name, span in spans.items():
         print(f"{name} keeping every row within its bound: "
@@ -189,7 +199,7 @@ def bridge_h100(cluster: Cluster, out: Path) -> None:
         source=SOURCE, cluster=dataclasses.asdict(cluster), rows=rows,
         ratio_median=statistics.median(rs), ratio_min=min(rs), ratio_max=max(rs),
         every_row_within_bound=ok, assumed_ranges=spans,
-        mixtral_8x7b_64_h100=dict(terms_s=mix.time.terms, alltoall_share=share, **mx)),
+        mixtral_8x7b_64_h100=mixtral),
         indent=1) + "\n")
 
 

@@ -192,24 +192,30 @@ def bound(row: BridgeRow) -> float:
     return MOE_BOUND if row.moe else DENSE_BOUND
 
 
-#: not a published row: megazero's own plan-style run of Mixtral 8x7B on 8 DGX H100 nodes
-#: (TP 2 with SP and expert TP 2, EP 8: each expert group of 16 ranks spans two nodes), bf16,
-#: sequence 4096, the all-to-all dispatcher, ZeRO-1; the step whose MoE terms the table's rows
-#: are read against
-MIXTRAL_8X7B_64_H100 = (
+#: not published rows: Mixtral 8x7B on 8 DGX H100 nodes (64 GPUs), bf16, sequence 4096, the
+#: all-to-all dispatcher, ZeRO-1, global batch 256, in two layouts: the expert group of 8
+#: inside a node (TP 1, PP 4, EP 8: megatron-core's MoE guide's layout for this model) and
+#: spread over two nodes (TP 2 with SP and expert TP 2: 16 ranks per expert group); the runs
+#: whose MoE terms the table's MoE rows are read against
+MIXTRAL_LAYOUTS = {
+    "ep 8 in a node (tp 1, pp 4)": "--pipeline-model-parallel-size 4",
+    "ep 8 over two nodes (tp 2, etp 2)": "--tensor-model-parallel-size 2 --sequence-parallel "
+                                         "--expert-tensor-parallel-size 2",
+}
+MIXTRAL_8X7B = (
     "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 "
     "--ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 4096 --vocab-size "
     "32000 --tokenizer-type NullTokenizer --bf16 --micro-batch-size 1 --global-batch-size 256 "
-    "--tensor-model-parallel-size 2 --sequence-parallel --zero-stage 1 --overlap-grad-reduce "
-    f"--overlap-param-gather {LLAMA} --num-experts 8 --moe-router-topk 2 "
-    "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --expert-model-parallel-size 8 "
-    "--expert-tensor-parallel-size 2 --moe-router-load-balancing-type none")
+    f"--zero-stage 1 --overlap-grad-reduce --overlap-param-gather {LLAMA} --num-experts 8 "
+    "--moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+    "--expert-model-parallel-size 8 --moe-router-load-balancing-type none")
 
 
-def predict_mixtral(cluster: Cluster, world: int = 64) -> Estimate:
-    """The planner's estimate of :data:`MIXTRAL_8X7B_64_H100`."""
-    cfg = load_config(planning_argv(MIXTRAL_8X7B_64_H100.split(), cluster), world)
-    return estimate(cfg, cluster, stages=[0])
+def predict_mixtral(cluster: Cluster, layout: str, world: int = 64) -> Estimate:
+    """The planner's estimate of Mixtral 8x7B in one of :data:`MIXTRAL_LAYOUTS`."""
+    argv = f"{MIXTRAL_8X7B} {MIXTRAL_LAYOUTS[layout]}".split()
+    cfg = load_config(planning_argv(argv, cluster), world)
+    return estimate(cfg, cluster, stages=sorted({0, cfg.parallel.pp - 1}))
 
 
 def predict(row: BridgeRow, cluster: Cluster) -> Estimate:
