@@ -159,6 +159,8 @@ QWEN3_235B_A22B = Shape(94, 4096, 64, 4, 128, 12288, 151936, experts=128, topk=8
                         moe_ffn=1536)
 
 _FP8 = dict(fp8="tensorwise", fp8_param_gather=True)
+#: the recipes reduce and accumulate gradients in bf16 (``grad_reduce_in_fp32 = False``)
+BF16_GRADS = {"data_types": {"grad_accum_dtype": "bf16"}}
 
 BRIDGE_H100 = [
     BridgeRow("Llama-3 8B", LLAMA3_8B, 8, "FP8-CS", 128, 1, 8192, True, 1, 1, 1, None, 1,
@@ -220,5 +222,5 @@ def predict_mixtral(cluster: Cluster, layout: str, world: int = 64) -> Estimate:
 
 def predict(row: BridgeRow, cluster: Cluster) -> Estimate:
     """The planner's estimate of ``row`` run as Megatron-Bridge ran it."""
-    cfg = load_config(planning_argv(row.argv(), cluster), row.gpus)
+    cfg = load_config(planning_argv(row.argv(), cluster), row.gpus, ds_config=BF16_GRADS)
     return estimate(cfg, cluster, stages=sorted({0, row.pp - 1}), features=row.features)
