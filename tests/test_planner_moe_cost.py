@@ -44,6 +44,11 @@ def coll(ab, wire):
     return ab[0] * 1e-6 + wire / (ab[1] * 1e9)
 
 
+def _both(t):
+    """The dispatcher's whole traffic: the dispatch and the combine terms."""
+    return t["MoE dispatch"] + t["MoE combine"]
+
+
 def test_compute_counts_the_router_and_k_active_experts():
     _, mb, t = moe_terms(["--expert-model-parallel-size", "4"])
     dense, attn = 24 * H * H - 2 * 2 * H * 4 * H, 4 * S * H  # attention + projection GEMMs
@@ -51,7 +56,12 @@ def test_compute_counts_the_router_and_k_active_experts():
     per_token = L * (3 * (dense + expert) + 3 * attn) + 3 * 2 * H * V
     gemm = B * S * per_token / RATE
     overhead = 3 * L * 100e-6 + 1000e-6  # the cluster's per-layer and per-micro-batch costs
-    assert t["compute"] == pytest.approx(mb * (gemm + overhead), rel=1e-12)
+    # the experts' grouped GEMM is a term of its own (the dense rate on this cluster, which
+    # states no grouped-GEMM efficiency)
+    experts = B * S * L * 3 * K * (2 * H * F + 2 * F * H) / RATE
+    assert t["MoE grouped GEMM"] == pytest.approx(mb * experts, rel=1e-12)
+    assert t["compute"] + t["MoE grouped GEMM"] == pytest.approx(mb * (gemm + overhead),
+                                                                  rel=1e-12)
 
 
 def test_alltoall_dispatch_inside_a_node():
@@ -64,14 +74,16 @@ def test_alltoall_dispatch_inside_a_node():
         a2a = coll(A2A, rows * (ep - 1) / ep)
         counts = coll(AG, 8 * ep * E * (ep - 1) / ep)
         per_layer = counts + 2 * a2a + 2 * a2a  # dispatch + combine, forward and backward
-        assert t["MoE dispatch"] == pytest.approx(mb * L * per_layer, rel=1e-12), ep
+        assert _both(t) == pytest.approx(mb * L * per_layer, rel=1e-12), ep
+        # the dispatch: the counts and the rows out (forward) with their gradient back
+        assert t["MoE combine"] == pytest.approx(mb * L * 2 * a2a, rel=1e-12), ep
     # full recompute repeats the forward's three collectives
     _, mb, t = moe_terms(["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type",
                           "alltoall", "--recompute-granularity", "full",
                           "--recompute-method", "uniform"], collectives=cols)
     rows = K * B * S * H * 4
     per_layer = 2 * coll(AG, 8 * 4 * E * 3 / 4) + 6 * coll(A2A, rows * 3 / 4)
-    assert t["MoE dispatch"] == pytest.approx(mb * L * per_layer, rel=1e-12)
+    assert _both(t) == pytest.approx(mb * L * per_layer, rel=1e-12)
 
 
 def test_allgather_dispatch_inside_a_node():
@@ -83,7 +95,7 @@ def test_allgather_dispatch_inside_a_node():
     fwd = coll(AG, act * frac) + coll(AG, probs * frac) + coll(AG, rmap * frac) \
         + coll(RS, act * frac)
     bwd = coll(RS, act * frac) + coll(RS, probs * frac) + coll(AG, act * frac)
-    assert t["MoE dispatch"] == pytest.approx(mb * L * (fwd + bwd), rel=1e-12)
+    assert _both(t) == pytest.approx(mb * L * (fwd + bwd), rel=1e-12)
 
 
 def test_alltoall_across_nodes_takes_the_slower_of_nvlink_and_nic():
@@ -95,7 +107,7 @@ def test_alltoall_across_nodes_takes_the_slower_of_nvlink_and_nic():
     a2a = 30e-6 + max(rows / 4 / 3e9, rows * 2 / 4 / 1e9)
     # the counts' all-gather rings over the group's 2 NICs per node: min(3, 2 x 1) GB/s
     counts = 30e-6 + 8 * 4 * E * 3 / 4 / 2e9
-    assert t["MoE dispatch"] == pytest.approx(mb * L * (counts + 4 * a2a), rel=1e-12)
+    assert _both(t) == pytest.approx(mb * L * (counts + 4 * a2a), rel=1e-12)
 
 
 def test_expert_tensor_parallel_gathers_and_reduce_scatters_the_routed_rows():
@@ -104,12 +116,12 @@ def test_expert_tensor_parallel_gathers_and_reduce_scatters_the_routed_rows():
     frac = 1 / 2
     etp = coll(AG, 2 * rows * frac) + coll(RS, 2 * rows * frac)  # over the etp group
     _, mb, t = moe_terms(["--expert-tensor-parallel-size", "2"])
-    assert t["MoE dispatch"] == pytest.approx(mb * L * 2 * etp, rel=1e-12)  # fwd + bwd
+    assert _both(t) == pytest.approx(mb * L * 2 * etp, rel=1e-12)  # fwd + bwd
     cols = {"all_gather": list(AG), "reduce_scatter": list(RS), "all_to_all": list(A2A)}
     _, mb, t = moe_terms(["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size",
                           "2", "--moe-token-dispatcher-type", "alltoall"], collectives=cols)
     a2a = 4 * coll(A2A, rows / 2) + coll(AG, 8 * 2 * E / 2)
-    assert t["MoE dispatch"] == pytest.approx(mb * L * (a2a + 2 * etp), rel=1e-12)
+    assert _both(t) == pytest.approx(mb * L * (a2a + 2 * etp), rel=1e-12)
 
 
 def test_no_dispatch_term_at_ep1_and_mfu_counts_active_parameters():

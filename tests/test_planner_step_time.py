@@ -106,13 +106,18 @@ def test_zero3_gathers_and_reduces_per_microbatch():
     assert t["compute"] == terms(["--zero-stage=1"])["compute"]
 
 
-def test_full_recompute_adds_one_dense_forward_and_one_overhead_pass():
+def test_full_recompute_adds_one_layer_forward_and_one_overhead_pass():
+    """A recomputed layer reruns its whole forward, the core attention (4sh) included; by
+    ``block`` only the first --recompute-num-layers of each chunk do."""
     none = terms(["--zero-stage=1"])["compute"]
     full = terms(["--zero-stage=1", "--recompute-granularity=full", "--recompute-method=uniform",
                   "--recompute-num-layers=1"])["compute"]
     mb = 4
-    assert full - none == pytest.approx(mb * (B * S * L * 24 * H * H / RATE
-                                              + L * LAYER_US * 1e-6), rel=1e-9)
+    one_layer = B * S * (24 * H * H + 4 * S * H) / RATE + LAYER_US * 1e-6
+    assert full - none == pytest.approx(mb * L * one_layer, rel=1e-9)
+    block = terms(["--zero-stage=1", "--recompute-granularity=full", "--recompute-method=block",
+                   "--recompute-num-layers=1"])["compute"]
+    assert block - none == pytest.approx(mb * 1 * one_layer, rel=1e-9)  # 1 of the 4 layers
 
 
 @pytest.mark.parametrize("mbs", [4, 2, 1])

@@ -44,6 +44,19 @@ def local_seq(cfg: MegazeroConfig) -> int:
     return cfg.model.seq_length // cfg.parallel.cp
 
 
+def recomputed_share(cfg: MegazeroConfig) -> float:
+    """Share of the layers whose forward runs again in backward: all of them with full
+    recompute by ``uniform`` groups, the first ``--recompute-num-layers`` of each chunk by
+    ``block``; none otherwise (selective recompute reruns only the core attention)."""
+    rc, p = cfg.parallel.recompute, cfg.parallel
+    if rc.granularity != "full":
+        return 0.0
+    if rc.method == "block":
+        per_chunk = cfg.model.num_layers / (p.pp * (cfg.vpp or 1))
+        return min(rc.num_layers, per_chunk) / per_chunk
+    return 1.0
+
+
 def cp_blockwise(cfg: MegazeroConfig) -> bool:
     """Context-parallel ring or all-gather attention: blockwise, it keeps the output and an fp32
     log-sum-exp per head and token, never an ``s^2`` term (as flash attention)."""

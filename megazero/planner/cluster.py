@@ -66,6 +66,18 @@ class Cluster:
     # move (megazero.planner.hbm_traffic) instead of ``nongemm_share``, and the optimizer
     # step the bytes it streams (unless ``device_adam_gparams_per_s`` is given)
     hbm_gbps: float = 0.0
+    # FP8 tensor-core peak (dense, TFLOP/s) and the share of it FP8 GEMMs reach: the FP8
+    # counterpart of peak_tflops_16 and achievable_fraction (0: no FP8, the 16-bit rate)
+    peak_tflops_fp8: float = 0.0
+    achievable_fraction_fp8: float = 0.0
+    # fused attention kernels skip the key blocks a causal mask removes entirely (half the
+    # score FLOPs) and recompute the scores in backward (2.5x the forward's FLOPs), as
+    # FlashAttention-2/3 and cuDNN's fused attention do; False: the whole square, 2x backward
+    flash_skips_masked: bool = False
+    # fixed cost of each kernel an MoE layer runs per local expert (its GEMMs and FP8 casts),
+    # microseconds: launch and host work a dropless dispatcher's synchronisation leaves
+    # exposed (megazero.planner.moe_compute; 0: none)
+    expert_kernel_overhead_us: float = 0.0
     # where each number comes from (datasheets, measurements): documentation, not used
     sources: dict[str, str] | None = None
 
@@ -75,6 +87,14 @@ class Cluster:
 
     def peak_flops(self, sixteen_bit: bool) -> float:
         return (self.peak_tflops_16 if sixteen_bit else self.peak_tflops_32) * 1e12
+
+    def gemm_rate(self, sixteen_bit: bool, fp8: bool = False) -> float:
+        """FLOP/s a training step's GEMMs reach: the FP8 peak times its fraction for FP8
+        GEMMs (on a cluster that states them), else the 16- or 32-bit peak times
+        ``achievable_fraction``."""
+        if fp8 and self.peak_tflops_fp8:
+            return self.peak_tflops_fp8 * 1e12 * self.achievable_fraction_fp8
+        return self.peak_flops(sixteen_bit) * self.achievable_fraction
 
 
 def builtin_clusters() -> list[str]:

@@ -224,6 +224,15 @@ class Estimate:
     cluster: Cluster
     ranks: list[RankMemory]
     time: Any  # StepTime
+    # step_time's arguments besides the config and cluster, for :meth:`retime`
+    timing: dict[str, Any] = field(default_factory=dict)
+
+    def retime(self, cluster: Cluster) -> Any:
+        """The step time of the same run on ``cluster`` (memory unchanged): what a sweep over
+        a cluster's assumed numbers re-evaluates."""
+        from megazero.planner.step_time import step_time
+
+        return step_time(self.config, cluster, **self.timing)
 
     @property
     def worst(self) -> RankMemory:
@@ -250,11 +259,13 @@ class Estimate:
 
 def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None = None,
              flash: bool | None = None, stages: list[int] | None = None,
-             p2p_scatter_gather: bool = False) -> Estimate:
+             p2p_scatter_gather: bool = False, features: Any = None) -> Estimate:
     """``stages``: the pipeline ranks to evaluate (default all; the layout search passes the
     first and last, which hold the most activations and the embedding / logits).
     ``p2p_scatter_gather``: time the pipeline's sends as Megatron's scatter/gather does
-    (:func:`megazero.planner.step_time.step_time`)."""
+    (:func:`megazero.planner.step_time.step_time`). ``features``: a
+    :class:`megazero.planner.features.Features` the step time prices (default: what ``cfg``
+    turns on); memory is the config's."""
     from megazero.planner.step_time import step_time
 
     dp = cfg.layout().dp
@@ -274,6 +285,7 @@ def estimate(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int | None
                                   edp=1 if own else None)
             units += layout.gathered
             buckets += len(layout.buckets)
-    return Estimate(cfg, cluster, ranks, step_time(
-        cfg, cluster, m, ranks[0].numel, units, buckets, flash=flash,
-        p2p_scatter_gather=p2p_scatter_gather))
+    timing = dict(num_microbatches=m, params_per_rank=ranks[0].numel, zero3_units=units,
+                  zero3_buckets=buckets, flash=flash, p2p_scatter_gather=p2p_scatter_gather,
+                  features=features)
+    return Estimate(cfg, cluster, ranks, step_time(cfg, cluster, **timing), timing)

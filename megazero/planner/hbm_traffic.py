@@ -30,13 +30,16 @@ from __future__ import annotations
 
 from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
+from megazero.planner.activations import recomputed_share
 
 BACKWARD_OVER_FORWARD = 2.0
 
 
 def layer_forward_bytes(cfg: MegazeroConfig, flash: bool) -> tuple[float, float]:
     """(all non-GEMM bytes, the core attention's share) of one layer's forward for one token on
-    one TP rank."""
+    one TP rank. An MoE layer's MLP activation is its shared expert's (if any); its routed
+    rows' traffic is :func:`megazero.planner.moe_compute.routed_row_bytes` (MoE layers are
+    weighted by their share of the layers)."""
     m, p = cfg.model, cfg.parallel
     e = cfg.precision.params_dtype.itemsize
     tp = p.tp
@@ -46,7 +49,11 @@ def layer_forward_bytes(cfg: MegazeroConfig, flash: bool) -> tuple[float, float]
     replicated = 2 * 2 * e * h + 2 * (3 * e * h + hidden_mask * h)
     if sequence_parallel_active(p.sequence_parallel, tp):
         replicated /= tp
-    act = (3 if m.swiglu else 2) * e * f
+    moe = 0.0
+    if m.moe.num_experts is not None:
+        moe = sum(m.moe.is_moe_layer(i, m.num_layers) for i in range(m.num_layers)) / m.num_layers
+    shared = m.moe.moe_shared_expert_intermediate_size or 0
+    act = (3 if m.swiglu else 2) * e * ((1 - moe) * f + moe * shared)
     q = m.num_attention_heads * m.head_dim  # h unless --kv-channels
     copies = 2 * e * (q + 2 * kv) + 2 * e * q
     core = 0.0
@@ -56,16 +63,17 @@ def layer_forward_bytes(cfg: MegazeroConfig, flash: bool) -> tuple[float, float]
     return replicated + (act + copies) / tp + core, core
 
 
-def stage_nongemm_bytes(cfg: MegazeroConfig, flash: bool) -> float:
-    """Non-GEMM HBM bytes of one micro-batch on one stage (its layers, forward + backward and
-    the recomputed forward): what the slowest stage moves per micro-batch."""
+def stage_nongemm_bytes(cfg: MegazeroConfig, flash: bool, layers: float | None = None) -> float:
+    """Non-GEMM HBM bytes of one micro-batch on one stage of ``layers`` layers (default
+    ``layers / pp``), forward + backward and the recomputed forward: what the slowest stage
+    moves per micro-batch."""
     m, p = cfg.model, cfg.parallel
     fwd, core = layer_forward_bytes(cfg, flash)
     passes = 1.0 + BACKWARD_OVER_FORWARD
     per_token = passes * fwd
     if p.recompute.granularity == "full":
-        per_token += fwd
+        per_token += recomputed_share(cfg) * fwd
     elif p.recompute.granularity == "selective":
         per_token += core
-    tokens = cfg.train.micro_batch_size * m.seq_length
-    return tokens * per_token * m.num_layers / p.pp
+    tokens = cfg.train.micro_batch_size * m.seq_length / p.cp  # the rank's share with CP
+    return tokens * per_token * (m.num_layers / p.pp if layers is None else layers)

@@ -19,7 +19,11 @@ parallelism splits them over TP) to the experts of its expert-parallel group of 
   partial outputs reduce-scattered after them (``etp R h`` each), and the reverse in backward.
 
 A fully recomputed layer runs its forward, collectives included, a second time. Nothing here
-overlaps compute (the experts wait for their rows). Links: the expert grid orders ranks
+overlaps compute (the experts wait for their rows) unless the run overlaps one micro-batch's
+all-to-alls with another's compute (:attr:`megazero.planner.features.Features.moe_ep_overlap`,
+priced in :mod:`megazero.planner.step_time`). The traffic is reported in two parts: the
+dispatch (the rows to the experts in forward, and their gradients back in backward) and the
+combine (the experts' outputs back, and their gradients out). Links: the expert grid orders ranks
 ``etp`` fastest, then ``ep``, so the group is inside a node when ``etp x ep`` fits one; across
 nodes a ring collective runs over the group's NICs on each node
 (:func:`megazero.planner.step_time.dp_link_gbps`), and an all-to-all sends its rows to the
@@ -45,55 +49,71 @@ def moe_layers(cfg: MegazeroConfig) -> int:
 
 
 def routed_rows(cfg: MegazeroConfig) -> int:
-    """Rows one rank sends through its experts per MoE layer and micro-batch: ``k T``, or
+    """Rows one rank sends through its experts per MoE layer and micro-batch: ``k T`` for its
+    ``T`` tokens (``b s / (cp tp)``: context and sequence parallelism split them), or
     ``E x capacity`` when inputs are padded to capacity (capacity over the micro-batch)."""
     from megazero.moe.moe_utils import expert_capacity
 
     m, moe = cfg.model, cfg.model.moe
     assert moe.num_experts is not None
-    tokens = cfg.train.micro_batch_size * m.seq_length
+    tokens = cfg.train.micro_batch_size * m.seq_length // cfg.parallel.cp
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is not None:
         return moe.num_experts * expert_capacity(tokens, moe.num_experts, moe.moe_router_topk,
                                                  moe.moe_expert_capacity_factor)
     return moe.moe_router_topk * tokens // cfg.parallel.tp
 
 
-def dispatcher_collectives(cfg: MegazeroConfig) -> list[tuple[str, float]]:
-    """``(kind, buffer bytes)`` of each collective one MoE layer issues per micro-batch,
-    forward (twice with full recompute) and backward. The buffer is what
-    :func:`megazero.planner.step_time.wire_bytes` takes: the gathered (or reduce-scattered)
-    whole for ring collectives, the rank's send buffer for an all-to-all."""
+def _forward_passes(cfg: MegazeroConfig) -> float:
+    """A layer's forward runs once, and again for the recomputed share of the layers."""
+    from megazero.planner.activations import recomputed_share
+
+    return 1.0 + recomputed_share(cfg)
+
+
+#: what each dispatcher collective belongs to: bringing the rows to the experts, or back
+DISPATCH, COMBINE = "dispatch", "combine"
+
+
+def dispatcher_collectives(cfg: MegazeroConfig) -> list[tuple[str, float, str, float]]:
+    """``(kind, buffer bytes, role, times)`` of each collective one MoE layer issues per
+    micro-batch: forward (``times`` counts the recomputed forward) and backward, ``role``
+    :data:`DISPATCH` (the forward's dispatch and its gradient) or :data:`COMBINE`. The buffer
+    is what :func:`megazero.planner.links.wire_bytes` takes: the gathered (or
+    reduce-scattered) whole for ring collectives, the rank's send buffer for an all-to-all."""
     m, moe = cfg.model, cfg.model.moe
     layout = cfg.layout()
     ep, e, h = layout.ep, cfg.precision.params_dtype.itemsize, m.hidden_size
     if moe.num_experts is None or ep == 1:
         return []
     experts = moe.num_experts
-    fwd_passes = 2 if cfg.parallel.recompute.granularity == "full" else 1
+    fwd = _forward_passes(cfg)
     if moe.moe_token_dispatcher_type == "alltoall":
-        rows = routed_rows(cfg) * h * e
-        fwd = [("all_gather", 8.0 * ep * experts), ("all_to_all", rows), ("all_to_all", rows)]
-        bwd = [("all_to_all", rows), ("all_to_all", rows)]
-    else:
-        tokens = ep * cfg.train.micro_batch_size * m.seq_length // cfg.parallel.tp
-        act = float(tokens * h * e)
-        fwd = [("all_gather", act), ("all_gather", 4.0 * tokens * experts),
-               ("all_gather", 1.0 * tokens * experts), ("reduce_scatter", act)]
-        bwd = [("reduce_scatter", act), ("reduce_scatter", 4.0 * tokens * experts),
-               ("all_gather", act)]
-    return fwd * fwd_passes + bwd
+        rows = float(routed_rows(cfg) * h * e)
+        return [("all_gather", 8.0 * ep * experts, DISPATCH, fwd),
+                ("all_to_all", rows, DISPATCH, fwd), ("all_to_all", rows, COMBINE, fwd),
+                ("all_to_all", rows, COMBINE, 1.0), ("all_to_all", rows, DISPATCH, 1.0)]
+    tokens = ep * cfg.train.micro_batch_size * m.seq_length // (cfg.parallel.tp
+                                                                * cfg.parallel.cp)
+    act = float(tokens * h * e)
+    return [("all_gather", act, DISPATCH, fwd), ("all_gather", 4.0 * tokens * experts,
+                                                 DISPATCH, fwd),
+            ("all_gather", 1.0 * tokens * experts, DISPATCH, fwd),
+            ("reduce_scatter", act, COMBINE, fwd), ("reduce_scatter", act, DISPATCH, 1.0),
+            ("reduce_scatter", 4.0 * tokens * experts, DISPATCH, 1.0),
+            ("all_gather", act, COMBINE, 1.0)]
 
 
-def expert_tp_collectives(cfg: MegazeroConfig) -> list[tuple[str, float]]:
-    """``(kind, buffer bytes)`` of the expert-tensor-parallel gather and reduce-scatter of one
-    MoE layer per micro-batch (forward, twice with full recompute, and backward)."""
+def expert_tp_collectives(cfg: MegazeroConfig) -> list[tuple[str, float, str, float]]:
+    """``(kind, buffer bytes, role, times)`` of the expert-tensor-parallel gather (dispatch)
+    and reduce-scatter (combine) of one MoE layer per micro-batch, forward and backward."""
     moe, etp = cfg.model.moe, cfg.layout().etp
     if moe.num_experts is None or etp == 1:
         return []
     rows = float(etp * routed_rows(cfg) * cfg.model.hidden_size
                  * cfg.precision.params_dtype.itemsize)
-    fwd_passes = 2 if cfg.parallel.recompute.granularity == "full" else 1
-    return [("all_gather", rows), ("reduce_scatter", rows)] * (fwd_passes + 1)
+    fwd = _forward_passes(cfg)
+    return [("all_gather", rows, DISPATCH, fwd), ("reduce_scatter", rows, COMBINE, fwd),
+            ("all_gather", rows, COMBINE, 1.0), ("reduce_scatter", rows, DISPATCH, 1.0)]
 
 
 def all_to_all_seconds(cluster: Cluster, nbytes: float, ep: int, etp: int) -> float:
@@ -112,21 +132,43 @@ def all_to_all_seconds(cluster: Cluster, nbytes: float, ep: int, etp: int) -> fl
     return alpha + max(on_node, off_node)
 
 
-def moe_dispatch_seconds(cfg: MegazeroConfig, cluster: Cluster) -> float:
+def moe_traffic_seconds(cfg: MegazeroConfig, cluster: Cluster) -> dict[str, float]:
     """Seconds of one micro-batch's dispatcher traffic over the MoE layers of the slowest
-    pipeline stage (its share ``1/pp`` of them)."""
+    pipeline stage (its share ``1/pp`` of them), ``{"dispatch": .., "combine": ..}``."""
     from megazero.planner.links import collective_seconds, dp_link_gbps
 
     layout = cfg.layout()
     ep, etp = layout.ep, layout.etp
     ring_bw = dp_link_gbps(cluster, etp, ep)  # ranks ordered etp fastest, then ep
-    per_layer = 0.0
-    for kind, nbytes in dispatcher_collectives(cfg):
+    out = {DISPATCH: 0.0, COMBINE: 0.0}
+    for kind, nbytes, role, times in dispatcher_collectives(cfg):
         if kind == "all_to_all":
-            per_layer += all_to_all_seconds(cluster, nbytes, ep, etp)
+            out[role] += times * all_to_all_seconds(cluster, nbytes, ep, etp)
         else:
-            per_layer += collective_seconds(cluster, kind, nbytes, ep, ring_bw)
+            out[role] += times * collective_seconds(cluster, kind, nbytes, ep, ring_bw)
     etp_bw = dp_link_gbps(cluster, 1, etp)  # neighbouring ranks
-    for kind, nbytes in expert_tp_collectives(cfg):
-        per_layer += collective_seconds(cluster, kind, nbytes, etp, etp_bw)
-    return per_layer * moe_layers(cfg) / cfg.parallel.pp
+    for kind, nbytes, role, times in expert_tp_collectives(cfg):
+        out[role] += times * collective_seconds(cluster, kind, nbytes, etp, etp_bw)
+    layers = moe_layers(cfg) / cfg.parallel.pp
+    return {k: v * layers for k, v in out.items()}
+
+
+def overlapped_traffic(traffic: dict[str, float], dense: float,
+                       experts: float) -> dict[str, float]:
+    """What stays exposed of ``traffic`` (``{"dispatch", "combine"}`` seconds, forward and
+    backward halves alike) under megatron-core's combined 1F1B, which runs one micro-batch's
+    forward beside another's backward, layer by layer, each all-to-all under one piece of the
+    other's compute: the forward dispatch under the experts' backward, the forward combine
+    under the attention's backward, the backward's combine gradient under the attention's
+    forward and its dispatch gradient under the experts' forward. ``dense`` and ``experts``:
+    the attention block's and the MoE block's compute (forward + backward, a backward being
+    2/3 of it), over the same layers as the traffic."""
+    d, c = traffic[DISPATCH] / 2, traffic[COMBINE] / 2
+    return {DISPATCH: max(0.0, d - experts * 2 / 3) + max(0.0, d - experts / 3),
+            COMBINE: max(0.0, c - dense * 2 / 3) + max(0.0, c - dense / 3)}
+
+
+def moe_dispatch_seconds(cfg: MegazeroConfig, cluster: Cluster) -> float:
+    """All of one micro-batch's dispatcher traffic (dispatch and combine) on the slowest
+    stage."""
+    return sum(moe_traffic_seconds(cfg, cluster).values())

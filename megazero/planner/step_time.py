@@ -1,29 +1,30 @@
 """Predicted time of one training iteration, by term, for one layout on one cluster.
 
-* compute: the slowest pipeline stage's GEMM FLOPs per micro-batch (counted per GEMM: QKV with
-  grouped-query K/V, the projection, the MLP with two or three matrices, attention scores and
-  values; the logits on the last stage; x3 for forward + backward, plus one more forward of
-  the layers with full recompute, plus the core attention forward with selective recompute)
-  at ``achievable_fraction`` of the dense peak, plus the non-GEMM work: on a cluster that gives
-  ``hbm_gbps``, the bytes its kernels move (:mod:`megazero.planner.hbm_traffic`: norms,
-  residual adds, activations, attention copies and, without flash attention, the softmax),
-  else ``nongemm_share`` of the tp = 1 GEMM time (every TP rank repeats it unless SP splits
-  it); the per-layer overhead for each pass over a layer (3, or 4 with full recompute) and
-  per-micro-batch overhead per chunk;
-* pipeline bubble ``(p-1)/(v m)`` of that compute (over the cluster's ``solo_speedup``: the
+* compute (:mod:`megazero.planner.compute_time`): the slowest pipeline stage's GEMMs per
+  micro-batch at the cluster's GEMM rate (FP8 or 16-bit), the core attention, logits and
+  router at the 16-bit rate, the non-GEMM kernels at HBM bandwidth (or ``nongemm_share``),
+  with FP8 casts (:mod:`megazero.planner.fp8_cost`) and an MoE layer's grouped GEMM and
+  routed rows (:mod:`megazero.planner.moe_compute`) as terms of their own; per-layer and
+  per-micro-batch overheads;
+* pipeline bubble ``(p-1)/(v m)`` of that compute and the communication on each
+  micro-batch's path (TP, CP, MoE dispatch) (over the cluster's ``solo_speedup``: the
   working ranks of the warm-up and cool-down may run faster while the others idle), and the
   p2p of one activation per micro-batch per chunk boundary each way (over the stage's NIC when
   the stages sit on different nodes; with Megatron's scatter/gather, 1/tp of it per NIC and an
   all-gather over NVLink);
-* MoE (:mod:`megazero.planner.moe_cost`): the compute counts the router, the ``k`` active
-  experts and any shared expert of each MoE layer; with expert parallelism the token
-  dispatcher's all-to-all (or all-gather + reduce-scatter) per MoE layer, forward and
-  backward, over NVLink or the NICs as the expert group sits; MFU then counts the active
+* MoE (:mod:`megazero.planner.moe_cost`): with expert parallelism the token dispatcher's
+  all-to-all (or all-gather + reduce-scatter) per MoE layer, forward and backward, over
+  NVLink or the NICs as the expert group sits, as a dispatch and a combine term; with
+  :attr:`~megazero.planner.features.Features.moe_ep_overlap` only what exceeds the piece of
+  another micro-batch's compute it runs under
+  (:func:`megazero.planner.moe_cost.overlapped_traffic`); MFU then counts the active
   parameters' FLOPs (:func:`megazero.observability.flops.gpt_flops_per_iteration`);
 * tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
   4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), 6 of each with full
   recompute (the recomputed forward repeats its 2), over NVLink when the TP group fits in a
-  node;
+  node; with :attr:`~megazero.planner.features.Features.tp_comm_overlap` (collectives split
+  into tp ring steps inside the GEMMs) the first step's ``1/tp`` and what exceeds the layer's
+  linear GEMMs;
 * data parallel over NVLink inside a node, else over the NICs of the group's ranks on each
   node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather,
   ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind (stage
@@ -53,8 +54,9 @@ from dataclasses import dataclass, field
 from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.observability.flops import model_flops_per_iteration
+from megazero.planner.activations import recomputed_share
 from megazero.planner.cluster import Cluster
-from megazero.planner.hbm_traffic import stage_nongemm_bytes
+from megazero.planner.features import Features, features_from_config
 from megazero.planner.links import alpha_beta, collective_seconds, dp_link_gbps, wire_bytes
 
 
@@ -102,21 +104,6 @@ class StepTime:
                 "model_flops_per_iteration": self.model_flops}
 
 
-def stage_flops_per_microbatch(cfg: MegazeroConfig) -> float:
-    """GEMM FLOPs of the slowest pipeline stage for one micro-batch, forward + backward
-    (+ the recomputed forward): its share of the layers, plus the logits on the last stage."""
-    m, p = cfg.model, cfg.parallel
-    dense, attn, logits = gemm_flops_per_token(cfg)
-    rc = p.recompute
-    layer_passes = 3.0 + (1.0 if rc.granularity == "full" else 0.0)
-    per_layer = (layer_passes * dense + 3.0 * attn) / m.num_layers
-    if rc.granularity == "selective":
-        per_layer += attn / m.num_layers  # the core attention forward again
-    layers = m.num_layers / p.pp
-    tokens = cfg.train.micro_batch_size * m.seq_length / p.cp  # this rank's share with CP
-    return tokens * (layers * per_layer + 3.0 * logits) / p.tp
-
-
 #: bytes a 16-bit mixed-precision Adam step streams per parameter on the device: 16-bit grad
 #: to fp32 (2 + 4), unscale and inf check (4 + 4), grad norm (4), Adam reading master, grad
 #: and both moments and writing master and moments (16 + 12), master to 16-bit (4 + 2)
@@ -127,7 +114,8 @@ ADAM_BYTES_32 = 32.0
 
 def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
               params_per_rank: int, zero3_units: int = 0, zero3_buckets: int = 0, *,
-              flash: bool = True, p2p_scatter_gather: bool = False) -> StepTime:
+              flash: bool = True, p2p_scatter_gather: bool = False,
+              features: Features | None = None) -> StepTime:
     """``zero3_units``: stage-3 units gathered on the rank (not the persistent ones; each is
     gathered in forward and in backward of every micro-batch: latency-bound when units are
     small); ``zero3_buckets``: its gradient buckets, each reduce-scattered once per step.
@@ -135,7 +123,12 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     ``hbm_gbps``, the softmax then moves no bytes). ``p2p_scatter_gather``: Megatron's
     optimisation for pipelines whose stages sit on different nodes (each TP rank sends 1/tp
     of the activation over its own NIC, the receivers all-gather it over NVLink); megazero
-    sends the whole activation from each TP rank unless sequence parallelism splits it."""
+    sends the whole activation from each TP rank unless sequence parallelism splits it.
+    ``features``: what the run uses that megazero's training does not have yet (FP8, TP and
+    EP overlap, ...; :mod:`megazero.planner.features`), default what ``cfg`` turns on."""
+    from megazero.planner.compute_time import microbatch_compute
+
+    feats = features if features is not None else features_from_config(cfg)
     p, z, m = cfg.parallel, cfg.zero, cfg.model
     layout = cfg.layout()
     tp, pp, dp, vpp = p.tp, p.pp, layout.dp, cfg.vpp or 1
@@ -147,31 +140,60 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
     peak = cluster.peak_flops(sixteen)
     node = cluster.gpus_per_node
     out = StepTime(tokens=gbs * s, world=layout.world_size, peak=peak)
-    passes = 4 if p.recompute.granularity == "full" else 3
-    gemm = stage_flops_per_microbatch(cfg) / (peak * cluster.achievable_fraction)
-    sp = sequence_parallel_active(p.sequence_parallel, tp)
-    if cluster.hbm_gbps:  # the non-GEMM kernels cost the bytes they move
-        per_mb = gemm + stage_nongemm_bytes(cfg, flash) / (cluster.hbm_gbps * 1e9)
-    else:
-        per_mb = gemm + gemm * tp * cluster.nongemm_share / (tp if sp else 1)
-    per_mb += cluster.per_layer_overhead_us * 1e-6 * passes * m.num_layers / pp
-    per_mb += cluster.per_microbatch_overhead_us * 1e-6 * vpp
+    share = recomputed_share(cfg)
+    work = microbatch_compute(cfg, cluster, feats, flash)
+    per_mb = work.seconds  # every compute term of one micro-batch on the slowest stage
+    for name, t in work.terms.items():
+        out.terms[name] = t * mb
     compute = per_mb * mb
-    out.terms["compute"] = compute
+    stage_layers = m.num_layers / pp
+    exposed_per_mb = 0.0  # communication on the micro-batch's critical path
     rdp = dp * p.cp  # ranks holding the same weights: gradients reduce, ZeRO shards over them
     if p.cp > 1:  # K/V traffic; the ring's transfers hide behind the core attention
         from megazero.planner.cp_cost import cp_seconds
 
-        attn = gemm_flops_per_token(cfg)[1] * b * s / p.cp * 3 / p.tp / pp
-        out.terms["context parallel"] = mb * cp_seconds(
-            cfg, cluster, attn / (peak * cluster.achievable_fraction))
+        cp_mb = cp_seconds(cfg, cluster, work.attention)
+        out.terms["context parallel"] = mb * cp_mb
+        exposed_per_mb += cp_mb
         s = s // p.cp  # activations below (pipeline and TP traffic) are the rank's share
+    if tp > 1:
+        bw = cluster.intra_node_gbps if tp <= node else cluster.inter_node_gbps
+        act = e * s * b * h
+        # a recomputed layer runs its forward, collectives included, a second time
+        calls = 2 * (1 + share) + 2
+        if sequence_parallel_active(p.sequence_parallel, tp):
+            # 2 all-gathers + 2 reduce-scatters per forward, the same backward
+            per = calls * (collective_seconds(cluster, "all_gather", act, tp, bw)
+                           + collective_seconds(cluster, "reduce_scatter", act, tp, bw))
+        else:  # 2 all-reduces per forward (row-parallel outputs), 2 backward (column inputs)
+            per = calls * collective_seconds(cluster, "all_reduce", act, tp, bw)
+        if feats.tp_comm_overlap:
+            # inside the linear layers' GEMMs, split into tp steps around the ring: the first
+            # step's transfer has no GEMM to hide behind, the rest hide behind the GEMMs
+            per = per / tp + max(0.0, per * (tp - 1) / tp - work.linear_per_layer)
+        out.terms["tensor parallel"] = per * stage_layers * mb
+        exposed_per_mb += per * stage_layers
+    if layout.ep * layout.etp > 1:  # the MoE dispatcher's and the expert tensor group's traffic
+        from megazero.planner.moe_cost import moe_traffic_seconds
+
+        traffic = moe_traffic_seconds(cfg, cluster)
+        if feats.moe_ep_overlap:  # under another micro-batch's compute, piece by piece
+            from megazero.planner.moe_cost import overlapped_traffic
+
+            experts = work.terms.get("MoE grouped GEMM", 0.0) + work.terms.get("MoE permute",
+                                                                                0.0)
+            traffic = overlapped_traffic(traffic, per_mb - experts, experts)
+        out.terms["MoE dispatch"] = mb * traffic["dispatch"]
+        out.terms["MoE combine"] = mb * traffic["combine"]
+        exposed_per_mb += sum(traffic.values())
     if pp > 1:  # the slowest stage sets the pace; (p-1)/(v m) of its time is idle, and the
         # ranks that work meanwhile run ``solo_speedup`` times faster
-        out.terms["pipeline bubble"] = compute * (pp - 1) / (vpp * mb) / cluster.solo_speedup
+        out.terms["pipeline bubble"] = ((per_mb + exposed_per_mb) * (pp - 1) / vpp
+                                        / cluster.solo_speedup)
         cross = tp * dp >= node and layout.world_size > node
         act = e * s * b * h / (tp if sequence_parallel_active(p.sequence_parallel, tp) else 1)
         bw = cluster.inter_node_gbps if cross else cluster.intra_node_gbps
+        sp = sequence_parallel_active(p.sequence_parallel, tp)
         if p2p_scatter_gather and cross and tp > 1 and not sp:
             one = (collective_seconds(cluster, "send_recv", act / tp, 2, bw)
                    + collective_seconds(cluster, "all_gather", act, tp,
@@ -179,59 +201,9 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         else:
             one = collective_seconds(cluster, "send_recv", act, 2, bw)
         out.terms["pipeline p2p"] = 2 * mb * vpp * one
-    if tp > 1:
-        bw = cluster.intra_node_gbps if tp <= node else cluster.inter_node_gbps
-        act = e * s * b * h
-        # a fully recomputed layer runs its forward, collectives included, a second time
-        calls = 2 * (2 if p.recompute.granularity == "full" else 1) + 2
-        if sequence_parallel_active(p.sequence_parallel, tp):
-            # 2 all-gathers + 2 reduce-scatters per forward, the same backward
-            per = calls * (collective_seconds(cluster, "all_gather", act, tp, bw)
-                           + collective_seconds(cluster, "reduce_scatter", act, tp, bw))
-        else:  # 2 all-reduces per forward (row-parallel outputs), 2 backward (column inputs)
-            per = calls * collective_seconds(cluster, "all_reduce", act, tp, bw)
-        out.terms["tensor parallel"] = per * (m.num_layers / pp) * mb
     if rdp > 1:
-        dp = rdp
-        bw = dp_link_gbps(cluster, tp, dp)
-        buf = e * params_per_rank
-        if z.stage == 3:
-            # parameters gathered for every micro-batch's forward and backward, gradients
-            # reduce-scattered after every micro-batch's backward (partitioned across the
-            # accumulation, as DeepSpeed's): ``3mΨ(N-1)/N`` bytes; two gathers per unit and
-            # one reduce-scatter per bucket per micro-batch (units small enough to be
-            # latency-bound)
-            ag, rs = (alpha_beta(cluster, k, bw) for k in ("all_gather", "reduce_scatter"))
-            comm = mb * (2 * wire_bytes("all_gather", buf, dp) / ag[1]
-                         + wire_bytes("reduce_scatter", buf, dp) / rs[1])
-            out.terms["ZeRO-3 gather latency"] = mb * (zero3_units * 2 * ag[0]
-                                                       + zero3_buckets * rs[0])
-            if z.overlap_comm and cluster.comm_overlaps_compute:
-                comm = max(0.0, comm - compute * 2 / 3)
-        else:
-            calls = max(1, -(-params_per_rank // max(1, z.reduce_bucket_size)))
-            reduce = calls * collective_seconds(
-                cluster, "all_reduce" if z.stage == 0 else "reduce_scatter", buf / calls, dp, bw)
-            # stage 2 reduces every micro-batch's gradients (partitioned across accumulation)
-            reductions = mb if z.stage == 2 else 1
-            reduce *= reductions
-            gather = 0.0 if z.stage == 0 else calls * collective_seconds(
-                cluster, "all_gather", buf / calls, dp, bw)
-            if cluster.comm_overlaps_compute:
-                # stages 0-1 accumulate under no_sync, so only the last micro-batch's backward
-                # (and its recomputed forward) hides their reduction, stage 2's each
-                # micro-batch's own; the parameters' all-gather after the step hides behind
-                # the first forward of the next one
-                if z.overlap_comm:
-                    reduce = max(0.0, reduce - reductions * per_mb * (passes - 1) / passes)
-                if z.overlap_param_gather:
-                    gather = max(0.0, gather - per_mb / passes)
-            comm = reduce + gather
-        out.terms["data parallel"] = comm
-    if layout.ep * layout.etp > 1:  # the MoE dispatcher's and the expert tensor group's traffic
-        from megazero.planner.moe_cost import moe_dispatch_seconds
-
-        out.terms["MoE dispatch"] = mb * moe_dispatch_seconds(cfg, cluster)
+        out.terms.update(_data_parallel(cfg, cluster, feats, mb, rdp, params_per_rank,
+                                        zero3_units, zero3_buckets, compute, per_mb, share))
     offload = z.offload_optimizer.enabled or (z.stage == 3 and z.offload_param.enabled)
     shard = params_per_rank / (rdp if z.stage else 1)
     if offload:
@@ -251,3 +223,48 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         out.model_flops = gpt_flops_per_iteration(m, gbs)
     return out
 
+
+def _data_parallel(cfg: MegazeroConfig, cluster: Cluster, feats: Features, mb: int, dp: int,
+                   params_per_rank: int, zero3_units: int, zero3_buckets: int,
+                   compute: float, per_mb: float, share: float) -> dict[str, float]:
+    """The data-parallel (and ZeRO) terms over the ``dp`` ranks that hold the same weights."""
+    z, tp = cfg.zero, cfg.parallel.tp
+    e = cfg.precision.params_dtype.itemsize
+    passes = 3.0 + share
+    bw = dp_link_gbps(cluster, tp, dp)
+    buf = e * params_per_rank
+    gathered = (1 if feats.fp8_param_gather else e) * params_per_rank  # FP8 gathers: a byte
+    out = {}
+    if z.stage == 3:
+        # parameters gathered for every micro-batch's forward and backward, gradients
+        # reduce-scattered after every micro-batch's backward (partitioned across the
+        # accumulation, as DeepSpeed's): ``3mΨ(N-1)/N`` bytes; two gathers per unit and
+        # one reduce-scatter per bucket per micro-batch (units small enough to be
+        # latency-bound)
+        ag, rs = (alpha_beta(cluster, k, bw) for k in ("all_gather", "reduce_scatter"))
+        comm = mb * (2 * wire_bytes("all_gather", gathered, dp) / ag[1]
+                     + wire_bytes("reduce_scatter", buf, dp) / rs[1])
+        out["ZeRO-3 gather latency"] = mb * (zero3_units * 2 * ag[0] + zero3_buckets * rs[0])
+        if z.overlap_comm and cluster.comm_overlaps_compute:
+            comm = max(0.0, comm - compute * 2 / 3)
+    else:
+        calls = max(1, -(-params_per_rank // max(1, z.reduce_bucket_size)))
+        reduce = calls * collective_seconds(
+            cluster, "all_reduce" if z.stage == 0 else "reduce_scatter", buf / calls, dp, bw)
+        # stage 2 reduces every micro-batch's gradients (partitioned across accumulation)
+        reductions = mb if z.stage == 2 else 1
+        reduce *= reductions
+        gather = 0.0 if z.stage == 0 else calls * collective_seconds(
+            cluster, "all_gather", gathered / calls, dp, bw)
+        if cluster.comm_overlaps_compute:
+            # stages 0-1 accumulate under no_sync, so only the last micro-batch's backward
+            # (and its recomputed forward) hides their reduction, stage 2's each
+            # micro-batch's own; the parameters' all-gather after the step hides behind
+            # the first forward of the next one
+            if z.overlap_comm:
+                reduce = max(0.0, reduce - reductions * per_mb * (passes - 1) / passes)
+            if z.overlap_param_gather:
+                gather = max(0.0, gather - per_mb / passes)
+        comm = reduce + gather
+    out["data parallel"] = comm
+    return out

@@ -1,0 +1,83 @@
+"""Run features the step-time model prices although megazero's training code does not have them.
+
+Published runs use features that megazero cannot run yet (FP8 GEMMs, tensor-parallel
+communication inside the GEMMs, the combined-1F1B expert-parallel overlap, Megatron's uneven
+pipeline split, sliding-window attention). The planner still has to predict those runs, and a
+user planning one has to see what the feature buys. :class:`Features` says which of them a run
+uses; the step-time model (:mod:`megazero.planner.step_time`) prices each one from what it does
+to the work (the bytes and FLOPs it changes, the communication it hides) and from cluster
+numbers (the FP8 peak and efficiency in ``clusters/*.json``), never from a per-run constant.
+
+When the training code gains a feature, its flag is read into these fields, in one place,
+:func:`features_from_config`, so the planner's view of a run and the run itself cannot drift.
+Today that function reads nothing: every field defaults to "not used".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazero.config import MegazeroConfig
+from megazero.errors import ConfigError
+
+FP8_RECIPES = ("tensorwise",)
+
+
+@dataclass(frozen=True)
+class Features:
+    """``fp8``: the transformer layers' linear layers (QKV, attention output, MLP and experts)
+    run FP8 GEMMs with this scaling recipe (Megatron's ``--fp8-recipe``; ``tensorwise`` is
+    Transformer Engine's current scaling: each GEMM input is scaled by its own amax, measured
+    just before the cast); the embedding, the logits, the router and the core attention stay
+    16-bit. ``fp8_param_gather``: parameters are all-gathered in FP8 (one byte each) by ZeRO /
+    the distributed optimizer.
+
+    ``tp_comm_overlap``: the sequence-parallel all-gathers and reduce-scatters run inside the
+    linear layers' GEMMs (Megatron's ``--tp-comm-overlap``, Transformer Engine userbuffers: each
+    collective split into ``tp`` ring steps, each step's transfer under the previous step's
+    GEMM): the first step, and what exceeds those GEMMs' time, is exposed.
+    ``moe_ep_overlap``: the dispatch and combine all-to-alls of one micro-batch run under
+    another micro-batch's compute (megatron-core's combined 1F1B,
+    ``--overlap-moe-expert-parallel-comm``).
+
+    ``embedding_and_loss_slots``: Megatron's ``account_for_embedding_in_pipeline_split`` and
+    ``account_for_loss_in_pipeline_split``: the pipeline splits ``layers + 2`` slots evenly,
+    the embedding taking the first stage's first slot and the loss the last stage's last one
+    (the config then describes the slots: ``--num-layers`` is layers + 2).
+
+    ``sliding_window`` / ``sliding_window_share``: that share of the layers attends to the
+    last ``sliding_window`` positions only (GPT-OSS: 128 positions on every other layer).
+    ``recompute_norms_and_moe_act``: Megatron's ``--recompute-modules layernorm moe_act``: the
+    norms and the experts' activation function run their forward again in backward."""
+
+    fp8: str | None = None
+    fp8_param_gather: bool = False
+    tp_comm_overlap: bool = False
+    moe_ep_overlap: bool = False
+    embedding_and_loss_slots: bool = False
+    sliding_window: int | None = None
+    sliding_window_share: float = 0.0
+    recompute_norms_and_moe_act: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"planner feature fp8={self.fp8!r}: the step-time model prices "
+                              f"the recipes {FP8_RECIPES}; use one of them or None")
+        if not 0.0 <= self.sliding_window_share <= 1.0:
+            raise ConfigError(f"planner feature sliding_window_share="
+                              f"{self.sliding_window_share}: expected a share between 0 and 1")
+        if self.sliding_window_share and not self.sliding_window:
+            raise ConfigError("planner feature sliding_window_share needs sliding_window (the "
+                              "number of positions each windowed layer attends to)")
+
+
+def features_from_config(cfg: MegazeroConfig) -> Features:
+    """The features a run's own config turns on (none of them exists in training yet)."""
+    del cfg
+    return Features()
+
+
+def transformer_layers(cfg: MegazeroConfig, features: Features) -> int:
+    """The model's transformer layers: the config's, less the embedding's and the loss's
+    pipeline slots where :attr:`Features.embedding_and_loss_slots` says they hold two."""
+    return cfg.model.num_layers - (2 if features.embedding_and_loss_slots else 0)

@@ -1,0 +1,56 @@
+"""What FP8 GEMMs cost besides their FLOPs: the casts of their inputs, in device-memory bytes.
+
+With per-tensor current scaling (Transformer Engine's ``Float8CurrentScaling``, Megatron's
+``--fp8-recipe tensorwise``) every FP8 GEMM input is scaled by its own amax, known only once the
+whole tensor exists, so each cast is two passes over the 16-bit tensor: one reading it for the
+amax, one reading it again and writing one byte per element in row-major order and one in
+column-major order (Hopper's FP8 GEMMs take only the "TN" layout, so the weight-gradient GEMM
+needs the transposed copy, which the cast writes in the same pass)::
+
+    bytes per element cast = e (amax) + e (read) + 1 + 1 (row- and column-wise)
+
+Per token of a layer, forward: the input of every FP8 linear layer (QKV and fc1 take the
+normalised hidden state ``h``, the projection the context ``q``, fc2 the activation ``f``);
+backward: the output gradient of every one of them (QKV ``q + 2 g d``, projection ``h``, fc1
+``f`` or ``2f`` with a gated unit, fc2 ``h``). The experts cast their routed rows the same
+way (:mod:`megazero.planner.moe_compute`). With sequence parallelism the inputs of QKV and fc1
+and the output gradients of the projection and fc2 are cast on the rank's ``1/tp`` share before
+their all-gather (which then moves FP8); without it every TP rank casts the whole ``h``.
+
+Not counted: the weights' casts (once per step, not per micro-batch: Transformer Engine keeps
+the FP8 weights across the micro-batches of a step), the amax all-reduce over the TP group (a
+few bytes), and the FP8 input all-gather's halved bytes (the TP term keeps 16-bit bytes).
+"""
+
+from __future__ import annotations
+
+from megazero.config import MegazeroConfig
+from megazero.config.rules import sequence_parallel_active
+
+
+def cast_bytes_per_element(elem: int) -> float:
+    """Device-memory bytes one current-scaling cast moves per element of a ``elem``-byte
+    tensor: an amax pass, and a pass writing row- and column-wise FP8 copies."""
+    return 2.0 * elem + 2.0
+
+
+def dense_cast_bytes(cfg: MegazeroConfig, moe_layer: bool) -> float:
+    """Cast bytes per token of one layer on one TP rank, forward and backward together: the
+    attention's linear layers and, unless ``moe_layer``, the dense MLP's (the experts' casts
+    are per routed row, in :mod:`megazero.planner.moe_compute`; a shared expert's are here)."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tp
+    split = tp if sequence_parallel_active(p.sequence_parallel, tp) else 1
+    h, kv, q = m.hidden_size, m.query_groups * m.head_dim, m.num_attention_heads * m.head_dim
+    glu = 2 if m.swiglu else 1
+    # forward inputs: QKV (h, gathered), projection (q / tp, local); backward output
+    # gradients: QKV (q + 2kv) / tp, projection (h, gathered)
+    elems = h / split + q / tp + (q + 2 * kv) / tp + h / split
+    ffn = 0
+    if not moe_layer:
+        ffn = m.ffn_size
+    elif m.moe.moe_shared_expert_intermediate_size:
+        ffn = m.moe.moe_shared_expert_intermediate_size
+    if ffn:  # fc1 input h (gathered), fc2 input f / tp; gradients: fc1 out glu f / tp, fc2 h
+        elems += h / split + ffn / tp + glu * ffn / tp + h / split
+    return elems * cast_bytes_per_element(cfg.precision.params_dtype.itemsize)
