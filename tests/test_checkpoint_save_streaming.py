@@ -89,7 +89,8 @@ class Recorder:
 
 
 def _tensors(directory: str) -> dict[str, torch.Tensor]:
-    from megazero.checkpoint.reader import ShardReader, read_meta_at
+    from megazero.checkpoint.reader import read_meta_at
+    from megazero.checkpoint.shard_reader import ShardReader
 
     meta = read_meta_at(directory, directory)
     reader = ShardReader(directory, meta)

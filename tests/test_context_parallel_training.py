@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint.reader import read_model_state
+from megazero.checkpoint.shard_reader import read_model_state
 from megazero.testing import run_distributed
 from megazero.testing.launch import check, read_metrics, run_training
 

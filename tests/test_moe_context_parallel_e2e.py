@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.checkpoint.reader import read_model_state
+from megazero.checkpoint.shard_reader import read_model_state
 from megazero.testing.launch import LOSS_RTOL, TINY, check, read_metrics, run_training
 from megazero.testing.moe_runs import MOE
 

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from megazero.checkpoint.reader import read_model_state
+from megazero.checkpoint.shard_reader import read_model_state
 from megazero.testing.launch import LOSS_RTOL, TINY, check, read_metrics, run_training
 
 QK = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",

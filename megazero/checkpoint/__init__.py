@@ -77,15 +77,9 @@ per ``--save`` directory) and :mod:`.save_check` (``--save`` checked before the 
 from megazero.checkpoint.common import config_dict
 from megazero.checkpoint.files import Writer
 from megazero.checkpoint.load import LoadResult, load_checkpoint
-from megazero.checkpoint.reader import (
-    MARKER,
-    TRACKER,
-    iteration_dir,
-    read_global_tensors,
-    read_model_state,
-    read_tracker,
-)
+from megazero.checkpoint.reader import MARKER, TRACKER, iteration_dir, read_tracker
 from megazero.checkpoint.save import save_checkpoint, write_model_state
+from megazero.checkpoint.shard_reader import read_global_tensors, read_model_state
 from megazero.errors import CheckpointError
 
 __all__ = ["CheckpointError", "LoadResult", "Writer", "config_dict", "iteration_dir",

@@ -20,9 +20,10 @@ from megazero.checkpoint.common import (
     rank_dir,
     replica_coord,
 )
-from megazero.checkpoint.reader import TAG_TRACKER, ShardReader, read_meta, read_meta_at
+from megazero.checkpoint.reader import TAG_TRACKER, read_meta, read_meta_at
 from megazero.checkpoint.restore import load_optimizer_states, load_weights
 from megazero.checkpoint.rng import set_rng_state
+from megazero.checkpoint.shard_reader import ShardReader
 from megazero.checkpoint.tensors import param_infos
 from megazero.errors import CheckpointError
 from megazero.optim.onebit_state import check_error_feedback, load_error_feedback

@@ -7,15 +7,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from megazero.checkpoint.files import verified_load, verify
-from megazero.checkpoint.ranged import RangedPiece, as_tensor
-from megazero.checkpoint.save_ranges import range_key
-from megazero.checkpoint.tensors import ParamInfo, assemble, read_flat, read_slice
 from megazero.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -24,7 +19,7 @@ MARKER = "metadata.json"
 FORMAT = "megazero-portable"
 VERSION = 3  # 3: a TP piece may be saved as flat ranges in the files of its owners
 MIN_VERSION = 2  # the oldest version this reader loads (2: one whole TP piece per pair file)
-_DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
 
 
@@ -224,126 +219,3 @@ def check_meta_digest(meta: dict[str, Any], path: str) -> None:
     if "sha256" in meta and meta["sha256"] != meta_digest(meta):
         raise CheckpointError(f"checkpoint file {path} fails its SHA-256 check (corrupted); "
                               "copy it again or load an earlier iteration")
-
-
-class ShardReader:
-    """Loads each file once (mmap, verified) and assembles global tensors from the index.
-
-    ``bytes_read`` counts the bytes of saved tensors that :meth:`local` and :meth:`flat` took
-    (the file pages a loading rank touches), so tests can check that a rank reads its own
-    shard and not the model."""
-
-    def __init__(self, directory: str, meta: dict[str, Any]) -> None:
-        self.directory, self.meta, self.cache = directory, meta, {}
-        self.bytes_read = 0
-
-    def _tally(self, n: int) -> None:
-        self.bytes_read += n
-
-    def file(self, rel: str) -> Any:
-        if rel not in self.cache:
-            expected = self.meta["files"].get(rel)
-            if expected is None:
-                raise CheckpointError(f"{self.directory}/{MARKER} lists no checksum for {rel}")
-            self.cache[rel] = verified_load(os.path.join(self.directory, rel), expected)
-        return self.cache[rel]
-
-    def json(self, rel: str) -> Any:
-        """A JSON file of the checkpoint (``config.json``), checked against its checksum."""
-        path = os.path.join(self.directory, rel)
-        verify(path, self.meta["files"].get(rel))
-        return read_json(path)
-
-    def piece(self, name: str, kind: str, r: int) -> torch.Tensor | RangedPiece:
-        """Saved TP piece ``r`` of ``kind``: a tensor (an entry with ``dirs``: the piece whole in
-        its pair's file) or a :class:`RangedPiece` (an entry with ``ranges``, version 3)."""
-        e = self.meta["tensors"][name]
-        if "ranges" in e:
-            return self._ranged(name, kind, r)
-        d = e["dirs"][r]
-        if kind == "weight":
-            return self.file(f"{d}/model.pt")[name]
-        return self.file(f"{d}/optim.pt")[name][kind]
-
-    def _ranged(self, name: str, kind: str, r: int) -> RangedPiece:
-        e = self.meta["tensors"][name]
-        group = "weight" if kind == "weight" else "optim"
-
-        def loader(rel: str, lo: int) -> Callable[[], torch.Tensor]:
-            return lambda: self.file(rel)[range_key(name, lo)][kind]
-
-        dtype = _DTYPES[e["dtype"]] if kind == "weight" else torch.float32
-        return RangedPiece(e["piece_shape"], dtype,
-                           [(lo, hi, loader(rel, lo)) for rel, lo, hi in e["ranges"][group][r]])
-
-    def full(self, name: str, kind: str = "weight") -> torch.Tensor:
-        e = self.meta["tensors"][name]
-        if kind == "step":
-            if "ranges" in e:
-                rel, lo, _ = e["ranges"]["optim"][0][0]
-                return self.file(rel)[range_key(name, lo)]["step"]
-            return as_tensor(self.piece(name, kind, 0))
-        return assemble(e, [as_tensor(self.piece(name, kind, r)) for r in range(e["tp"])])
-
-    def local(self, name: str, kind: str, info: ParamInfo, local_shape: tuple[int, ...],
-              tp_rank: int, tp_size: int, into: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's TP shard, copied ``into`` a tensor of its shape if given (else possibly
-        a read-only view of the file: copy it)."""
-        e = self.meta["tensors"][name]
-        return read_slice(e, lambda r: self.piece(name, kind, r), info, local_shape, tp_rank,
-                          tp_size, tally=self._tally, into=into)
-
-    def flat(self, name: str, kind: str, info: ParamInfo, local_shape: tuple[int, ...],
-             tp_rank: int, tp_size: int, lo: int, hi: int,
-             into: torch.Tensor | None = None) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of this rank's flattened TP shard, copied ``into`` a 1-D
-        tensor if given (else possibly a read-only view of the file: copy it)."""
-        e = self.meta["tensors"][name]
-        return read_flat(e, lambda r: self.piece(name, kind, r), info, local_shape, tp_rank,
-                         tp_size, lo, hi, tally=self._tally, into=into)
-
-    def files_of(self, name: str, kind: str) -> list[str]:
-        """The files holding ``name``'s saved pieces of ``kind`` (weight, or optimizer state)."""
-        e = self.meta["tensors"][name]
-        if "ranges" in e:
-            group = "weight" if kind == "weight" else "optim"
-            return sorted({rel for piece in e["ranges"][group] for rel, _, _ in piece})
-        rel = "model.pt" if kind == "weight" else "optim.pt"
-        return sorted({f"{d}/{rel}" for d in e["dirs"]})
-
-
-def read_global_tensors(root: str, iteration: int | None = None,
-                        kinds: Sequence[str] = ("weight",)) -> dict[str, dict[str, torch.Tensor]]:
-    """``{kind: {global name: tensor}}`` for kinds among weight, master, exp_avg, exp_avg_sq
-    (unpadded, tp=1), from a checkpoint of any layout; one process, no torch.distributed."""
-    found = read_meta(root, iteration)
-    if found is None:
-        raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
-    _, directory, meta = found
-    reader = ShardReader(directory, meta)
-    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in kinds}
-    for name, e in meta["tensors"].items():
-        for k in kinds:
-            if k != "weight" and not e.get("optim"):
-                raise CheckpointError(f"{directory} holds no optimizer state ({k}) for {name}")
-            out[k][name] = reader.full(name, k).clone()
-    return out
-
-
-def read_model_state(root: str, iteration: int | None = None
-                     ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The saved run config (config.json) and the full global fp32 state dict (tp=1 names,
-    unpadded vocabulary) of a checkpoint of any layout; one process, no torch.distributed.
-    Where the fp32 masters were saved they are returned (exact in mixed precision)."""
-    found = read_meta(root, iteration)
-    if found is None:
-        raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
-    iteration, directory, meta = found
-    config = ShardReader(directory, meta).json("config.json")
-    has_masters = all(e.get("optim") for e in meta["tensors"].values())
-    kind = "master" if has_masters and meta["tensors"] else "weight"
-    state = read_global_tensors(root, iteration, (kind,))[kind]
-    reader = ShardReader(directory, meta)  # the weight files are checked too, even when unused
-    for rel in sorted({f for name in meta["tensors"] for f in reader.files_of(name, "weight")}):
-        reader.file(rel)
-    return config, {k: v.to(torch.float32) for k, v in state.items()}

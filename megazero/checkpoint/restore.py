@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megazero.checkpoint.reader import ShardReader
+from megazero.checkpoint.shard_reader import ShardReader
 from megazero.checkpoint.tensors import ParamInfo
 
 
