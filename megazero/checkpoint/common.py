@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint.files import remove_stale_tmp
+from megazero.checkpoint.files import SAVE_IN_PROGRESS, remove_stale_tmp
 from megazero.checkpoint.reader import TAG_TRACKER, TRACKER
 from megazero.checkpoint.tensors import ParamInfo
 
@@ -84,7 +84,12 @@ def local_shapes(infos: list[ParamInfo], engine: ZeroOptimizer | None
 
 
 def remove_debris(root: str, directory: str) -> None:
-    """Temporaries of earlier crashed saves: in this iteration's directory and the tracker's."""
+    """Once a save is committed: its in-progress marker, and temporaries of earlier crashed
+    saves in this iteration's directory and the tracker's."""
+    try:
+        os.remove(os.path.join(directory, SAVE_IN_PROGRESS))
+    except FileNotFoundError:
+        pass
     remove_stale_tmp(directory)
     for name in os.listdir(root):
         if name.startswith((TRACKER + ".tmp.", TAG_TRACKER + ".tmp.")):

@@ -20,6 +20,10 @@ import torch
 from megazero.errors import CheckpointError
 
 TMP_TAG = ".tmp."
+#: Written into an iteration's directory by every rank before its first file of a save, and
+#: removed once the save is committed (``metadata.json`` and the tracker written): a directory
+#: that holds it and no ``metadata.json`` is provably an unfinished save of megazero's.
+SAVE_IN_PROGRESS = ".megazero-save-in-progress"
 
 
 class Writer:
@@ -49,6 +53,20 @@ class Writer:
             f.flush()
             os.fsync(f.fileno())
         self.commit(tmp, path)
+
+
+def mark_in_progress(directory: str, run_id: str | None = None) -> None:
+    """Create ``directory`` and its :data:`SAVE_IN_PROGRESS` marker (atomically; every rank
+    may write it, with the same text). Written directly, not through a save's injectable
+    writer, so fault injection counts the save's own files only."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, SAVE_IN_PROGRESS)
+    tmp = f"{path}{TMP_TAG}{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{run_id or ''}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def sha256(path: str, chunk: int = 1 << 20) -> str:

@@ -64,6 +64,43 @@ def save_dir_problem(path: str, needed_bytes: int,
     return None
 
 
+def host_memory_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of host memory the kernel reports available (``MemAvailable``), or None."""
+    try:
+        with open(meminfo, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def staging_problem(rank_bytes: int, ranks_on_host: int, available: int | None) -> str | None:
+    """Why ``--async-save`` cannot stage this rank's state in host memory, or None. Each rank
+    holds a host copy of its parameters and optimizer state from the save step until its files
+    are written; the ranks of a host do it at once."""
+    if available is None:
+        return None
+    needed = rank_bytes * max(1, ranks_on_host)
+    if needed <= available * 0.9:  # what the training itself allocates later needs room too
+        return None
+    return (f"--async-save: each rank copies its parameters and optimizer state to host memory "
+            f"at a save ({_human(rank_bytes)} on this rank, {_human(needed)} for the "
+            f"{ranks_on_host} ranks of this host), but the host has {_human(available)} "
+            f"available; save synchronously (drop --async-save), or shard the state over more "
+            f"ranks (a higher ZeRO stage or more nodes)")
+
+
+def check_staging(rank_bytes: int, ranks_on_host: int, topo: ParallelTopology,
+                  device: Any) -> None:
+    """Collective, before the first iteration: every rank's staging area fits its host."""
+    problem = staging_problem(rank_bytes, ranks_on_host, host_memory_available())
+    if any_rank(problem is not None, topo, device):
+        raise ConfigError(problem or "--async-save: another host cannot stage its ranks' state "
+                          "in host memory (see its message); drop --async-save")
+
+
 def explain_write_error(path: str, iteration: int, exc: BaseException,
                         disk_usage: Callable[[str], Any] = shutil.disk_usage) -> str:
     """One line for a failed checkpoint write: which path, and the operating system's reason.
@@ -103,11 +140,15 @@ def check_save_dir(path: str | None, rank_bytes: int, topo: ParallelTopology, de
 
 def remove_failed_saves(path: str) -> tuple[list[str], int]:
     """megazero's own leftovers in ``path``: ``*.tmp.<pid>`` files of interrupted writes, and
-    iteration folders that never became complete (no ``metadata.json``) and hold only
-    megazero's file names. Call only while this job holds the directory's lock. Returns what
-    was removed and how many bytes that freed."""
-    from megazero.checkpoint.files import TMP_TAG
-    from megazero.checkpoint.reader import MARKER
+    the iteration folders that megazero can prove are its own unfinished saves: no
+    ``metadata.json``, the in-progress marker every rank writes before its first file
+    (:data:`~megazero.checkpoint.files.SAVE_IN_PROGRESS`), an iteration above the tracker's,
+    and only megazero's file names. Any other folder without ``metadata.json`` (a checkpoint
+    whose index was lost, a copy still in progress, a file system not yet showing it) is never
+    deleted: it is refused with a :class:`ConfigError` naming it. Call only while this job
+    holds the directory's lock. Returns what was removed and how many bytes that freed."""
+    from megazero.checkpoint.files import SAVE_IN_PROGRESS, TMP_TAG
+    from megazero.checkpoint.reader import MARKER, TRACKER
 
     removed: list[str] = []
     freed = 0
@@ -122,26 +163,51 @@ def remove_failed_saves(path: str) -> tuple[list[str], int]:
         freed += size
         removed.append(file)
 
+    latest = _tracker_iteration(os.path.join(path, TRACKER))
     for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
         full = os.path.join(path, name)
         if os.path.isfile(full) and TMP_TAG in name:
             drop(full)
-        elif (os.path.isdir(full) and _ITER_DIR.fullmatch(name)
-              and not os.path.exists(os.path.join(full, MARKER)) and _only_ours(full)):
-            for base, _, names in os.walk(full):
-                for n in names:
-                    drop(os.path.join(base, n))
-            shutil.rmtree(full, ignore_errors=True)
-        elif os.path.isdir(full) and _ITER_DIR.fullmatch(name):
-            for base, _, names in os.walk(full):
-                for n in names:
-                    if TMP_TAG in n:
+            continue
+        if not (os.path.isdir(full) and _ITER_DIR.fullmatch(name)):
+            continue
+        complete = os.path.exists(os.path.join(full, MARKER))
+        marked = os.path.exists(os.path.join(full, SAVE_IN_PROGRESS))
+        if not complete:
+            iteration = int(name[len("iter_"):])
+            if marked and (latest is None or iteration > latest) and _only_ours(full):
+                for base, _, names in os.walk(full):
+                    for n in names:
                         drop(os.path.join(base, n))
+                shutil.rmtree(full, ignore_errors=True)
+                continue
+            why = ("it is at or below the iteration the tracker names" if marked and
+                   latest is not None and iteration <= latest else
+                   "it holds files megazero does not write" if marked else
+                   "nothing shows it is an unfinished save of megazero's (a checkpoint whose "
+                   "metadata.json was lost, or a copy still in progress?)")
+            raise ConfigError(f"--save {path}: {full} has no metadata.json, so it is not a "
+                              f"complete checkpoint, and {why}; megazero deletes only its own "
+                              f"unfinished saves. Move the folder out of {path} (or restore its "
+                              f"metadata.json), then launch again")
+        for base, _, names in os.walk(full):
+            for n in names:
+                if TMP_TAG in n or (marked and n == SAVE_IN_PROGRESS and base == full):
+                    drop(os.path.join(base, n))  # a committed save's stale marker too
     return removed, freed
 
 
+def _tracker_iteration(tracker: str) -> int | None:
+    try:
+        with open(tracker, encoding="utf-8") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 _ITER_DIR = re.compile(r"iter_\d{7,}")
-_OUR_FILES = re.compile(r"(model|optim|optim_rng|extra_state)(_\d+)?\.pt|config\.json|.*\.tmp\.\d+")
+_OUR_FILES = re.compile(r"(model|optim|optim_rng|extra_state)(_\d+)?\.pt|config\.json|"
+                        r"\.megazero-save-in-progress|.*\.tmp\.\d+")
 _OUR_DIRS = re.compile(r"mp_rank_\d{2}_\d{3}(_\d{3})?")
 
 
@@ -178,11 +244,11 @@ def claim_save_dir(path: str, owner: Any, topo: ParallelTopology, device: Any) -
             if removed:
                 lines.append(f"> removed {len(removed)} files ({_human(freed)}) left in {path} "
                              f"by an earlier save that did not complete")
-        except (SaveDirBusy, OSError) as e:
-            problem = str(e) if isinstance(e, SaveDirBusy) else (
+        except (ConfigError, OSError) as e:  # another job's lock, a folder not to delete
+            problem = str(e) if isinstance(e, ConfigError) else (
                 f"--save {path}: cannot take the directory's lock: {e}")
     if any_rank(problem is not None, topo, device):
-        raise SaveDirBusy(problem or f"--save {path} is in use by another job (see rank 0's "
+        raise SaveDirBusy(problem or f"--save {path} cannot be used as it is (see rank 0's "
                           f"message)")
     return lines
 
