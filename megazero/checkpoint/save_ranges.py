@@ -34,6 +34,15 @@ from megazero.checkpoint.tensors import ParamInfo
 from megazero.distributed.host_resident import host_empty, mark
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # one save file's tensors; the host memory a save adds
+MIN_BUCKET_BYTES = 4 << 20
+
+
+def bucket_for(state_bytes: int) -> int:
+    """The I/O bucket for a rank that saves ``state_bytes``: a sixteenth of it, between
+    :data:`MIN_BUCKET_BYTES` and :data:`DEFAULT_BUCKET_BYTES`. A bucket as large as the state
+    would hold it all in host memory at once; an asynchronous save (which writes one file while
+    the next is copied) then gains nothing from streaming."""
+    return min(DEFAULT_BUCKET_BYTES, max(MIN_BUCKET_BYTES, state_bytes // 16))
 
 
 def range_key(name: str, lo: int) -> str:

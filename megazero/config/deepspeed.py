@@ -220,11 +220,18 @@ DS_CONFIG_KEYS: dict[str, Key] = {
     **{f"comms_logger.{name}": _k(kind) for name, kind in (
         ("enabled", BOOL), ("verbose", BOOL), ("prof_all", BOOL), ("debug", BOOL),
         ("prof_ops", "list"))},
+    # asynchronous saves: megazero's key, or DeepSpeed's decoupled checkpoint writer
+    "checkpoint": _k(BLOCK),
+    "checkpoint.async_save": _k(BOOL, False, "checkpoint.async_save"),
+    "checkpoint.writer": _k(BLOCK),
+    "checkpoint.writer.decoupled": _k(BOOL, False, "checkpoint.async_save"),
+    **{f"checkpoint.writer.{name}": _k(kind, None, None, TODO) for name, kind in (
+        ("type", STR), ("io_buffer_size", INT), ("io_buffer_double", BOOL),
+        ("show_statistics", BOOL), ("data_parallel", STR), ("io_multiplier", INT))},
     # features megazero does not have (yet); checked one level deep where the keys are stable
-    "checkpoint": _k(BLOCK, None, None, TODO),
-    **{f"checkpoint.{name}": _k(kind) for name, kind in (
+    **{f"checkpoint.{name}": _k(kind, None, None, TODO) for name, kind in (
         ("tag_validation", STR), ("load_universal", BOOL), ("use_node_local_storage", BOOL),
-        ("parallel_write", OPEN), ("writer", OPEN))},
+        ("parallel_write", OPEN))},
     "flops_profiler": _k(BLOCK),
     **{f"flops_profiler.{name}": _k(kind) for name, kind in (
         ("enabled", BOOL), ("profile_step", INT), ("module_depth", INT), ("top_modules", INT),

@@ -31,6 +31,9 @@ FRAGMENTATION = 0.05  # CUDA caching-allocator allowance on top of the tracked p
 #: fp32 gradient copies on host masters go through one buffer kept between steps
 #: (megazero.zero.master.MasterParams._staged): live throughout, like the model states
 GRAD_STAGING_ITEM = "fp32 grad staging buffer (host)"
+#: --async-save: each rank's parameters and optimizer state copied to the host at a save
+#: (megazero.checkpoint.async_save), the same bytes the run's own check refuses to launch without
+ASYNC_STAGING_ITEM = "async save staging (host)"
 STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments", GRAD_STAGING_ITEM,
                *ONEBIT_ITEMS)
 FRAGMENTATION_ITEM = "fragmentation allowance (5%)"
@@ -136,6 +139,9 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
             out.items[name] = rep.bytes[kind]["device"]
         if rep.bytes[kind]["offload"]:
             out.host[name] = rep.bytes[kind]["offload"]
+    if cfg.checkpoint.async_save:  # a host copy of what the rank saves, while it is written
+        out.host[ASYNC_STAGING_ITEM] = sum(rep.bytes[kind][where] for kind in ("params",
+                                           "optimizer") for where in ("device", "offload"))
     # the 1-bit optimizers' error feedback etc. on lines of their own, beside the moments
     held = out.host if rep.bytes["optimizer"]["offload"] else out.items
     for name, nbytes in onebit.items():

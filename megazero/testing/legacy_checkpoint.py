@@ -29,7 +29,7 @@ from megazero.checkpoint.common import (
 )
 from megazero.checkpoint.files import Writer, sha256
 from megazero.checkpoint.rng import get_rng_state
-from megazero.checkpoint.save import _write_index
+from megazero.checkpoint.save import _write_index, run_state
 from megazero.checkpoint.tensors import ParamInfo, param_infos
 from megazero.distributed.host_resident import is_host_resident, mark
 
@@ -80,8 +80,8 @@ def save_v2(root: str, topo: Any, *, models: Sequence[torch.nn.Module], engine: 
     dist.barrier()
     gathered = _gather((index, files, None, False))
     if topo.rank == 0:
-        _write_index(w, root, directory, 0, gathered, config, 0, topo, zero_stage, None,
-                     engine, True, tag, version=2)
+        _write_index(w, root, directory, 0, gathered, config, 0, topo, zero_stage,
+                     run_state(None, engine), True, tag, version=2)
     dist.barrier()
     return directory
 

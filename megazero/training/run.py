@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megazero.checkpoint.async_save import AsyncSaver
 from megazero.checkpoint.ownership import RunOwner, release
 from megazero.config import MegazeroConfig
 from megazero.config.layout import GROUP_KINDS
@@ -21,6 +22,7 @@ from megazero.distributed.startup import DistEnv
 from megazero.distributed.topology import ParallelTopology
 from megazero.observability.comms_logging import CommsLogger
 from megazero.observability.monitor import Monitor, Timers
+from megazero.observability.stragglers import StragglerWatch
 from megazero.optim.lr_scheduler import LRScheduler
 from megazero.training.builders import Batching
 from megazero.training.divergence import SpikeWatch
@@ -67,12 +69,16 @@ class Run:
     owner: RunOwner | None = None  # rank 0: the run holding the --save directory's lock
     eod_mask: int | None = None  # --eod-mask-loss: the end-of-document id whose next is masked
     comms_logger: CommsLogger | None = None  # DeepSpeed's "comms_logger", while installed
+    saver: AsyncSaver | None = None  # --async-save: the saves written in the background
+    stragglers: StragglerWatch | None = None  # --log-straggler, while installed
 
     def close(self) -> None:
         """Put torch.distributed's collectives back, close the log sinks, and give the
         ``--save`` directory's lock back."""
         if self.comms_logger is not None:
             self.comms_logger.uninstall()
+        if self.stragglers is not None:  # installed before the comms logger
+            self.stragglers.uninstall()
         self.monitor.close()
         if self.owner is not None and self.cfg.checkpoint.save:
             release(self.cfg.checkpoint.save, self.owner)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import time
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
-from megazero.checkpoint.save_check import save_allowed
+from megazero.checkpoint.async_save import Outcome
+from megazero.checkpoint.save_check import checkpoint_bytes, save_allowed
+from megazero.checkpoint.save_ranges import bucket_for
+from megazero.errors import CheckpointError
 from megazero.training.builders import ChunkTrackers
 from megazero.training.divergence import (
     PendingSave,
@@ -22,20 +25,36 @@ from megazero.training.divergence import (
 from megazero.training.run import Run
 
 
-def save(run: Run) -> None:
+def save(run: Run, final: bool = False, saved_before: int | None = None) -> None:
+    """Save the run's state now: in the background with ``--async-save`` (not ``final``: the
+    end of a run writes at once), else synchronously. Either way a save still in flight is
+    waited for first: one at a time. ``saved_before``: the newest checkpoint before this one
+    (an asynchronous save that is discarded or fails leaves it the latest)."""
     ck = run.cfg.checkpoint
     if not ck.save:
         return
+    it = run.state.iteration
+    if run.saver is not None and run.saver.busy:  # the loop waits first; never two at once
+        settle(run, run.saver.wait(f"the checkpoint of iteration {it}"))
     t0 = time.perf_counter()
     save_allowed(ck.save, run.owner, run.topo, run.env.device)  # still this run's directory
+    run_id = run.owner.run_id if run.owner is not None else None
+    bucket = bucket_for(checkpoint_bytes(run.engine))
+    if run.saver is not None and not final:
+        run.saver.start(ck.save, it, run.topo, models=run.chunks, optimizer=run.engine,
+                        scheduler=run.scheduler, consumed_samples=run.state.consumed_samples,
+                        config=run.cfg, zero_stage=run.cfg.zero.stage,
+                        rng_tracker=ChunkTrackers(run.chunks), run_id=run_id,
+                        writer=run.checkpoint_writer, saved_before=saved_before,
+                        bucket_bytes=bucket)
+        return
     # A write that fails (a full disk, a directory gone or made read-only) is a CheckpointError
     # on every rank; a collective that fails (a peer died mid-save) stays the backend's error.
     save_checkpoint(ck.save, run.state.iteration, run.topo, models=run.chunks,
                     optimizer=run.engine, scheduler=run.scheduler,
                     consumed_samples=run.state.consumed_samples, config=run.cfg,
                     zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
-                    writer=run.checkpoint_writer,
-                    run_id=run.owner.run_id if run.owner is not None else None)
+                    writer=run.checkpoint_writer, run_id=run_id, bucket_bytes=bucket)
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 
@@ -84,8 +103,26 @@ def save_if_sound(run: Run, why: str, saved_at: int | None = None) -> bool:
                          f"model's loss, gradients or weights are NaN/inf; the last checkpoint "
                          f"in {run.cfg.checkpoint.save} stays the latest")
         return False
-    save(run)
+    save(run, final=why == "final", saved_before=saved_at)
     return True
+
+
+def settle(run: Run, outcomes: list[Outcome], saved_at: int | None = None) -> int | None:
+    """Asynchronous saves that ended (every rank learns them alike): one that was discarded or
+    failed leaves the checkpoint before it the newest; returns ``saved_at`` updated. A failed
+    one stops the run with ``--exit-on-save-failure`` (a CheckpointError on every rank)."""
+    for out in outcomes:
+        if out.committed:
+            continue
+        if saved_at == out.iteration:
+            saved_at = out.saved_before
+        if not out.discarded and run.cfg.checkpoint.exit_on_save_failure:
+            raise CheckpointError(
+                f"the asynchronous save of iteration {out.iteration} failed ({out.why}); "
+                f"stopping as --exit-on-save-failure says. The checkpoint of iteration "
+                f"{out.saved_before} stays the latest: resume from it with --load "
+                f"{run.cfg.checkpoint.save}")
+    return saved_at
 
 
 def discard_save(run: Run, pending: PendingSave, saved_at: int | None) -> int | None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.distributed.topology import ParallelTopology
+from megazero.errors import DataError
 from megazero.observability.monitor import Timers
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.training.builders import batch_iterator, get_batch
@@ -79,8 +80,20 @@ def moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
 
 
 def _timed_get_batch(run: Run) -> Callable[[Iterator[dict[str, Any]]], dict[str, torch.Tensor]]:
-    fetch = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask,
-                              cp=(run.topo.cp_rank, run.topo.cp_size))
+    draw = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask,
+                             cp=(run.topo.cp_rank, run.topo.cp_size))
+
+    def fetch(data_iterator: Iterator[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        try:
+            return draw(data_iterator)
+        except StopIteration:  # every rank draws alike, so every rank says it alike
+            raise DataError(
+                f"the training data ran out at iteration {run.state.iteration + 1} after "
+                f"{run.state.consumed_samples} samples: the dataset was built for "
+                f"--train-iters {run.batching.train_iters} x global batch "
+                f"{run.batching.global_batch_size}; check --global-batch-size and "
+                f"--train-iters against the checkpoint's") from None
+
     if not run.timers.enabled:
         return fetch
 
@@ -126,6 +139,8 @@ def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
     finite = all(math.isfinite(x) for x in losses)
     own = _loss_sums(losses, run.topo)
     votes = exit_votes()
+    if run.saver is not None:  # a save in flight: its copies are taken before the update
+        run.saver.freeze()
     with t.region("optimizer"), run.phase(f"iteration {it}: optimizer step (non-finite "
                                           "check, grad norm, loss and exit votes)", "world"):
         result = run.engine.step(loss_is_finite=finite,
