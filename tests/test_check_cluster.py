@@ -34,7 +34,9 @@ def test_check_cluster_on_four_gloo_ranks(tmp_path):
         assert f"zero-{stage} fp32 vs 1 rank" in names and f"zero-{stage} fp32 save+resume" \
             in names
     assert "zero-2 fp32 cpu-offload vs 1 rank" in names
-    assert "4 rank(s) on 1 node(s)" in text and "16 checks, all passed" in text
+    for r in range(4):  # each rank's own timing against the others'
+        assert f"rank {r} compute" in names and f"rank {r} links" in names, text
+    assert "4 rank(s) on 1 node(s)" in text and "24 checks, all passed" in text
     assert not (tmp_path / "ok").exists()  # checkpoints removed
 
     # a tp 2 x pp 2 job's collectives (over its tensor-parallel groups and between pipeline

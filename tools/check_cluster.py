@@ -58,6 +58,11 @@ def parse(argv: list[str] | None = None) -> Options:
                    help="skip the row with the optimizer offloaded to the CPU")
     p.add_argument("--no-collectives", dest="collectives", action="store_false",
                    help="skip the collective rows")
+    p.add_argument("--no-per-rank", dest="per_rank", action="store_false",
+                   help="skip the per-rank compute and link timing rows")
+    p.add_argument("--slow-factor", type=float, default=2.0,
+                   help="a rank this many times slower than the median rank fails its per-rank "
+                        "row")
     p.add_argument("--no-training", dest="training", action="store_false",
                    help="skip the training rows")
     p.add_argument("--workdir", default="check_cluster.tmp",

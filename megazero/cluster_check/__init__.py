@@ -1,6 +1,6 @@
 """``tools/check_cluster.py``: what a user runs on a fresh allocation before a long job.
 
-Three kinds of rows, one PASS/FAIL line each (SKIP where a row cannot apply, e.g. collectives
+Four kinds of rows, one PASS/FAIL line each (SKIP where a row cannot apply, e.g. collectives
 in a world of one), and a non-zero exit on any FAIL:
 
 - device binding (:mod:`.binding`): each rank's device, unique per node, the one its launcher's
@@ -8,6 +8,8 @@ in a world of one), and a non-zero exit on any FAIL:
 - collectives (:mod:`.bandwidth`): the job's all-reduce, reduce-scatter, all-gather, broadcast
   and pipeline send/recv at its sizes, checked for the right values, with nccl-tests' bus
   bandwidth against the link's nominal figure;
+- per rank (:mod:`.per_rank`): each rank's compute and link timing against the others, so a
+  throttled rank that makes every collective slow is named;
 - training (:mod:`.training_rows`): a small GPT for a few iterations at ZeRO 0-3 (bf16 and fp16
   on GPUs, fp32 on CPU) and with the optimizer offloaded to the CPU, saved and resumed, through
   the same setup and loop as ``pretrain_gpt.py``; every layout trains the same model, so its

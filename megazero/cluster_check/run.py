@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megazero.cluster_check import Row, exit_code, format_table
 from megazero.cluster_check.bandwidth import collective_rows, job_sizes, nominal_gbps
 from megazero.cluster_check.binding import binding_row
+from megazero.cluster_check.per_rank import SLOW_FACTOR, per_rank_rows
 from megazero.cluster_check.training_rows import finish_reference, layout_rows, start_reference
 from megazero.distributed.topology import ParallelTopology
 
@@ -36,6 +37,8 @@ class Options:
     precisions: list[str] | None = None
     offload: bool = True
     collectives: bool = True
+    per_rank: bool = True
+    slow_factor: float = SLOW_FACTOR
     training: bool = True
     workdir: str = "check_cluster.tmp"
     backend: str | None = None
@@ -78,6 +81,8 @@ def run_checks(opts: Options) -> tuple[list[Row], list[str]]:
             topo = ParallelTopology.build(tp=opts.tp, pp=opts.pp)
             rows += collective_rows(topo, sizes, device, nominal, opts.min_fraction,
                                     opts.bandwidth_iters or (10 if gpu else 3))
+        if opts.per_rank:
+            rows += per_rank_rows(device, (64 if gpu else 1) * 2**20, opts.slow_factor)
         if opts.training:
             reference, error = finish_reference(started, 60 * opts.timeout_minutes)
             if error:
