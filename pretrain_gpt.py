@@ -53,12 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(e, PROG)
 
     from megazero.distributed.startup import destroy
+    from megazero.training.healing import record_failure
     from megazero.training.pretrain import pretrain
 
     try:
         pretrain(cfg)
     except expected_errors() as e:
-        return report_error(e, PROG)
+        # the next attempt of a job under torchrun --max-restarts says what ended this one
+        return report_error(e, PROG, on_report=lambda message: record_failure(
+            cfg.checkpoint.save, env_rank(), message))
     except Exception:
         if already_reported() and not debug_enabled():
             return EXIT_CODE  # a peer stopped the job and said why; this is the consequence

@@ -23,12 +23,19 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 #: Exit status of a job stopped by an expected error (argparse uses 2 for usage errors too).
 EXIT_CODE = 2
 DEBUG_ENV = "MEGAZERO_DEBUG"
-_ERROR_KEY = "megazero/error-reported-by"
+
+
+def attempt_key(name: str, env: Mapping[str, str] = os.environ) -> str:
+    """A key in the job's key-value store, unique to this launch attempt: ``torchrun
+    --max-restarts`` starts the workers again on the same store (static rendezvous) and a key
+    left by the failed attempt (who reported its error, which peer registered) must not be
+    read as this attempt's."""
+    return f"megazero/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
 
 
 class MegazeroError(Exception):
@@ -81,7 +88,7 @@ def claim_report(rank: int, head_start_s: float = 0.0, unsure: bool | None = Non
     if rank != 0:
         time.sleep(head_start_s)
     try:
-        winner = store.compare_set(_ERROR_KEY, "", str(rank))
+        winner = store.compare_set(attempt_key("error-reported-by"), "", str(rank))
         return winner.decode() == str(rank)
     except Exception:
         return unsure
@@ -96,7 +103,8 @@ def already_reported() -> bool:
 
         if not dist.is_initialized():
             return False
-        return bool(dist.distributed_c10d._get_default_store().check([_ERROR_KEY]))
+        store = dist.distributed_c10d._get_default_store()
+        return bool(store.check([attempt_key("error-reported-by")]))
     except Exception:
         return False
 
@@ -120,7 +128,7 @@ def record_for_launcher(message: str, env: Mapping[str, str] = os.environ) -> bo
 
 
 def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
-                 grace_s: float = 20.0) -> int:
+                 grace_s: float = 20.0, on_report: Callable[[str], None] | None = None) -> int:
     """Print ``prog: error: <message>`` once per job; return the exit status for every rank.
 
     A rank that does not print waits ``grace_s`` before returning: the launcher stops the whole
@@ -135,6 +143,8 @@ def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
         traceback.print_exception(error, file=sys.stderr)
     if claim_report(rank, head_start_s):
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        if on_report is not None:  # e.g. kept for the next attempt of a restarted job
+            on_report(str(error))
         return code
     time.sleep(grace_s)
     print(f"{prog}: error (rank {rank}): {error}", file=sys.stderr, flush=True)

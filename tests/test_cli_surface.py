@@ -67,6 +67,8 @@ GOLDEN_FLAGS = """
 --moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
 --moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
 --moe-token-dispatcher-type --moe-per-layer-logging
+--async-save --exit-on-save-failure --max-spike-steps --log-straggler --straggler-minmax-count
+--straggler-factor --straggler-patience
 """.split()
 
 CHOICES = {

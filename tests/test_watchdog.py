@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import pytest
 
+from megazero.errors import attempt_key
 from megazero.testing.distributed import DistributedTestError, run_distributed
 from megazero.training.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
@@ -181,10 +182,10 @@ def test_peer_registry_names_dead_and_stopped_peers_and_ends_the_stopped():
     try:
         for rank, proc in ((1, stopped), (2, dead)):
             start = _stat(proc.pid)[1] if rank == 1 else "1"
-            store.set(f"megazero/proc/{rank}", f"{socket.gethostname()} {proc.pid} {start}")
-        store.set("megazero/proc/3", "elsewhere 1 1")  # another host: cannot be looked at
+            store.set(attempt_key(f"proc/{rank}"), f"{socket.gethostname()} {proc.pid} {start}")
+        store.set(attempt_key("proc/3"), "elsewhere 1 1")  # another host: cannot be looked at
         # a recycled pid: this very process, but not the start time registered for rank 5
-        store.set("megazero/proc/5", f"{socket.gethostname()} {os.getpid()} 1")
+        store.set(attempt_key("proc/5"), f"{socket.gethostname()} {os.getpid()} 1")
         os.kill(stopped.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
         while _stat(stopped.pid)[0] not in "Tt" and time.monotonic() < deadline:
@@ -248,7 +249,7 @@ def test_a_stopped_peer_is_called_stopped_by_every_survivor():
     store = _Store()
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        store.set("megazero/proc/2", f"{socket.gethostname()} {stopped.pid} "
+        store.set(attempt_key("proc/2"), f"{socket.gethostname()} {stopped.pid} "
                                      f"{_stat(stopped.pid)[1]}")
         os.kill(stopped.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10

@@ -209,6 +209,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-manual-gc-eval", "train.manual_gc_eval", lambda v: not v, **_ON),
     _f("--spike-window", "train.spike_window", **_I,
        help="how many recent sound steps the spike check takes the median over"),
+    _f("--max-spike-steps", "train.max_spike_steps", **_I,
+       help="stop after this many spiked steps in a row (a loss that stays finite but far "
+            "above the recent median: the run diverged without NaN)"),
     # optimizer and learning rate
     _f("--lr", "optimizer.lr", **_FL),
     _f("--min-lr", "optimizer.min_lr", **_FL),
@@ -275,10 +278,27 @@ FLAGS: tuple[Flag, ...] = (
        **_ON),
     _f("--use-checkpoint-args", "checkpoint.use_checkpoint_args", **_ON),
     _f("--overwrite-checkpoints", "checkpoint.overwrite_checkpoints", **_ON),
+    _f("--async-save", "checkpoint.async_save", **_ON,
+       help="write checkpoints in the background: each rank copies its state to host memory "
+            "at the save step and training goes on; latest moves once every rank's files are "
+            "complete"),
+    _f("--exit-on-save-failure", "checkpoint.exit_on_save_failure", **_ON,
+       help="stop the run when an asynchronous save fails (default: log it and train on; the "
+            "previous checkpoint stays the latest)"),
     # logging
     _f("--log-interval", "logging.log_interval", **_I),
     _f("--tensorboard-dir", "logging.tensorboard_dir"),
     _f("--log-memory-phases", "logging.log_memory_phases", **_ON),
+    _f("--log-straggler", "logging.log_straggler", **_ON,
+       help="every log interval, the slowest and fastest ranks' busy time per iteration (wall "
+            "time minus waits in collectives) and their spread; a rank that stays slow is "
+            "named in a warning"),
+    _f("--straggler-minmax-count", "logging.straggler_minmax_count", **_I,
+       help="how many of the slowest and fastest ranks the straggler line lists"),
+    _f("--straggler-factor", "logging.straggler_factor", **_FL,
+       help="a rank whose busy time is more than this many times the median is slow"),
+    _f("--straggler-patience", "logging.straggler_patience", **_I,
+       help="log intervals in a row a rank must be slow before the warning names it"),
     _f("--wall-clock-breakdown", "logging.wall_clock_breakdown", **_ON),
     _f("--log-num-zeros-in-grad", "logging.log_num_zeros_in_grad", **_ON),
     _f("--log-json", "logging.log_json", metavar="PATH"),

@@ -413,7 +413,9 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
     parallel = _saved_inputs_in_effect(parallel)
     micro, gbs, gas = _batch_triad(merged, parallel.dp, parallel)
     train = TrainConfig(**_section("train", merged, micro_batch_size=micro,
-                                   global_batch_size=gbs, gradient_accumulation_steps=gas))
+                                   global_batch_size=gbs, gradient_accumulation_steps=gas,
+                                   global_batch_derived=merged.get(_GLOBAL, (0, None))[1]
+                                   is None))
 
     zero_kw = _section("zero", merged)
     if _backend(parallel) == "nccl":  # Megatron's GPU settings where nothing set them

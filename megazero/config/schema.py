@@ -162,6 +162,8 @@ def validate(cfg: MegazeroConfig) -> None:
           f"steps in a row before the run stops), got {t.max_nonfinite_steps}")
     check(t.spike_factor == 0 or t.spike_factor > 1, f"--spike-factor must be 0 (off) or > 1 "
           f"(how many times the recent median a spike is), got {t.spike_factor}")
+    check(t.max_spike_steps >= 1, f"--max-spike-steps must be >= 1 (spiked steps in a row "
+          f"before the run stops), got {t.max_spike_steps}")
     check(t.spike_window >= 1, f"--spike-window must be >= 1 (sound steps the spike check "
           f"takes the median over), got {t.spike_window}")
     lg = cfg.logging
@@ -169,6 +171,11 @@ def validate(cfg: MegazeroConfig) -> None:
         CommsLoggerSettings.from_block(lg.comms_logger)
     if lg.flops_profiler:
         FlopsProfilerSettings.from_block(lg.flops_profiler)
+    if lg.log_straggler:
+        check(lg.straggler_minmax_count >= 1 and lg.straggler_patience >= 1
+              and lg.straggler_factor > 1, f"--straggler-minmax-count "
+              f"{lg.straggler_minmax_count} and --straggler-patience {lg.straggler_patience} "
+              f"must be >= 1 and --straggler-factor {lg.straggler_factor} > 1")
     if lg.profile:
         check(1 <= lg.profile_step_start < lg.profile_step_end, f"--profile-step-start "
               f"{lg.profile_step_start} and --profile-step-end {lg.profile_step_end}: profiling "

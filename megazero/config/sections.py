@@ -166,6 +166,9 @@ class TrainConfig:
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None  # derived from the batch triad
+    # neither --global-batch-size nor train_batch_size was given: the global batch is
+    # micro x accumulation x dp, and a resume at another dp keeps the checkpoint's instead
+    global_batch_derived: bool = False
     train_iters: int | None = None
     train_samples: int | None = None
     seed: int = 1234
@@ -181,6 +184,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     spike_factor: float = 10.0  # a step this many times the recent median is a spike; 0: off
     spike_window: int = 50  # sound steps the median is taken over
+    max_spike_steps: int = 10  # spiked steps in a row (finite loss) before the run stops
     # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START
     # by INCREMENT over the first SAMPLES samples (in equal steps), then stays at its full size.
     rampup_batch_size: tuple[int, int, int] | None = None
@@ -196,6 +200,11 @@ class LoggingConfig:
     tensorboard_job_name: str | None = None
     wall_clock_breakdown: bool = False
     log_memory_phases: bool = False  # memory after forward / backward / step, per logged iteration
+    # --log-straggler: each rank's busy time per log interval (megazero.observability.stragglers)
+    log_straggler: bool = False
+    straggler_minmax_count: int = 1  # slowest and fastest ranks listed
+    straggler_factor: float = 3.0  # busy time over this many times the median is slow
+    straggler_patience: int = 3  # log intervals in a row before a rank is named in a warning
     steps_per_print: int = 10  # DeepSpeed's own progress print; --log-interval drives the log line
     wandb: dict[str, Any] = field(default_factory=dict)
     csv_monitor: dict[str, Any] = field(default_factory=dict)
@@ -226,3 +235,5 @@ class CheckpointConfig:
     use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's schedule wins
     use_checkpoint_args: bool = False  # take the model's shape from the --load checkpoint
     overwrite_checkpoints: bool = False  # --save may hold another run's newer checkpoints
+    async_save: bool = False  # write checkpoints in the background (megazero.checkpoint.async_save)
+    exit_on_save_failure: bool = False  # a failed asynchronous save stops the run

@@ -29,8 +29,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-_KEY = "megazero/proc/{}"
-_STOPPED = "megazero/stopped/{}"  # set before a stopped peer is killed
+from megazero.errors import attempt_key
+
+
+def _key(rank: int) -> str:
+    return attempt_key(f"proc/{rank}")
+
+
+def _stopped(rank: int) -> str:  # set before a stopped peer is killed
+    return attempt_key(f"stopped/{rank}")
 
 
 _PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is in its exit (a kill -9 under way)
@@ -63,11 +70,11 @@ class PeerRegistry:
         self.store, self.rank, self.world_size, self._kill = store, rank, world_size, kill
 
     def register(self) -> PeerRegistry:
-        self.store.set(_KEY.format(self.rank), this_process())
+        self.store.set(_key(self.rank), this_process())
         return self
 
     def _entry(self, rank: int) -> tuple[str, int, str] | None:
-        key = _KEY.format(rank)
+        key = _key(rank)
         try:
             if not self.store.check([key]):
                 return None
@@ -78,13 +85,13 @@ class PeerRegistry:
 
     def _record_stopped(self, rank: int) -> None:
         try:
-            self.store.set(_STOPPED.format(rank), "1")
+            self.store.set(_stopped(rank), "1")
         except Exception:  # noqa: BLE001 - no store: the kill goes ahead, undiagnosed for others
             pass
 
     def _was_stopped(self, rank: int) -> bool:
         try:
-            return bool(self.store.check([_STOPPED.format(rank)]))
+            return bool(self.store.check([_stopped(rank)]))
         except Exception:  # noqa: BLE001
             return False
 

@@ -47,6 +47,22 @@ def choose_backend(requested: str | None) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def attempt_store(rank: int, world: int, timeout: timedelta) -> Any:
+    """The launcher's store (``env://``) with a prefix unique to this launch attempt.
+
+    Why: under ``torchrun --max-restarts`` the workers of every attempt meet in the same store
+    (the launcher's, kept across rendezvous rounds), and the process group's own keys (each
+    rank's address for gloo's connections, NCCL's id) have the same names in every attempt. A
+    restarted rank may then read an address the failed attempt left and wait on a peer that is
+    gone, or fail at once ("Connection refused"). Prefixing every key with the attempt
+    (``TORCHELASTIC_RESTART_COUNT``) keeps attempts apart."""
+    from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
+
+    base, _, _ = next(rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"megazero/attempt-{attempt}", base)
+
+
 def initialize_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> DistEnv:
     """Join (or create) the process group; pins this process to its GPU on CUDA machines
     (:func:`megazero.distributed.device.choose_device_index`) before the group exists, and binds
@@ -91,6 +107,8 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
         keep_freed_host_memory()
     if not dist.is_initialized():
         import_dynamo_before_the_group()
+        if store is None and "TORCHELASTIC_RESTART_COUNT" in env:
+            store = attempt_store(rank, world, timedelta(minutes=timeout_minutes))
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes), store=store,
                                 **init_device_kwargs(device))

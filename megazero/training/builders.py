@@ -137,8 +137,12 @@ def _quiet(*_: Any, **__: Any) -> None:
     pass
 
 
-def build_datasets(cfg: MegazeroConfig, batching: Batching) -> tuple[Any, Any]:
-    """``(train, valid)`` datasets (valid may be None when --eval-iters is 0)."""
+def build_datasets(cfg: MegazeroConfig, batching: Batching,
+                   resume: tuple[int, int] | None = None) -> tuple[Any, Any]:
+    """``(train, valid)`` datasets (valid may be None when --eval-iters is 0). ``resume``: the
+    checkpoint's (iteration, consumed samples): a run resumed at another global batch draws
+    its remaining iterations after the samples consumed at the old one, so the training set
+    holds at least that many."""
     from megazero.data.builder import (
         DataConfig,
         build_train_valid_test_datasets,
@@ -146,10 +150,13 @@ def build_datasets(cfg: MegazeroConfig, batching: Batching) -> tuple[Any, Any]:
     )
 
     t = cfg.train
-    dc = DataConfig(seq_length=cfg.model.seq_length,
-                    num_samples=train_valid_test_num_samples(
-                        batching.train_iters, batching.global_batch_size, t.eval_interval,
-                        t.eval_iters),
+    train_n, valid_n, test_n = train_valid_test_num_samples(
+        batching.train_iters, batching.global_batch_size, t.eval_interval, t.eval_iters)
+    if resume is not None and batching.rampup is None:
+        iteration, consumed = resume
+        left = max(0, batching.train_iters - iteration)
+        train_n = max(train_n, consumed + left * batching.global_batch_size)
+    dc = DataConfig(seq_length=cfg.model.seq_length, num_samples=(train_n, valid_n, test_n),
                     data_path=tuple(cfg.data.data_path), split=cfg.data.split, seed=t.seed,
                     cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data,
                     vocab_size=cfg.model.vocab_size)

@@ -76,6 +76,28 @@ def note_nonfinite(state: Any, train_cfg: Any, nonfinite: bool, loss: float,
         f"with a lower --lr, more --lr-warmup-iters or --clip-grad, or check the data")
 
 
+def note_spikes(state: Any, train_cfg: Any, spiked: bool, saved_at: int | None,
+                save_dir: str | None) -> None:
+    """Stop a run that stays in a spike (:class:`SpikeWatch`) for ``--max-spike-steps``
+    iterations in a row with a :class:`TrainingDivergedError` naming the checkpoint to go back
+    to: a loss that exploded and stays finite (1e3, 1e4...) never trips the NaN/inf count, and
+    nothing is saved while it lasts. Every rank sees the same loss, so every rank raises."""
+    spikes: SpikeWatch = state.spikes
+    if not spiked or spikes.since is None:
+        return
+    count = state.iteration - spikes.since + 1
+    if count < train_cfg.max_spike_steps:
+        return
+    back = (f"the newest checkpoint saved before it is iteration {saved_at} in {save_dir}. "
+            f"Resume from it (--load {save_dir})" if saved_at is not None and save_dir
+            else "no checkpoint was saved before it. Start again")
+    raise TrainingDivergedError(
+        f"training diverged at iteration {state.iteration}: {count} spiked iterations in a row "
+        f"(--max-spike-steps {train_cfg.max_spike_steps}); the run began to diverge at "
+        f"iteration {spikes.since} ({spikes.why}); nothing was saved since, and {back} with a "
+        f"lower --lr, more --lr-warmup-iters or --clip-grad, or check the data")
+
+
 def spike_kept_from_save(spike: SpikeWatch, iteration: int, saved_at: int | None,
                          save_dir: str) -> str:
     """The line logged instead of saving a spike's state."""

@@ -12,15 +12,23 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import config_dict
+from megazero.checkpoint.async_save import AsyncSaver
 from megazero.checkpoint.ownership import RunOwner, new_run_id
-from megazero.checkpoint.save_check import check_save_dir, checkpoint_bytes, claim_save_dir
+from megazero.checkpoint.save_check import (
+    check_save_dir,
+    check_staging,
+    checkpoint_bytes,
+    claim_save_dir,
+)
 from megazero.config import ConfigError, MegazeroConfig
 from megazero.config.observability_schema import CommsLoggerSettings
 from megazero.distributed.peers import PeerRegistry
 from megazero.distributed.startup import enable_deterministic_mode, initialize_distributed, set_seed
 from megazero.distributed.topology import ParallelTopology
+from megazero.errors import attempt_key
 from megazero.observability.comms_logging import CommsLogger
 from megazero.observability.monitor import Monitor, Timers
+from megazero.observability.stragglers import StragglerSettings, StragglerWatch
 from megazero.optim.lr_scheduler import LRScheduler, build_lr_function
 from megazero.training.banner import describe_run
 from megazero.training.builders import (
@@ -30,7 +38,8 @@ from megazero.training.builders import (
     build_tokenizer_and_data_path,
 )
 from megazero.training.divergence import SpikeWatch
-from megazero.training.resume_checks import check_resume
+from megazero.training.healing import keep_global_batch, resume_after_restart
+from megazero.training.resume_checks import check_resume, saved_config, saved_progress
 from megazero.training.run import Run, TrainState
 from megazero.training.save_policy import load
 from megazero.training.watchdog import Watchdog
@@ -44,7 +53,11 @@ def time_forwards(chunks: list[torch.nn.Module], timers: Timers) -> None:
 
 def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     """Initialise the process group and build everything the loop needs."""
+    cfg, notes = resume_after_restart(cfg)  # torchrun --max-restarts: resume from --save
     cfg = check_resume(cfg)  # before the process group: every rank reads the same files
+    cfg, batch_note = keep_global_batch(
+        cfg, saved_config(cfg.checkpoint.load) if cfg.checkpoint.load else None)
+    notes += [batch_note] if batch_note else []
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     env = initialize_distributed(cfg.parallel.distributed_backend,
                                  cfg.parallel.distributed_timeout_minutes)
@@ -67,7 +80,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
         log(f"> no --data-path: training on the built-in demo corpus, cached in "
             f"{os.path.dirname(cfg.data.data_path[0])} (--data-cache-path moves it)")
     batching = Batching.from_config(cfg, topo.dp_size)
-    train_ds, valid_ds = build_datasets(cfg, batching)
+    train_ds, valid_ds = build_datasets(cfg, batching, saved_progress(cfg.checkpoint.load))
     chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
     scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
     logging = cfg.logging
@@ -79,7 +92,16 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
         engine.comms.set_timers(timers)
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
+    for line in notes:
+        monitor.info(line)
     describe_run(run)
+    if logging.log_straggler:  # installed before the comms logger, which wraps it
+        run.stragglers = StragglerWatch(
+            StragglerSettings(logging.straggler_minmax_count, logging.straggler_factor,
+                              logging.straggler_patience), topo.rank, topo.world_size,
+            env.device, log=monitor.info if is_reporter else None,
+            warn=(lambda line: monitor.info(f"warning: {line}")) if is_reporter else None
+        ).install()
     comms = CommsLoggerSettings.from_block(logging.comms_logger)
     if comms.enabled:
         run.comms_logger = CommsLogger(comms, log=monitor.info if is_reporter else None).install()
@@ -92,6 +114,11 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
         for line in claim_save_dir(cfg.checkpoint.save, run.owner, topo, env.device):
             run.monitor.info(line)
     check_save_dir(cfg.checkpoint.save, checkpoint_bytes(engine), topo, env.device)
+    if cfg.checkpoint.save and cfg.checkpoint.async_save:
+        check_staging(checkpoint_bytes(engine), env.local_world_size or 1, topo, env.device)
+        run.saver = AsyncSaver(topo.rank, topo.world_size, dist.distributed_c10d.
+                               _get_default_store(), attempt_key("async-save"), env.device,
+                               log=monitor.info if is_reporter else None)
     load(run)
     return run
 

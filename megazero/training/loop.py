@@ -25,10 +25,15 @@ from megazero.observability.flops_profiler import for_run as flops_profiler_for
 from megazero.observability.profiling import StepProfiler
 from megazero.optim.onebit import exchange_scalars
 from megazero.training.builders import batch_iterator
-from megazero.training.divergence import PendingSave, note_nonfinite, read_tracker_text
+from megazero.training.divergence import (
+    PendingSave,
+    note_nonfinite,
+    note_spikes,
+    read_tracker_text,
+)
 from megazero.training.exit_conditions import ExitFlags, exit_decision, exit_votes
 from megazero.training.run import Run, TrainState
-from megazero.training.save_policy import discard_save, save_if_sound
+from megazero.training.save_policy import discard_save, save_if_sound, settle
 from megazero.training.step import evaluate, moe_metrics, train_step
 
 
@@ -67,10 +72,15 @@ def train(run: Run) -> TrainState:
             gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
             profiler.before(st.iteration + 1)
             flops_profiler.before(st.iteration + 1)
+            if run.stragglers is not None:
+                run.stragglers.iteration_started()
             loss, result, votes = train_step(
-                run, data_iter, lambda: exit_votes(cfg.train, flags, start))
+                run, data_iter, lambda: exit_votes(cfg.train, flags, start) + (
+                    run.saver.votes() if run.saver is not None else []))
             st.iteration += 1
             st.consumed_samples += gbs
+            if run.stragglers is not None:
+                run.stragglers.iteration_done(time.perf_counter() - t0)
             for table in (profiler.after(st.iteration), flops_profiler.after(st.iteration)):
                 if table is not None:
                     print(table, flush=True)
@@ -98,13 +108,25 @@ def train(run: Run) -> TrainState:
                                        run.topo.world_size, peak,
                                        overlapped=t.pop_overlapped(),
                                        num_zeros=result.num_zeros, moe=moe)
+                    if run.stragglers is not None:
+                        run.stragglers.report()
             spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)
             if pending is not None:  # the step after a save judges the weights it saved
-                if spiked:
+                if spiked and run.saver is not None and run.saver.busy:
+                    saved_at = run.saver.discard(f"the step after it is a spike "
+                                                 f"({st.spikes.why}), so the update it saved "
+                                                 "is suspect")
+                elif spiked:
                     saved_at = discard_save(run, pending, saved_at)
                 pending = None
+            if run.saver is not None:  # an asynchronous save: ended everywhere, or not yet
+                if spiked and run.saver.busy:
+                    saved_at = run.saver.discard(f"a spike while it was written "
+                                                 f"({st.spikes.why})")
+                saved_at = settle(run, run.saver.settle(votes[2:]), saved_at)
             note_nonfinite(st, cfg.train, result.nonfinite, loss, saved_at, cfg.checkpoint.save,
                            st.spikes)
+            note_spikes(st, cfg.train, spiked, saved_at, cfg.checkpoint.save)
             if run.owner is not None and cfg.checkpoint.save:
                 heartbeat(cfg.checkpoint.save, every_s=HEARTBEAT_S)
             if gc_every and st.iteration % gc_every == 0:
@@ -123,6 +145,9 @@ def train(run: Run) -> TrainState:
                     and st.iteration % cfg.checkpoint.save_interval == 0):
                 with t.region("checkpoint save"), t.paused(), run.phase(
                         f"checkpoint save at iteration {st.iteration}", "world"):
+                    if run.saver is not None and run.saver.busy:  # one save at a time
+                        saved_at = settle(run, run.saver.wait(
+                            f"the checkpoint of iteration {st.iteration}"), saved_at)
                     before = read_tracker_text(cfg.checkpoint.save)
                     if save_if_sound(run, "interval", saved_at):
                         pending = PendingSave(st.iteration, before, saved_at)
@@ -136,6 +161,11 @@ def train(run: Run) -> TrainState:
         flags.uninstall()
         if cfg.train.manual_gc:
             gc.enable()
+    if run.saver is not None:
+        with run.phase(f"waiting for the checkpoint in flight at iteration {st.iteration}",
+                       "world"):
+            saved_at = settle(run, run.saver.wait(
+                st.exit_reason or "the end of training"), saved_at)
     if saved_at != st.iteration:
         with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
             save_if_sound(run, "final", saved_at)

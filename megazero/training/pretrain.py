@@ -16,6 +16,7 @@ from megazero.distributed.startup import free_destroyed_groups
 from megazero.errors import claim_report, expected_errors
 from megazero.training.divergence import TrainingDivergedError
 from megazero.training.exit_conditions import sigterm_deferred
+from megazero.training.healing import record_failure
 from megazero.training.lifecycle import setup, shutdown
 from megazero.training.loop import train
 from megazero.training.run import Run, TrainState
@@ -80,5 +81,6 @@ def _train_or_explain(run: Run) -> TrainState:
             watchdog.stop()  # one message: not the watchdog's as well
             if watchdog.take_voice() and claim_report(run.env.rank, unsure=True):
                 print(reason, file=sys.stderr, flush=True)
+                record_failure(run.cfg.checkpoint.save, run.env.rank, reason)
             run.monitor.close()
             os._exit(WATCHDOG_EXIT_CODE)

@@ -146,6 +146,21 @@ def saved_config(load_dir: str) -> dict[str, Any] | None:
         return None
 
 
+def saved_progress(load_dir: str | None) -> tuple[int, int] | None:
+    """``(iteration, consumed samples)`` of the newest checkpoint in ``load_dir``, or None."""
+    if not load_dir:
+        return None
+    try:
+        with open(os.path.join(load_dir, TRACKER), encoding="utf-8") as f:
+            iteration = int(f.read().strip())
+        with open(os.path.join(load_dir, f"iter_{iteration:07d}", "metadata.json"),
+                  encoding="utf-8") as f:
+            meta = json.load(f)
+        return int(meta["iteration"]), int(meta["consumed_samples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _schedule(optimizer: dict[str, Any], train_iters: Any) -> dict[str, Any]:
     out = {name: optimizer.get(name) for name in _SCHEDULE}
     out["lr_decay_iters"] = out["lr_decay_iters"] or train_iters  # the effective decay steps
