@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    from megazero.distributed.device import adopt_local_rank_argument
+
+    adopt_local_rank_argument(argv, os.environ)  # DeepSpeed's launcher: --local_rank=N
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     warnings.formatwarning = _format_warning
     try:

@@ -55,6 +55,10 @@ class ModelConfig:
     # Megatron's --qk-layernorm (Qwen3): --normalization over each head's queries and keys
     # (one head_dim weight each, shared by the heads) after the QKV projection, before RoPE
     qk_layernorm: bool = False
+    # Megatron's --apply-layernorm-1p: zero-centred norm weights, the norms scale by 1 + weight
+    apply_layernorm_1p: bool = False
+    # Megatron's --transformer-impl; megazero runs its own layers for either value
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # a config read back from JSON (checkpoint, converter)
