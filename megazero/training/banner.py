@@ -70,6 +70,23 @@ def architecture(m: Any) -> str:
     return ", ".join(parts)
 
 
+def schedule_line(o: Any, train_iters: int) -> str:
+    """The learning-rate schedule in one line (an :class:`OptimizerConfig`): Megatron's style
+    with its warm-up and decay lengths, in iterations or tokens, and the decoupled rate."""
+    if o.scheduler_type:
+        return f"> learning rate: DeepSpeed scheduler {o.scheduler_type} {o.scheduler_params}"
+    warmup = (f"{o.lr_warmup_tokens:,} tokens" if o.lr_warmup_tokens is not None
+              else f"{o.lr_warmup_iters} iterations")
+    decay = (f"{o.lr_decay_tokens:,} tokens" if o.lr_decay_tokens is not None
+             else f"{o.lr_decay_iters or train_iters} iterations")
+    line = (f"> learning rate: {o.lr_decay_style} from {o.lr:g} to {o.min_lr:g}, warm-up "
+            f"{warmup}" + (f", decay over {decay}" if o.lr_decay_style != "constant" else ""))
+    if o.decoupled_lr is not None:
+        low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        line += f"; embedding and output layer from {o.decoupled_lr:g} to {low:g}"
+    return line
+
+
 def describe_run(run: Any) -> None:
     """Print the run's start-up banner (rank 0): layout, model size, batch, attention kernel,
     MoE, offload, data, sinks. Collective: every rank counts its parameter share."""
@@ -99,7 +116,10 @@ def describe_run(run: Any) -> None:
         f"{total / 1e6:.2f}M parameters ({total:,})",
         f"> architecture: {architecture(cfg.model)}",
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
-        f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
+        f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations"
+        + (f" or {b.train_tokens:,} tokens (--train-tokens), whichever comes first"
+           if b.train_tokens is not None else ""),
+        schedule_line(cfg.optimizer, b.train_iters),
     ]
     if not dist.is_initialized() or dist.get_rank() == 0:  # the probe runs where it prints
         m = cfg.model

@@ -33,6 +33,10 @@ class Batching:
     train_iters: int
     dp: int = 1
     rampup: tuple[int, int, int] | None = None
+    # Megatron-DeepSpeed's --train-tokens: training also stops once this many tokens (samples
+    # x seq_length) are consumed
+    train_tokens: int | None = None
+    seq_length: int = 1
 
     @classmethod
     def from_config(cls, cfg: MegazeroConfig, dp: int) -> Batching:
@@ -42,12 +46,45 @@ class Batching:
         rampup = t.rampup_batch_size
         if rampup is not None:
             check_rampup(rampup, gbs, t.micro_batch_size, dp)
+        seq = cfg.model.seq_length
+        probe = cls(t.micro_batch_size, gbs, count, 1, dp, rampup, t.train_tokens, seq)
         iters = t.train_iters
         if iters is None and t.train_samples is not None:
-            iters = cls(t.micro_batch_size, gbs, count, 1, dp, rampup).iters_for(t.train_samples)
+            iters = probe.iters_for(t.train_samples)
+        if iters is None and t.train_tokens is not None:
+            iters = probe.iters_until(-(-t.train_tokens // seq))
         if not iters:
-            raise ConfigError("set --train-iters (or --train-samples) to say how long to train")
-        return cls(t.micro_batch_size, gbs, count, iters, dp, rampup)
+            raise ConfigError("set --train-iters (or --train-samples, or --train-tokens) to say "
+                              "how long to train")
+        return cls(t.micro_batch_size, gbs, count, iters, dp, rampup, t.train_tokens, seq)
+
+    def tokens_done(self, consumed_samples: int) -> bool:
+        """``--train-tokens`` is reached (Megatron-DeepSpeed's stop: tokens consumed >= it)."""
+        return self.train_tokens is not None and (
+            consumed_samples * self.seq_length >= self.train_tokens)
+
+    def samples_after(self, iterations: int) -> int:
+        """Samples consumed by the first ``iterations`` iterations."""
+        consumed = 0
+        for done in range(iterations):
+            if self.global_batch_at(consumed) == self.global_batch_size:
+                return consumed + (iterations - done) * self.global_batch_size
+            consumed += self.global_batch_at(consumed)
+        return consumed
+
+    def tokens_at(self, iterations: int) -> int:
+        """Tokens consumed by the first ``iterations`` iterations."""
+        return self.samples_after(iterations) * self.seq_length
+
+    def iters_until(self, samples: int) -> int:
+        """Iterations until at least ``samples`` are consumed (the last batch may pass it)."""
+        consumed = iters = 0
+        while consumed < samples:
+            if self.global_batch_at(consumed) == self.global_batch_size:
+                return iters + -(-(samples - consumed) // self.global_batch_size)
+            consumed += self.global_batch_at(consumed)
+            iters += 1
+        return iters
 
     def global_batch_at(self, consumed_samples: int) -> int:
         if self.rampup is None:

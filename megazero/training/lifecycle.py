@@ -21,7 +21,7 @@ from megazero.distributed.startup import enable_deterministic_mode, initialize_d
 from megazero.distributed.topology import ParallelTopology
 from megazero.observability.comms_logging import CommsLogger
 from megazero.observability.monitor import Monitor, Timers
-from megazero.optim.lr_scheduler import LRScheduler, build_lr_function
+from megazero.optim.lr_scheduler import LRScheduler, build_lr_function, decoupled_schedule
 from megazero.training.banner import describe_run
 from megazero.training.builders import (
     Batching,
@@ -69,7 +69,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     batching = Batching.from_config(cfg, topo.dp_size)
     train_ds, valid_ds = build_datasets(cfg, batching)
     chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
-    scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
+    schedule = build_lr_function(cfg.optimizer, batching.train_iters, batching.tokens_at)
+    scheduler = LRScheduler(engine, schedule,
+                            decoupled=decoupled_schedule(cfg.optimizer, schedule))
     logging = cfg.logging
     monitor = Monitor(logging, enabled=is_reporter, log_json=log_json or logging.log_json,
                       run_config=config_dict(cfg) if is_reporter else None)
@@ -93,6 +95,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
             run.monitor.info(line)
     check_save_dir(cfg.checkpoint.save, checkpoint_bytes(engine), topo, env.device)
     load(run)
+    # a token-counted schedule continues from the tokens consumed (a checkpoint older than
+    # token schedules holds the samples only)
+    scheduler.step(0, tokens=run.state.consumed_samples * cfg.model.seq_length)
     return run
 
 

@@ -40,6 +40,8 @@ def train(run: Run) -> TrainState:
     if run.env.device.type == "cuda":
         peak = peak_flops(torch.cuda.get_device_name(run.env.device),
                           cfg.precision.fp16 or cfg.precision.bf16)
+    if _complete(run):
+        return st
     data_iter = batch_iterator(run.train_ds, b, run.topo, st.consumed_samples)
     flags = ExitFlags()
     flags.install()
@@ -62,7 +64,7 @@ def train(run: Run) -> TrainState:
     run.timers.pop_overlapped()
     run.monitor.start_interval()
     try:
-        while st.iteration < b.train_iters:
+        while st.iteration < b.train_iters and not b.tokens_done(st.consumed_samples):
             t0 = time.perf_counter()
             gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
             profiler.before(st.iteration + 1)
@@ -136,7 +138,27 @@ def train(run: Run) -> TrainState:
         flags.uninstall()
         if cfg.train.manual_gc:
             gc.enable()
+    if st.exit_reason is None and b.tokens_done(st.consumed_samples):
+        run.monitor.info(f"reached --train-tokens {b.train_tokens:,} at iteration "
+                         f"{st.iteration} ({st.consumed_samples * b.seq_length:,} tokens)")
     if saved_at != st.iteration:
         with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
             save_if_sound(run, "final", saved_at)
     return st
+
+
+def _complete(run: Run) -> bool:
+    """A resumed run that has nothing left to train says so (and is marked as having exited,
+    so no evaluation or save follows): its checkpoint already reached --train-iters (or
+    --train-samples, --train-tokens)."""
+    st, b = run.state, run.batching
+    if st.iteration < b.train_iters and not b.tokens_done(st.consumed_samples):
+        return False
+    what = (f"--train-tokens {b.train_tokens:,} ({st.consumed_samples * b.seq_length:,} tokens "
+            "consumed)" if b.tokens_done(st.consumed_samples) else f"the {b.train_iters} "
+            "iterations to train (--train-iters or --train-samples)")
+    st.exit_reason = "already complete"
+    run.monitor.info(f"nothing to train: the checkpoint loaded from {run.cfg.checkpoint.load} "
+                     f"is at iteration {st.iteration}, which already reached {what}; the run "
+                     "is complete (raise --train-iters to train further)")
+    return True

@@ -134,8 +134,10 @@ def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
     with t.region("scheduler"):
-        if result.updated:
-            run.scheduler.step()
+        if result.updated:  # the tokens consumed once this iteration's batch is counted
+            consumed = run.state.consumed_samples + run.batching.global_batch_at(
+                run.state.consumed_samples)
+            run.scheduler.step(tokens=consumed * run.cfg.model.seq_length)
     if run.cfg.model.moe.enabled:
         from megazero.moe.router import update_expert_biases
 
