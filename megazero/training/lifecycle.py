@@ -75,7 +75,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     logging = cfg.logging
     monitor = Monitor(logging, enabled=is_reporter, log_json=log_json or logging.log_json,
                       run_config=config_dict(cfg) if is_reporter else None)
-    timers = Timers(enabled=logging.wall_clock_breakdown, device=env.device)
+    timers = Timers(enabled=logging.timed, device=env.device)
     if timers.enabled:
         time_forwards(chunks, timers)
         engine.comms.set_timers(timers)

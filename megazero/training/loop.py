@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megazero.checkpoint.ownership import HEARTBEAT_S, heartbeat
 from megazero.observability.flops import gpt_flops_per_iteration, peak_flops
 from megazero.observability.flops_profiler import for_run as flops_profiler_for
+from megazero.observability.optimizer_states import optimizer_state_stats
 from megazero.observability.profiling import StepProfiler
 from megazero.optim.onebit import exchange_scalars
 from megazero.training.builders import batch_iterator
@@ -93,6 +94,9 @@ def train(run: Run) -> TrainState:
                     # 1-bit optimizers: the bytes the step's compressed exchange sent
                     run.monitor.memory_phases.update(exchange_scalars(run.engine))
                     moe = moe_metrics(run, log_interval)
+                    if cfg.logging.log_optimizer_states_to_tensorboard:  # collective
+                        run.monitor.memory_phases.update(optimizer_state_stats(run.engine,
+                                                                               run.topo))
                     run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
                                        run.scheduler.get_lr(), gbs,
                                        cfg.model.seq_length, result.loss_scale, norm,
@@ -120,7 +124,8 @@ def train(run: Run) -> TrainState:
                     if cfg.train.manual_gc and cfg.train.manual_gc_eval:
                         gc.collect()
                 if val is not None:
-                    run.monitor.report_validation(st.iteration, val)
+                    run.monitor.report_validation(st.iteration, val,
+                                                  consumed_samples=st.consumed_samples)
             if (cfg.checkpoint.save_interval
                     and st.iteration % cfg.checkpoint.save_interval == 0):
                 with t.region("checkpoint save"), t.paused(), run.phase(
