@@ -118,21 +118,21 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
                                   ) -> tuple[Any, MegazeroConfig]:
     """The tokenizer, and the config with ``model.vocab_size`` (and the demo's data path) set.
 
-    ``--mock-data``: NullTokenizer over ``--vocab-size``. ``--data-path``: the tokenizer the
-    flags name. Neither: the built-in demo corpus (:mod:`megazero.data.demo`) with its own
-    tokenizer.
+    ``--mock-data``: NullTokenizer over ``--vocab-size``, or the tokenizer ``--tokenizer-type``
+    names, whose vocabulary then sizes the synthetic tokens (as in Megatron). ``--data-path``
+    (or ``--train-data-path``...): the tokenizer the flags name. Neither: the built-in demo
+    corpus (:mod:`megazero.data.demo`) with its own tokenizer.
     """
     import torch.distributed as dist
 
-    from megazero.data.tokenizers import NullTokenizer, SentencePieceTokenizer, build_tokenizer
+    from megazero.data.tokenizers import NullTokenizer, SentencePieceTokenizer
 
     d = cfg.data
-    if d.mock_data:
-        if d.tokenizer_type not in (None, "NullTokenizer"):
-            raise ConfigError(f"--mock-data works with --tokenizer-type NullTokenizer, got "
-                              f"{d.tokenizer_type}")
+    if d.mock_data and d.tokenizer_type in (None, "NullTokenizer"):
         tok: Any = NullTokenizer(cfg.model.vocab_size)
-    elif d.data_path:
+    elif d.mock_data:
+        tok = _named_tokenizer(cfg)
+    elif d.data_path or d.per_split_paths:
         if not d.tokenizer_type and d.vocab_file and d.merge_file:
             # Megatron's default tokenizer: GPT-2's BPE from --vocab-file and --merge-file.
             d = replace(d, tokenizer_type="GPT2BPETokenizer")
@@ -145,12 +145,7 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
                               "(SentencePieceTokenizer with --tokenizer-model, "
                               "HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer "
                               "with --vocab-size)")
-        try:
-            tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
-                                  vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                  vocab_size=cfg.model.vocab_size)
-        except (OSError, ValueError) as e:  # a missing or unreadable tokenizer file
-            raise DataError(f"--tokenizer-type {d.tokenizer_type}: {e}") from e
+        tok = _named_tokenizer(cfg)
     else:
         from megazero.data.demo import prepare_demo_data
 
@@ -168,6 +163,23 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
                                         tokenizer_model=data.tokenizer_model))
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=tok.vocab_size))
     return tok, cfg
+
+
+def _named_tokenizer(cfg: MegazeroConfig) -> Any:
+    """The tokenizer ``--tokenizer-type`` names, built from its files."""
+    from megazero.data.tokenizers import build_tokenizer
+
+    d = cfg.data
+    assert d.tokenizer_type is not None
+    try:  # --vocab-size sizes a NullTokenizer; TikTokenizer reads its file (up to 2**17 ids)
+        return build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                               vocab_file=d.vocab_file, merge_file=d.merge_file,
+                               vocab_size=cfg.model.vocab_size
+                               if d.tokenizer_type == "NullTokenizer" else None,
+                               tiktoken_pattern=d.tiktoken_pattern,
+                               tiktoken_num_special_tokens=d.tiktoken_num_special_tokens)
+    except (OSError, ValueError) as e:  # a missing or unreadable tokenizer file
+        raise DataError(f"--tokenizer-type {d.tokenizer_type}: {e}") from e
 
 
 def _quiet(*_: Any, **__: Any) -> None:
