@@ -154,8 +154,13 @@ def describe_run(run: Any) -> None:
     if d.mock_data:
         lines.append("> data: --mock-data (random tokens)")
     else:
-        lines.append(f"> data: {' '.join(d.data_path)} ({d.tokenizer_type}"
-                     + (f" {d.tokenizer_model}" if d.tokenizer_model else "") + ")")
+        where = " ".join(d.data_path) if not d.per_split_paths else "; ".join(
+            f"{name} {' '.join(paths)}" for name, paths in (
+                ("train", d.train_data_path), ("valid", d.valid_data_path),
+                ("test", d.test_data_path)) if paths)
+        lines.append(f"> data: {where} ({d.tokenizer_type}"
+                     + (f" {d.tokenizer_model}" if d.tokenizer_model else "")
+                     + (", .bin files read, not mapped" if not d.mmap_bin_files else "") + ")")
     if cfg.logging.tensorboard_dir:
         lines.append(f"> tensorboard: writing to {cfg.logging.tensorboard_dir}")
     if cfg.checkpoint.save:

@@ -201,7 +201,10 @@ def build_datasets(cfg: MegazeroConfig, batching: Batching) -> tuple[Any, Any]:
                         t.eval_iters),
                     data_path=tuple(cfg.data.data_path), split=cfg.data.split, seed=t.seed,
                     cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data,
-                    vocab_size=cfg.model.vocab_size)
+                    vocab_size=cfg.model.vocab_size,
+                    split_paths=(cfg.data.train_data_path, cfg.data.valid_data_path,
+                                 cfg.data.test_data_path),
+                    mmap=cfg.data.mmap_bin_files)
     try:
         train, valid_ds, _ = build_train_valid_test_datasets(dc)
     except (FileNotFoundError, ValueError) as e:  # a missing prefix, a split with no samples
