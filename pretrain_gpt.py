@@ -23,11 +23,6 @@ import warnings
 PROG = "pretrain_gpt.py"
 
 
-def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ARG001
-    """``pretrain_gpt.py: warning: ...`` without the source line warnings.warn would show."""
-    return f"{PROG}: warning: {message}\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     from megazero.errors import (
         EXIT_CODE,
@@ -35,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         debug_enabled,
         env_rank,
         expected_errors,
+        one_line_warnings,
         report_error,
     )
 
@@ -43,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     adopt_local_rank_argument(argv, os.environ)  # DeepSpeed's launcher: --local_rank=N
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    warnings.formatwarning = _format_warning
+    one_line_warnings(PROG)
     try:
         from megazero.config import load_config
 

@@ -52,6 +52,18 @@ class TopologyError(ValueError):
     """A layout that cannot be built from the sizes given."""
 
 
+def one_line_warnings(prog: str) -> None:
+    """Print every warning as ``prog: warning: ...``, without the file and source line that
+    ``warnings.warn`` shows (a user reads the message, not megazero's code)."""
+    import warnings
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             line: str | None = None) -> str:
+        return f"{prog}: warning: {message}\n"
+
+    warnings.formatwarning = show
+
+
 def expected_errors() -> tuple[type[BaseException], ...]:
     """The classes reported as one clean line."""
     return (MegazeroError, CheckpointError)

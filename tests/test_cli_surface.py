@@ -192,7 +192,7 @@ def error(argv, world_size) -> str:
 
 @pytest.mark.parametrize("argv, world, parts", [
     (["--num-attention-heads", "6", "--hidden-size", "48", "--tensor-model-parallel-size", "4"],
-     4, ["--num-attention-heads 6", "--tensor-model-parallel-size 4", "[1, 2, 3, 6]"]),
+     4, ["--num-attention-heads 6", "--tensor-model-parallel-size 4", "heads ([1, 2])"]),
     (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
      ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
     (["--hidden-size", "60"], 1, ["--hidden-size 60", "--num-attention-heads 8"]),

@@ -127,3 +127,31 @@ def test_schedule_and_decoupled_lengths_are_checked():
     assert "--decoupled-min-lr 1e-05 needs --decoupled-lr" in _error(
         ["--decoupled-min-lr", "1e-5"])
     assert "drop --data-path" in _error(["--data-path", "a", "--train-data-path", "b"])
+
+
+def test_empty_unused_memory_level(monkeypatch):
+    import torch
+
+    from megazero.training.loop import empty_unused_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for level, needs, device in ((0, 1, gpu), (1, 1, gpu), (1, 2, gpu), (2, 2, gpu),
+                                 (2, 1, cpu)):
+        empty_unused_memory(level, needs, device)
+    assert len(calls) == 2  # level 1 after iterations, level 2 after evaluations too
+
+
+def test_hints_offer_what_fits():
+    # a global batch below one step: one example, not "e.g. 8 or 8"
+    msg = _error(["--global-batch-size", "4", "--micro-batch-size", "4"], world=2)
+    assert "use a multiple of 8 (e.g. 8)" in msg, msg
+    # the TP sizes offered divide the heads and fit the launched world (6 heads, 4 ranks)
+    msg = _error(["--num-attention-heads", "6", "--hidden-size", "48",
+                  "--tensor-model-parallel-size", "4"], world=4)
+    assert "use a TP size that divides the heads ([1, 2])" in msg, msg
+    msg = _error(["--num-attention-heads", "6", "--hidden-size", "48",
+                  "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],
+                 world=8)
+    assert "([1, 2])" in msg, msg

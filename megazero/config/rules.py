@@ -113,6 +113,12 @@ def check_sequence_split(seq_length: int, tp: int, sequence_parallel: bool) -> N
               f"use a multiple of {tp}")
 
 
+def examples(*values: int) -> str:
+    """``e.g. 8 or 16`` from the positive candidates, each once (``e.g. 8`` when they agree)."""
+    shown = sorted({v for v in values if v > 0})
+    return "e.g. " + " or ".join(map(str, shown))
+
+
 def num_microbatches(global_batch: int, micro_batch: int, dp: int, *,
                      micro_name: str = "train_micro_batch_size_per_gpu (--micro-batch-size)",
                      dp_name: str | None = None, error: type[Exception] = ConfigError) -> int:
@@ -121,11 +127,10 @@ def num_microbatches(global_batch: int, micro_batch: int, dp: int, *,
     ``gradient_accumulation_steps`` can stand in for the micro-batch)."""
     step = micro_batch * dp
     if global_batch % step:
-        lower, upper = max(step, global_batch - global_batch % step), \
-            global_batch - global_batch % step + step
+        down = global_batch - global_batch % step
         raise error(f"train_batch_size (--global-batch-size) {global_batch} is not divisible by "
                     f"{micro_name} {micro_batch} x {dp_name or f'data-parallel size {dp}'} = "
-                    f"{step}; use a multiple of {step} (e.g. {lower} or {upper})")
+                    f"{step}; use a multiple of {step} ({examples(down, down + step)})")
     return global_batch // step
 
 
@@ -175,8 +180,8 @@ def check_microbatch_groups(pp: int, num_microbatches: int | None, group_size: i
           f"{_GROUP_FLAG} {n} is larger than the {count} micro-batches per iteration; use a "
           f"value from {pp} to {m} whose last group is empty or >= {pp}: {valid}")
     last = m % n
-    fits = (f"{gbs} rounded to a multiple of {n * per} (e.g. {m // n * n * per} or "
-            f"{(m // n + 1) * n * per})" if per else
+    fits = (f"{gbs} rounded to a multiple of {n * per} "
+            f"({examples(m // n * n * per, (m // n + 1) * n * per)})" if per else
             f"a number of micro-batches that is a multiple of {n}")
     check(last == 0 or last >= pp,
           f"{count} micro-batches in groups of {n} ({where}) leave a last group of {last}, "

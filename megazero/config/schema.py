@@ -134,7 +134,7 @@ def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, pp = p.tp, p.pp
-    check_tensor_parallel_split(m, tp, p.sequence_parallel)
+    check_tensor_parallel_split(m, tp, p.sequence_parallel, p.world_size, pp * p.cp)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage

@@ -55,6 +55,8 @@ def train(run: Run) -> TrainState:
         gc.collect()
     profiler = StepProfiler(cfg.logging, dist.get_rank() if dist.is_initialized() else 0,
                             run.env.device)
+    if (note := profiler.note()) is not None:
+        print(f"note: {note}", flush=True)
     # the profiled iteration's model FLOPs: ``gbs`` is read when the report is made
     flops_profiler = flops_profiler_for(
         run, lambda: gpt_flops_per_iteration(cfg.model, gbs, vocab))
@@ -74,6 +76,7 @@ def train(run: Run) -> TrainState:
                 run, data_iter, lambda: exit_votes(cfg.train, flags, start))
             st.iteration += 1
             st.consumed_samples += gbs
+            empty_unused_memory(cfg.train.empty_unused_memory_level, 1, run.env.device)
             for table in (profiler.after(st.iteration), flops_profiler.after(st.iteration)):
                 if table is not None:
                     print(table, flush=True)
@@ -121,6 +124,7 @@ def train(run: Run) -> TrainState:
                     if cfg.train.manual_gc and cfg.train.manual_gc_eval:
                         gc.collect()
                     val = evaluate(run)
+                    empty_unused_memory(cfg.train.empty_unused_memory_level, 2, run.env.device)
                     if cfg.train.manual_gc and cfg.train.manual_gc_eval:
                         gc.collect()
                 if val is not None:
@@ -167,3 +171,11 @@ def _complete(run: Run) -> bool:
                      f"is at iteration {st.iteration}, which already reached {what}; the run "
                      "is complete (raise --train-iters to train further)")
     return True
+
+
+def empty_unused_memory(level: int, needs: int, device: torch.device) -> None:
+    """Megatron's ``--empty-unused-memory-level``: return the CUDA caching allocator's unused
+    blocks to the driver after each iteration (level 1) and each evaluation too (level 2), at
+    the price of allocating them again. A CPU run has no such cache."""
+    if level >= needs and device.type == "cuda":
+        torch.cuda.empty_cache()
