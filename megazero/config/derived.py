@@ -1,7 +1,8 @@
 """Settings the merge derives once the sections are built: the warm-up and decay lengths given
-in samples or as a fraction turned into iterations, and the saved-input settings that have
-nothing to act on turned off (each with one warning). Kept apart from
-:mod:`megazero.config.merge`, which decides where each value comes from.
+in samples or as a fraction turned into iterations, the saved-input settings that have nothing
+to act on turned off (each with one warning), and the JSON's ``"auto"`` values filled with what
+the run will use. Kept apart from :mod:`megazero.config.merge`, which decides where each value
+comes from.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import warnings
 from dataclasses import replace
 from typing import Any
 
+from megazero.config.deepspeed import DS_CONFIG_KEYS
 from megazero.config.schema import MegazeroConfig
 from megazero.config.sections import ParallelConfig
 from megazero.errors import ConfigError
@@ -87,3 +89,43 @@ def saved_inputs_in_effect(parallel: ParallelConfig) -> ParallelConfig:
                       UserWarning, stacklevel=3)
         parallel = replace(parallel, cpu_checkpointing=False)
     return parallel
+
+
+def fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dict[str, Any]:
+    """``ds`` with each ``"auto"`` replaced by the value the run will use."""
+    out: dict[str, Any] = {}
+    for name, value in ds.items():
+        path = f"{parent}.{name}" if parent else name
+        key = DS_CONFIG_KEYS[path]
+        if isinstance(value, dict) and key.kind == "block":
+            out[name] = fill_auto(value, cfg, path)
+        elif value != "auto":
+            out[name] = value
+        elif isinstance(key.field, tuple):
+            out[name] = [_get(cfg, f) for f in key.field]
+        elif path == "scheduler.params.total_num_steps":
+            total = cfg.optimizer.lr_decay_iters or cfg.train.train_iters
+            if total is None:
+                raise ConfigError('scheduler.params.total_num_steps is "auto" but neither '
+                                  '--lr-decay-iters nor --train-iters is given; give one of them')
+            out[name] = total
+        elif path == "scheduler.params.cos_min_ratio":
+            out[name] = cfg.optimizer.min_lr / cfg.optimizer.lr if cfg.optimizer.lr else 0.0
+        elif path == "scheduler.params.warmup_min_lr":
+            # WarmupDecayLR ends at warmup_min_lr: the decay's floor is --min-lr (default 0)
+            out[name] = cfg.optimizer.min_lr
+        elif path == "scheduler.params.warmup_min_ratio":
+            out[name] = 0.0  # Megatron's warm-up starts from zero
+        elif path == "tensorboard.enabled":
+            out[name] = cfg.logging.tensorboard_dir is not None
+        elif key.field is not None:
+            out[name] = _get(cfg, key.field)
+        else:
+            out[name] = key.default
+    return out
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg

@@ -30,7 +30,6 @@ from typing import Any
 from megazero.config.cli import flag_values
 from megazero.config.deepspeed import (
     ADAM_ONLY_PARAMS,
-    DS_CONFIG_KEYS,
     LAMB_ONLY_PARAMS,
     ONEBIT_ONLY_PARAMS,
     OPTIMIZER_TYPES,
@@ -41,7 +40,7 @@ from megazero.config.deepspeed import (
     get_path,
     json_field_values,
 )
-from megazero.config.derived import saved_inputs_in_effect, schedule_lengths
+from megazero.config.derived import fill_auto, saved_inputs_in_effect, schedule_lengths
 from megazero.config.model_schema import ModelConfig
 from megazero.config.moe_schema import MoEConfig
 from megazero.config.optim_schema import (
@@ -237,40 +236,6 @@ def _section(name: str, merged: dict[str, tuple[str, Any]], **extra: Any) -> dic
     return kw
 
 
-def _fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dict[str, Any]:
-    """``ds`` with each ``"auto"`` replaced by the value the run will use."""
-    out: dict[str, Any] = {}
-    for name, value in ds.items():
-        path = f"{parent}.{name}" if parent else name
-        key = DS_CONFIG_KEYS[path]
-        if isinstance(value, dict) and key.kind == "block":
-            out[name] = _fill_auto(value, cfg, path)
-        elif value != "auto":
-            out[name] = value
-        elif isinstance(key.field, tuple):
-            out[name] = [_get(cfg, f) for f in key.field]
-        elif path == "scheduler.params.total_num_steps":
-            total = cfg.optimizer.lr_decay_iters or cfg.train.train_iters
-            if total is None:
-                raise ConfigError('scheduler.params.total_num_steps is "auto" but neither '
-                                  '--lr-decay-iters nor --train-iters is given; give one of them')
-            out[name] = total
-        elif path == "scheduler.params.cos_min_ratio":
-            out[name] = cfg.optimizer.min_lr / cfg.optimizer.lr if cfg.optimizer.lr else 0.0
-        elif path == "scheduler.params.warmup_min_lr":
-            # WarmupDecayLR ends at warmup_min_lr: the decay's floor is --min-lr (default 0)
-            out[name] = cfg.optimizer.min_lr
-        elif path == "scheduler.params.warmup_min_ratio":
-            out[name] = 0.0  # Megatron's warm-up starts from zero
-        elif path == "tensorboard.enabled":
-            out[name] = cfg.logging.tensorboard_dir is not None
-        elif key.field is not None:
-            out[name] = _get(cfg, key.field)
-        else:
-            out[name] = key.default
-    return out
-
-
 def _cuda_available() -> bool:
     import torch
 
@@ -288,12 +253,6 @@ def _backend(parallel: ParallelConfig) -> str:
     if dist.is_available() and dist.is_initialized():
         return "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
     return "nccl" if _cuda_available() else "gloo"
-
-
-def _get(cfg: Any, path: str) -> Any:
-    for part in path.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
@@ -333,7 +292,21 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
     problems: list[str] = []  # bad flag values, flags that contradict the JSON
     flags = flag_values(args or {}, problems)
     merged = _merge(found, flags, problems)
-    raise_problems([*pending, *problems], None if problems else "command line")
+    if pending or problems:  # with them, the first rule the rest breaks, in the same message
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _build(ds_checked, merged, flags, world_size)
+        except ConfigError as e:
+            problems.append(str(e))
+        raise_problems([*pending, *problems], None if problems else "command line")
+    return _build(ds_checked, merged, flags, world_size)
+
+
+def _build(ds_checked: dict[str, Any], merged: dict[str, tuple[str, Any]],
+           flags: dict[str, tuple[str, Any]], world_size: int) -> MegazeroConfig:
+    """The validated dataclasses from the merged ``{field: (source, value)}``."""
+    merged = dict(merged)
     if "logging.steps_per_print" in merged and "logging.log_interval" not in flags:
         # A DeepSpeed user's print interval is the log line's interval unless the flag is typed.
         merged["logging.log_interval"] = ("steps_per_print", merged["logging.steps_per_print"][1])
@@ -382,7 +355,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
     for note in script_notes(cfg):
         warnings.warn(note, UserWarning, stacklevel=2)
     cfg = schedule_lengths(cfg, {f for f, (src, _) in merged.items()})
-    filled = _fill_auto(copy.deepcopy(ds_checked), cfg)
+    filled = fill_auto(copy.deepcopy(ds_checked), cfg)
     if cfg.optimizer.scheduler_type is None:
         return cfg
     params = dict(filled["scheduler"].get("params", {}))

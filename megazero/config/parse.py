@@ -60,9 +60,7 @@ def raise_problems(problems: Sequence[str], where: str | None = "command line") 
         listed = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
         unknown_only = all(p.startswith(("unknown argument", "unexpected value"))
                            or " is not a megazero flag" in p for p in problems)
-        what = ("arguments are not megazero's" if unknown_only else
-                "problems" if where else "problems with the command line and the DeepSpeed "
-                "config")
+        what = "arguments are not megazero's" if unknown_only else "problems"
         raise ConfigError(f"{prefix}{len(problems)} {what}, all listed here: {listed}")
 
 
