@@ -78,10 +78,13 @@ def schedule_line(o: Any, train_iters: int) -> str:
     with its warm-up and decay lengths, in iterations or tokens, and the decoupled rate."""
     if o.scheduler_type:
         return f"> learning rate: DeepSpeed scheduler {o.scheduler_type} {o.scheduler_params}"
+    def iterations(n: int) -> str:
+        return f"{n} iteration{'' if n == 1 else 's'}"
+
     warmup = (f"{o.lr_warmup_tokens:,} tokens" if o.lr_warmup_tokens is not None
-              else f"{o.lr_warmup_iters} iterations")
+              else iterations(o.lr_warmup_iters))
     decay = (f"{o.lr_decay_tokens:,} tokens" if o.lr_decay_tokens is not None
-             else f"{o.lr_decay_iters or train_iters} iterations")
+             else iterations(o.lr_decay_iters or train_iters))
     line = (f"> learning rate: {o.lr_decay_style} from {o.lr:g} to {o.min_lr:g}, warm-up "
             f"{warmup}" + (f", decay over {decay}" if o.lr_decay_style != "constant" else ""))
     if o.decoupled_lr is not None:
