@@ -10,6 +10,7 @@ line and a JSON value for the same field must agree; ``"auto"`` in the JSON take
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from dataclasses import MISSING, fields
 from typing import Any
@@ -325,11 +326,13 @@ def _group(flag: Flag) -> str:
         flag.field.split(".")[0], "ZeRO and DeepSpeed config")
 
 
+@functools.lru_cache(maxsize=2)
 def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
     """The command-line parser, flags grouped under Megatron's headings. With ``explicit_only``
     every default is suppressed, so the namespace holds exactly the flags that were typed (used to
     detect flag-vs-JSON conflicts); that parser has no ``--help`` of its own
-    (:func:`parse_args` prints the full parser's help)."""
+    (:func:`parse_args` prints the full parser's help). Built once per kind (parsing does not
+    change it): the layout search parses thousands of command lines."""
     parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=not explicit_only,
                      exit_on_error=False,
                      usage="torchrun [--nproc_per_node N ...] %(prog)s [flags]",

@@ -11,6 +11,8 @@ This module imports nothing but :mod:`megazero.errors` at module level (no torch
 
 from __future__ import annotations
 
+import math
+
 from megazero.errors import ConfigError
 
 
@@ -20,8 +22,10 @@ def check(cond: bool, message: str, error: type[Exception] = ConfigError) -> Non
 
 
 def divisors(n: int) -> list[int]:
-    """The positive divisors of ``n``, ascending (the valid sizes error messages suggest)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The positive divisors of ``n``, ascending (the valid sizes error messages suggest);
+    pairs up to the square root, so a width of 14336 costs 120 steps, not 14336."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def check_world_size(world_size: int, tp: int, pp: int,

@@ -11,6 +11,7 @@ Megatron-style command-line flags and an optional DeepSpeed-style JSON config by
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -75,6 +76,7 @@ class MegazeroConfig:
                               etp=self.parallel.expert_tensor_parallel_size)
 
 
+@functools.cache
 def field_choices(path: str) -> tuple[Any, ...] | None:
     """The values a ``Literal``-typed field such as ``model.normalization`` accepts (None is
     left out: it is the "not given" default), or None for a field of another type."""
