@@ -103,3 +103,18 @@ def test_exported_sentencepiece_with_byte_fallback_gives_training_ids(sp_models,
             assert hf.encode(text).ids == ids, (tk, text)
             fallback += sum(1 for i in ids if hf.id_to_token(i).startswith("<0x"))
         assert fallback > 10  # the byte pieces were exercised
+
+
+def test_mock_data_takes_any_tokenizer_and_its_vocabulary(sp_models, tmp_path):
+    """Megatron's mock data with a real tokenizer (its old Mixtral example: Llama2Tokenizer and
+    --mock-data): the tokenizer's vocabulary sizes the model and the synthetic tokens."""
+    from megazero.config import load_config
+    from megazero.training.builders import build_tokenizer_and_data_path
+
+    tik = write_tiktoken_vocab(str(tmp_path / "tik.json"), "\n".join(TEXTS), 16)
+    for kind, model, vocab in (("Llama2Tokenizer", sp_models["bpe"], 600),
+                               ("TikTokenizer", tik, 1000 + 256 + 16)):
+        cfg = load_config(["--mock-data", "--tokenizer-type", kind, "--tokenizer-model", model,
+                           "--train-iters", "1"], 1)
+        tok, cfg = build_tokenizer_and_data_path(cfg, topo=None)
+        assert tok.vocab_size == cfg.model.vocab_size == vocab, kind
