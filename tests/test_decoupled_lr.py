@@ -48,14 +48,18 @@ ARGS = [*TINY, "--train-iters", "1", "--lr-warmup-iters", "0", "--lr-decay-style
 EMB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+@pytest.fixture(scope="module")
+def init():
+    return run_distributed(_step_once, 1, [*ARGS, "--lr", "0"])[0]  # nothing moves
+
+
 @pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "2",
                                          "--pipeline-model-parallel-size", "2",
                                          "--zero-stage", "2"]])
-def test_only_the_embedding_and_output_layer_move_at_lr_zero(layout):
+def test_only_the_embedding_and_output_layer_move_at_lr_zero(layout, init):
     """--lr 0 with --decoupled-lr X: after one step the embedding and output layer hold what a
     run at --lr X gives them, every other weight its initial value."""
     world = 4 if layout else 1
-    init, = run_distributed(_step_once, 1, [*ARGS, "--lr", "0"])  # nothing moves
     decoupled = run_distributed(_step_once, world, [*ARGS, *layout, "--lr", "0",
                                                     "--decoupled-lr", "1e-2"])
     plain = run_distributed(_step_once, world, [*ARGS, *layout, "--lr", "1e-2"])

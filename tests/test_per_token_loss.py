@@ -46,7 +46,7 @@ def test_per_token_loss_is_the_global_token_mean_at_any_cut(corpus):
     a = _run([*per_token, "--micro-batch-size", "2"])
     b = _run([*per_token, "--micro-batch-size", "1"])
     c = _run([*per_token, "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2",
-              "--tensor-model-parallel-size", "2", "--zero-stage", "1"], world=8)
+              "--zero-stage", "1"], world=4)  # dp 2 x pp 2: the counts cross both
     for run in (b, c):  # losses and the grad norm of the token mean
         assert run[0] == pytest.approx(a[0], rel=1e-5) and run[1] == pytest.approx(a[1], rel=1e-4)
     # the mean of micro-batch means moves with the cut

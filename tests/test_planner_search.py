@@ -166,3 +166,25 @@ def test_mixtral_on_64_h100s_and_llama3_on_8_in_well_under_a_minute():
     t0 = time.monotonic()
     llama = search([*preset_argv("llama3-8b"), "--bf16"], 8, h100, 128, keep=10)
     assert time.monotonic() - t0 < 60 and llama.fits
+
+
+def test_progress_bar_names_layouts_tried_the_best_and_the_time_left():
+    import io
+    from types import SimpleNamespace
+
+    from megazero.planner.progress import ProgressBar
+
+    out = io.StringIO()  # not a terminal: a line every quiet_every_s
+    bar = ProgressBar(out, width=10, quiet_every_s=0.0)
+    best = SimpleNamespace(label="tp2 cp1 pp1 1f1b dp4 z1 rc=none sp=on mbs=1",
+                           est=SimpleNamespace(time=SimpleNamespace(seconds=13.3)))
+    bar("shapes timed", 5, 10, None)
+    time.sleep(0.01)
+    bar("layouts tried", 3, 12, best)
+    bar.done("searched 100 layouts")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[#####.....] 5/10 shapes timed, none fits yet")
+    assert lines[1].startswith("[##........] 3/12 layouts tried, best so far tp2 cp1 pp1 1f1b "
+                               "dp4 z1 rc=none sp=on mbs=1 13.300 s,")
+    assert "s elapsed, about" in lines[1] and lines[1].endswith("s left")
+    assert lines[2] == "searched 100 layouts"
