@@ -23,24 +23,22 @@ import warnings
 PROG = "pretrain_gpt.py"
 
 
-def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ARG001
-    """``pretrain_gpt.py: warning: ...`` without the source line warnings.warn would show."""
-    return f"{PROG}: warning: {message}\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     from megazero.errors import (
-        EXIT_CODE,
         already_reported,
         debug_enabled,
         env_rank,
         expected_errors,
+        one_line_warnings,
         report_error,
     )
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    from megazero.distributed.device import adopt_local_rank_argument
+
+    adopt_local_rank_argument(argv, os.environ)  # DeepSpeed's launcher: --local_rank=N
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    warnings.formatwarning = _format_warning
+    one_line_warnings(PROG)
     try:
         from megazero.config import load_config
 
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.checkpoint.save, env_rank(), message))
     except Exception:
         if already_reported() and not debug_enabled():
-            return EXIT_CODE  # a peer stopped the job and said why; this is the consequence
+            return 0  # a peer stopped the job and said why; this is the consequence
         raise
     finally:
         destroy()

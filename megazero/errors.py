@@ -10,8 +10,9 @@ Who speaks: before the process group exists (flag and JSON errors) every rank co
 message, so ``RANK`` 0 prints it. Once the group exists an error may be raised by some ranks only
 (a file one node cannot read), so the first failing rank claims the job's error slot in the
 launcher's key-value store; rank 0 is given a short head start so that an error every rank hits is
-reported by rank 0. The other ranks exit with the same code without printing (see
-:func:`report_error` for how they make sure the speaking rank is heard).
+reported by rank 0. The other ranks leave quietly with status 0: the job fails through the one
+that spoke, and ``torchrun``'s failure summary names that one rank instead of one block per rank
+(see :func:`report_error`).
 
 ``MEGAZERO_DEBUG=1`` in the environment prints the full traceback on every rank as well.
 """
@@ -57,6 +58,18 @@ class CheckpointError(RuntimeError):
 
 class TopologyError(ValueError):
     """A layout that cannot be built from the sizes given."""
+
+
+def one_line_warnings(prog: str) -> None:
+    """Print every warning as ``prog: warning: ...``, without the file and source line that
+    ``warnings.warn`` shows (a user reads the message, not megazero's code)."""
+    import warnings
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             line: str | None = None) -> str:
+        return f"{prog}: warning: {message}\n"
+
+    warnings.formatwarning = show
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
@@ -128,24 +141,57 @@ def record_for_launcher(message: str, env: Mapping[str, str] = os.environ) -> bo
 
 
 def report_error(error: BaseException, prog: str, *, head_start_s: float = 1.0,
-                 grace_s: float = 20.0, on_report: Callable[[str], None] | None = None) -> int:
-    """Print ``prog: error: <message>`` once per job; return the exit status for every rank.
+                 siblings_s: float = 10.0, on_report: Callable[[str], None] | None = None) -> int:
+    """Print ``prog: error: <message>`` once per job; return this rank's exit status.
 
-    A rank that does not print waits ``grace_s`` before returning: the launcher stops the whole
-    job as soon as one rank exits, which must not happen before the speaking rank has printed.
-    When rank 0 has failed too, torchrun ends the waiting ranks early; a rank still alive after
-    the grace period saw an error rank 0 did not, and says it itself.
+    The speaking rank returns the error's status (and writes it where ``torchrun`` looks, so its
+    summary names the error); first it waits up to ``siblings_s`` for the other ranks on its
+    node to leave, so the launcher has nobody left to terminate (no "closing signal" lines, no
+    failure block per rank). Every other rank returns 0 at once, without a word: the job fails
+    through the rank that spoke, with status 2 (``MEGAZERO_DEBUG=1`` prints every rank's
+    traceback, and every rank then keeps the error's status).
     """
     rank = env_rank()
     code = getattr(error, "exit_code", EXIT_CODE)
-    record_for_launcher(f"{prog}: error: {error}")
     if debug_enabled():
         traceback.print_exception(error, file=sys.stderr)
-    if claim_report(rank, head_start_s):
-        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
-        if on_report is not None:  # e.g. kept for the next attempt of a restarted job
-            on_report(str(error))
-        return code
-    time.sleep(grace_s)
-    print(f"{prog}: error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    if not claim_report(rank, head_start_s):
+        return code if debug_enabled() else 0
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    record_for_launcher(f"{prog}: error: {error}")
+    if on_report is not None:  # e.g. kept for the next attempt of a restarted job
+        on_report(str(error))
+    wait_for_siblings(siblings_s)
     return code
+
+
+def _siblings() -> list[int]:
+    """The other worker processes the launcher started on this node (children of this
+    process's parent), when a launcher that starts them from one process (torchrun, DeepSpeed's)
+    is known to run this one; [] otherwise or without ``/proc``."""
+    if not ({"TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE"} & set(os.environ)):
+        return []
+    parent, me, found = os.getppid(), os.getpid(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] not in "ZX":
+            found.append(int(name))
+    return found
+
+
+def wait_for_siblings(timeout_s: float) -> None:
+    """Return once the launcher's other processes on this node have left (or after
+    ``timeout_s``: a rank blocked in a collective does not leave by itself)."""
+    deadline = time.monotonic() + timeout_s
+    while _siblings() and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -72,13 +72,26 @@ def test_banner_counts_the_model_under_zero_3():
 
 
 def test_banner_names_the_moe_layout():
+    """The MoE line, the active parameters beside the total (a token passes the top-k of each
+    layer's experts), and context parallelism inside the layout's product."""
+    import re
+
     from megazero.testing.launch import TINY, check, run_training
 
     out = check(run_training([*TINY, "--train-iters", "2", "--eval-iters", "0",
                               "--num-experts", "4", "--moe-router-topk", "1",
-                              "--moe-expert-capacity-factor", "1.5"]))
+                              "--moe-expert-capacity-factor", "1.5",
+                              "--context-parallel-size", "2", "--attention-dropout", "0"],
+                             nproc=2))
     assert ("> moe: 4 experts, top-1 (aux_loss), expert parallel 1, allgather dispatcher, "
             "capacity factor 1.5") in out, out
+    assert "> world 2 (gloo): tp 1 x cp 2 x pp 1 x dp 1, vpp 1" in out, out
+    total, active = (int(x.replace(",", "")) for x in re.search(
+        r"M parameters \(([\d,]+)\), [\d.]+M active per token \(([\d,]+), top-1\)",
+        out).groups())
+    # 4 layers x 4 experts of hidden 32 -> 128 -> 32 with biases; 3 of 4 idle per token
+    per_expert = 2 * 32 * 128 + 128 + 32
+    assert total - active == 4 * 3 * per_expert, (total, active)
 
 
 def test_banner_names_the_architecture():

@@ -34,8 +34,8 @@ def test_typos_are_suggested(flag, suggested):
 
 @pytest.mark.parametrize("flag, pointer", [
     ("--cpu-offload", "offload_optimizer"),
-    ("--wandb-project", '"wandb"'),
-    ("--train-data-path", "--data-path"),
+    ("--no-load-lr-state", "--override-opt_param-scheduler"),
+    ("--batch-size", "--micro-batch-size"),
     ("--model-parallel-size", "--tensor-model-parallel-size"),
 ])
 def test_renamed_flags_name_their_equivalent(flag, pointer):

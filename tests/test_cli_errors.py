@@ -80,3 +80,22 @@ def test_debug_env_brings_tracebacks_back():
     proc = _launch(TINY + ["--tensor-model-parallel-size", "3"], {"MEGAZERO_DEBUG": "1"})
     lines = _rank_lines(proc.stdout + "\n" + proc.stderr)
     assert [x for x in lines if "Traceback" in x]
+
+
+def test_a_failing_launch_is_one_failure_in_torchruns_summary():
+    """Every rank hits the same error before training: one rank says it, the others leave with
+    status 0 before it does, so torchrun terminates nobody and its summary names one failure.
+    What the user reads no longer grows with the ranks: megazero's one line, then torchrun's
+    own traceback and summary box (about 33 lines of Python 3.11, fixed)."""
+    proc = run_training([*TINY, "--tensor-model-parallel-size", "3", "--bogus-flag", "1"],
+                        nproc=RANKS, timeout=180)
+    text = proc.stdout + proc.stderr
+    lines = [x for x in text.splitlines() if x.strip()]
+    assert proc.returncode != 0
+    ours = [x for x in lines if x.startswith("pretrain_gpt.py:")]
+    assert len(ours) == 1 and ours[0].startswith(
+        "pretrain_gpt.py: error: 2 problems, all listed here: (1) unknown argument "
+        "'--bogus-flag'; see --help for the flags; (2) world size 4 is not divisible by tp*pp "
+        "= 3*1 = 3"), ours
+    assert "<NO_OTHER_FAILURES>" in text and "closing signal" not in text, text
+    assert text.count("exitcode  :") == 1 and len(lines) <= 36, text

@@ -166,3 +166,29 @@ def test_a_world_of_one_binds_its_store_at_once(monkeypatch):
     assert (got.rank, got.world_size) == (0, 1)
     assert os.environ["MASTER_PORT"] == str(store.port)
     assert (kwargs["rank"], kwargs["world_size"]) == (0, 1)
+
+
+def test_torchrun_inside_srun_takes_torchruns_local_rank():
+    """``srun torchrun ...``: SLURM's one task per node sees local id 0, torchrun's ranks are
+    0..7 on the node; the GPU is torchrun's LOCAL_RANK, not SLURM_LOCALID."""
+    env = {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
+           "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+           "SLURM_TASKS_PER_NODE": "1(x2)"}
+    launch = read_launch(env)
+    assert launch is not None and (launch.rank, launch.local_rank, launch.local_world_size) == (
+        11, 3, 8)
+    assert choose_device_index(env, 8, 11) == 3
+
+
+def test_deepspeed_launchers_local_rank_argument():
+    from megazero.distributed.device import adopt_local_rank_argument, local_rank_argument
+
+    assert local_rank_argument(["--local_rank=2", "--lr", "1"]) == 2
+    assert local_rank_argument(["--num-layers", "2", "--local-rank", "5"]) == 5
+    assert local_rank_argument(["--num-layers", "2"]) is None
+    env = {"RANK": "6", "WORLD_SIZE": "8"}  # the old torch.distributed.launch: no LOCAL_RANK
+    adopt_local_rank_argument(["--local_rank=6"], env)
+    assert env["LOCAL_RANK"] == "6" and choose_device_index(env, 8, 6) == 6
+    env = {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2"}  # the launcher's variable wins
+    adopt_local_rank_argument(["--local_rank=6"], env)
+    assert env["LOCAL_RANK"] == "2"

@@ -107,7 +107,7 @@ def test_timers_and_nan_counting(capsys):
     t.stop("optimizer")
     times = t.pop_all()
     assert 0.015 < times["optimizer"] < 1.0 and t.pop_all() == {}
-    mon = Monitor(LoggingConfig(), enabled=True)
+    mon = Monitor(LoggingConfig(wall_clock_breakdown=True), enabled=True)
     mon.record(float("nan"), False, 0.1)
     mon.record(None, True, 0.1)
     mon.record(2.0, False, 0.1, {"optimizer": 0.05})

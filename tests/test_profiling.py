@@ -43,3 +43,17 @@ def test_flags_and_an_empty_window():
     with pytest.raises(ConfigError, match="--profile-step-start 5 and --profile-step-end 5"):
         load_config(["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
                     world_size=1)
+
+
+def test_a_cuda_range_on_a_cpu_run_is_said_once():
+    cfg = LoggingConfig(profile=True, profile_step_start=4, profile_step_end=6,
+                        profile_ranks=(1, 3))
+    cpu = torch.device("cpu")
+    note = StepProfiler(cfg, 1, cpu).note()
+    assert note is not None and "nothing is profiled; add --use-pytorch-profiler" in note
+    assert "iterations 4-5" in note
+    assert StepProfiler(cfg, 3, cpu).note() is None  # the first profiling rank says it
+    assert StepProfiler(cfg, 0, cpu).note() is None  # not a profiling rank
+    assert StepProfiler(cfg, 1, torch.device("cuda", 0)).note() is None  # nsys captures it
+    with_torch = LoggingConfig(profile=True, use_pytorch_profiler=True, profile_ranks=(1,))
+    assert StepProfiler(with_torch, 1, cpu).note() is None

@@ -201,6 +201,21 @@ def test_lock_rules_without_processes(tmp_path, monkeypatch):
     assert not (tmp_path / ownership.LOCK).exists()
 
 
+def test_a_save_refreshes_the_heartbeat(tmp_path):
+    """verify(), called before every save, touches the lock: a long save interval on another
+    host does not make the live job's lock look stale to a second job."""
+    me = ownership.RunOwner.this_process("me")
+    assert ownership.claim(str(tmp_path), me) is None
+    lock = tmp_path / ownership.LOCK
+    old = time.time() - ownership.STALE_AFTER_S - 60
+    os.utime(lock, (old, old))
+    assert ownership.verify(str(tmp_path), me) is None
+    assert time.time() - os.path.getmtime(lock) < ownership.STALE_AFTER_S / 2
+    # seen from another host, the job is alive again
+    far_view = ownership.RunOwner("me", "elsewhere", 1, "1", "then")
+    assert ownership.owner_alive(far_view, str(tmp_path))
+
+
 def test_spike_rule():
     w = SpikeWatch(10.0, 5)
     assert not w.observe(1, 7.0, 3.0)

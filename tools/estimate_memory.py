@@ -94,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deepspeed-compat", action="store_true",
                     help="print what DeepSpeed's estimate_zero2/3_model_states_mem_needs print")
     args, rest = ap.parse_known_args(argv)
+    from megazero.errors import one_line_warnings
     from megazero.planner.estimate import estimate
+
+    one_line_warnings("estimate_memory.py")
 
     try:
         cluster = load_cluster(args.cluster)

@@ -73,7 +73,10 @@ def _tokenizer(config: dict, args: argparse.Namespace, vocab_size: int):
         return None
     return build_tokenizer(kind, tokenizer_model=data.get("tokenizer_model"),
                            vocab_file=data.get("vocab_file"), merge_file=data.get("merge_file"),
-                           vocab_size=vocab_size)
+                           vocab_size=vocab_size if kind == "NullTokenizer" else None,
+                           tiktoken_pattern=data.get("tiktoken_pattern"),
+                           tiktoken_num_special_tokens=data.get("tiktoken_num_special_tokens",
+                                                                1000))
 
 
 def _topology(backend: str | None = None):

@@ -38,11 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model",
-                   help="SentencePiece .model file, or a Hugging Face tokenizer.json (or its "
-                        "directory) for HuggingFaceTokenizer")
+                   help="SentencePiece .model file, a Hugging Face tokenizer.json (or its "
+                        "directory) for HuggingFaceTokenizer, a tiktoken .json for "
+                        "TikTokenizer")
     g.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
     g.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (TikTokenizer: "
+                                                  "the most ids, Megatron's --vocab-size)")
+    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default="v2",
+                   help="TikTokenizer's pre-tokenizer pattern")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer's ids reserved before the vocabulary")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")
     g = p.add_argument_group("output")
@@ -61,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_args = {"tokenizer_type": args.tokenizer_type,
                       "tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file,
                       "merge_file": args.merge_file, "vocab_size": args.vocab_size}
+    if args.tokenizer_type == "TikTokenizer":
+        tokenizer_args.update(tiktoken_pattern=args.tiktoken_pattern,
+                              tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
     if args.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
         return 2

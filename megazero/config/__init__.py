@@ -11,6 +11,8 @@ Modules:
   :mod:`~megazero.config.flag_aliases`).
 * :mod:`~megazero.config.deepspeed`: the table of DeepSpeed JSON keys and their checking.
 * :mod:`~megazero.config.jsonc`: reading JSON files as DeepSpeed does (comments, hjson relaxations).
+* :mod:`~megazero.config.parse`: a command line -> the flags it typed, every problem at once
+  (Megatron-LM / Megatron-DeepSpeed script flags in :mod:`~megazero.config.script_flags`).
 * :mod:`~megazero.config.merge`: flags + JSON -> ``{field: (source, value)}`` -> the dataclasses.
 
 :func:`load_config` is the entry point of ``pretrain_gpt.py``.
@@ -23,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from megazero.config.cli import FLAGS, build_parser, field_default, flag_values, parse_args
+from megazero.config.cli import FLAGS, build_parser, field_default, flag_values
 from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES, UnimplementedConfigWarning
 from megazero.config.jsonc import load_ds_json, parse_ds_json
 from megazero.config.merge import config_from_dict
@@ -35,6 +37,7 @@ from megazero.config.optim_schema import (
     PrecisionConfig,
     ZeroConfig,
 )
+from megazero.config.parse import parse_args, parse_args_collecting
 from megazero.config.rules import check_microbatch_groups, valid_microbatch_group_sizes
 from megazero.config.schema import MegazeroConfig, validate
 from megazero.config.sections import (
@@ -68,11 +71,15 @@ def load_config(argv: Sequence[str] | None, world_size: int | None = None,
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args, problems = parse_args_collecting(sys.argv[1:] if argv is None else argv)
     path = getattr(args, "deepspeed_config", None)
     if path is not None and ds_config is not None:
         raise ConfigError("give the DeepSpeed config either as --deepspeed_config or as a dict, "
                           "not both")
     if path is not None:
-        ds_config = load_ds_json(path)
-    return config_from_dict(ds_config, args, world_size)
+        try:
+            ds_config = load_ds_json(path)
+        except ConfigError as e:  # named with the command line's other problems
+            problems.append(str(e))
+    # every problem of the command line, and each flag that contradicts the JSON, in one error
+    return config_from_dict(ds_config, args, world_size, pending=problems)

@@ -3,40 +3,42 @@
 Every flag in :data:`FLAGS` fills one :class:`~megazero.config.MegazeroConfig` field; every JSON
 key is described in :data:`megazero.config.deepspeed.DS_CONFIG_KEYS`. A flag given on the command
 line and a JSON value for the same field must agree; ``"auto"`` in the JSON takes the flag's value
-(or the default). The merge itself is :mod:`megazero.config.merge`; the entry point is
-:func:`megazero.config.load_config`.
+(or the default). Parsing a command line is :mod:`megazero.config.parse`, the merge with the JSON
+:mod:`megazero.config.merge`; the entry point is :func:`megazero.config.load_config`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, fields
 from typing import Any
 
-from megazero.config.flag_aliases import rewrite_aliases, suggest
 from megazero.config.flag_help import GROUP_OF_FLAG, GROUP_OF_SECTION, GROUPS, HELP
+from megazero.config.flag_types import FLOAT as _FL
+from megazero.config.flag_types import INT as _I
+from megazero.config.flag_types import ON as _ON
+from megazero.config.flag_types import Flag
+from megazero.config.flag_types import flag as _f
 from megazero.config.schema import MegazeroConfig, field_choices
+from megazero.config.script_flags import (
+    SCRIPT_FLAG_GROUPS,
+    SCRIPT_FLAGS,
+    normalization_name,
+    split_proportions,
+)
 from megazero.config.sections import TOKENIZER_TYPES
 from megazero.errors import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of exiting, so callers and tests see the message."""
+    """argparse that raises instead of exiting: a bad value is an ``ArgumentError`` naming its
+    flag (:func:`megazero.config.parse.parse_args_collecting` notes it and parses on),
+    anything else a ConfigError."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"command line: {message}")
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One command-line option: its spellings, the field it fills and argparse settings."""
-
-    names: tuple[str, ...]
-    field: str
-    kwargs: dict[str, Any]
-    convert: Callable[[Any], Any] | None = None  # command-line value -> field value
 
 
 def _initial_loss_scale_power(value: float) -> int:
@@ -79,14 +81,6 @@ def _layer_freq(value: str) -> int | tuple[int, ...]:
     raise ConfigError(f"--moe-layer-freq {value!r}: expected an integer N or a list of 0/1 per "
                       "layer such as '[1,0,1,0]' or '([1]*3+[0])*2'")
 
-
-def _f(names: str, field: str, convert: Callable[[Any], Any] | None = None, **kw: Any) -> Flag:
-    return Flag(tuple(names.split()), field, kw, convert)
-
-
-_I: dict[str, Any] = {"type": int}
-_FL: dict[str, Any] = {"type": float}
-_ON: dict[str, Any] = {"action": "store_true"}
 
 FLAGS: tuple[Flag, ...] = (
     # parallelism
@@ -149,7 +143,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--position-embedding-type", "model.position_embedding_type"),
     _f("--rotary-base", "model.rotary_base", **_FL),
     _f("--rotary-percent", "model.rotary_percent", **_FL),
-    _f("--normalization", "model.normalization"),
+    _f("--normalization", "model.normalization", type=normalization_name),
     _f("--norm-epsilon", "model.norm_epsilon", **_FL),
     _f("--swiglu", "model.swiglu", **_ON),
     _f("--openai-gelu", "model.openai_gelu", **_ON),
@@ -258,7 +252,7 @@ FLAGS: tuple[Flag, ...] = (
     # data
     _f("--data-path", "data.data_path", lambda v: tuple(t for x in v for t in x.split()),
        nargs="+", help='"PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights for blending)'),
-    _f("--split", "data.split"),
+    _f("--split", "data.split", type=split_proportions),
     _f("--mock-data", "data.mock_data", **_ON),
     _f("--tokenizer-type", "data.tokenizer_type", choices=TOKENIZER_TYPES),
     _f("--tokenizer-model", "data.tokenizer_model"),
@@ -307,6 +301,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--profile-step-start", "logging.profile_step_start", **_I),
     _f("--profile-step-end", "logging.profile_step_end", **_I),
     _f("--profile-ranks", "logging.profile_ranks", tuple, nargs="+", type=int),
+    # flags of published Megatron-LM and Megatron-DeepSpeed scripts (megazero.config.script_flags)
+    *SCRIPT_FLAGS,
 )
 
 
@@ -345,16 +341,20 @@ def _help(flag: Flag) -> str:
 
 
 def _group(flag: Flag) -> str:
-    return GROUP_OF_FLAG.get(flag.names[0]) or GROUP_OF_SECTION.get(
+    return GROUP_OF_FLAG.get(flag.names[0]) or SCRIPT_FLAG_GROUPS.get(flag.names[0]) or \
+        GROUP_OF_SECTION.get(
         flag.field.split(".")[0], "ZeRO and DeepSpeed config")
 
 
+@functools.lru_cache(maxsize=2)
 def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
     """The command-line parser, flags grouped under Megatron's headings. With ``explicit_only``
     every default is suppressed, so the namespace holds exactly the flags that were typed (used to
     detect flag-vs-JSON conflicts); that parser has no ``--help`` of its own
-    (:func:`parse_args` prints the full parser's help)."""
+    (:func:`parse_args` prints the full parser's help). Built once per kind (parsing does not
+    change it): the layout search parses thousands of command lines."""
     parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=not explicit_only,
+                     exit_on_error=False,
                      usage="torchrun [--nproc_per_node N ...] %(prog)s [flags]",
                      description="Pretrain a GPT model (Megatron flags, DeepSpeed JSON config).",
                      epilog="Errors print one line; set MEGAZERO_DEBUG=1 for tracebacks.")
@@ -376,51 +376,10 @@ def build_parser(*, explicit_only: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Only the flags given in ``argv``; an unknown flag is an error that names the equivalent
-    flag (:mod:`megazero.config.flag_aliases`) or the closest spelling. ``-h``/``--help`` prints the
-    help and exits 0, as argparse does."""
-    argv = list(argv)
-    if any(a in ("-h", "--help") for a in argv[:argv.index("--") if "--" in argv else None]):
-        build_parser().print_help()
-        raise SystemExit(0)
-    argv = rewrite_aliases(argv)
-    parser = build_parser(explicit_only=True)
-    args, unknown = parser.parse_known_args(argv)
-    problems = _unknown_problems(unknown)
-    if len(problems) == 1:
-        raise ConfigError(f"command line: {problems[0]}")
-    if problems:
-        listed = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
-        raise ConfigError(f"command line: {len(problems)} arguments are not megazero's, all "
-                          f"listed here: {listed}")
-    return args
-
-
-def _unknown_problems(unknown: Sequence[str]) -> list[str]:
-    """One message per unknown flag; the values that follow an unknown flag belong to it."""
-    known = [n for flag in FLAGS for n in flag.names]
-    problems: list[str] = []
-    after_flag = False
-    for token in unknown:
-        if token.startswith("-") and not _is_number(token):
-            problems.append(suggest(token.split("=")[0], known, token))
-            after_flag = True
-        elif not after_flag:
-            problems.append(suggest(token, known, token))
-    return problems
-
-
-def _is_number(token: str) -> bool:
-    try:
-        float(token)
-        return True
-    except ValueError:
-        return False
-
-
-def flag_values(args: argparse.Namespace | dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    """field path -> (the flag as typed, the field value) for each flag in ``args``."""
+def flag_values(args: argparse.Namespace | dict[str, Any],
+                problems: list[str] | None = None) -> dict[str, tuple[str, Any]]:
+    """field path -> (the flag as typed, the field value) for each flag in ``args``. A value
+    its flag cannot take raises, or with ``problems`` is noted there and left out."""
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     out: dict[str, tuple[str, Any]] = {}
     for flag in FLAGS:
@@ -430,5 +389,10 @@ def flag_values(args: argparse.Namespace | dict[str, Any]) -> dict[str, tuple[st
         value = given[dest]
         if action in ("store_true", "store_false") and (action == "store_true") != bool(value):
             continue  # --no-flash-attn and --use-flash-attn share a dest: name the one typed
-        out[flag.field] = (flag.names[0], flag.convert(value) if flag.convert else value)
+        try:
+            out[flag.field] = (flag.names[0], flag.convert(value) if flag.convert else value)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append(str(e))
     return out

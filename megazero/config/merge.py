@@ -30,7 +30,6 @@ from typing import Any
 from megazero.config.cli import flag_values
 from megazero.config.deepspeed import (
     ADAM_ONLY_PARAMS,
-    DS_CONFIG_KEYS,
     LAMB_ONLY_PARAMS,
     ONEBIT_ONLY_PARAMS,
     OPTIMIZER_TYPES,
@@ -41,6 +40,7 @@ from megazero.config.deepspeed import (
     get_path,
     json_field_values,
 )
+from megazero.config.derived import fill_auto, saved_inputs_in_effect, schedule_lengths
 from megazero.config.model_schema import ModelConfig
 from megazero.config.moe_schema import MoEConfig
 from megazero.config.optim_schema import (
@@ -51,8 +51,10 @@ from megazero.config.optim_schema import (
     ZeroConfig,
     nccl_zero_defaults,
 )
+from megazero.config.parse import raise_problems
 from megazero.config.rules import num_microbatches
 from megazero.config.schema import MegazeroConfig
+from megazero.config.script_flags import script_notes
 from megazero.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -162,25 +164,26 @@ def _json_semantics(ds: dict[str, Any], found: dict[str, list[tuple[str, Any]]])
             found[f"logging.{block}"] = [(block, dict(ds[block]))]
 
 
-def _merge(found: dict[str, list[tuple[str, Any]]], flags: dict[str, tuple[str, Any]]
-           ) -> dict[str, tuple[str, Any]]:
-    """field -> (source, value); raise on two sources that disagree."""
+def _merge(found: dict[str, list[tuple[str, Any]]], flags: dict[str, tuple[str, Any]],
+           conflicts: list[str]) -> dict[str, tuple[str, Any]]:
+    """field -> (source, value); two sources that disagree are added to ``conflicts`` (every
+    one of them, so a launch names them all) and the flag's value is kept."""
     merged: dict[str, tuple[str, Any]] = {}
     for field in {**found, **flags}:
         sources = found.get(field, [])
         for path, value in sources[1:]:
             if not _same(value, sources[0][1]):
-                raise ConfigError(f"{sources[0][0]}: {_js(sources[0][1])} and {path}: "
-                                  f"{_js(value)} set the same thing differently; make them agree "
-                                  f"or write \"auto\" in one of them")
+                conflicts.append(f"{sources[0][0]}: {_js(sources[0][1])} and {path}: "
+                                 f"{_js(value)} set the same thing differently; make them "
+                                 f"agree or write \"auto\" in one of them")
         if field in flags:
             flag, value = flags[field]
             if sources and not _same(value, sources[0][1]):
                 shown = "" if isinstance(value, bool) else f" {_js(value)}"
-                raise ConfigError(f"{flag}{shown} on the command line conflicts with "
-                                  f"{sources[0][0]}: {_js(sources[0][1])} in the DeepSpeed "
-                                  f"config; remove one of them, make them agree, or write "
-                                  f"\"auto\" in the JSON to take the flag")
+                conflicts.append(f"{flag}{shown} on the command line conflicts with "
+                                 f"{sources[0][0]}: {_js(sources[0][1])} in the DeepSpeed "
+                                 f"config; remove one of them, make them agree, or write "
+                                 f"\"auto\" in the JSON to take the flag")
             merged[field] = (flag, value)
         else:
             merged[field] = sources[0]
@@ -233,40 +236,6 @@ def _section(name: str, merged: dict[str, tuple[str, Any]], **extra: Any) -> dic
     return kw
 
 
-def _fill_auto(ds: dict[str, Any], cfg: MegazeroConfig, parent: str = "") -> dict[str, Any]:
-    """``ds`` with each ``"auto"`` replaced by the value the run will use."""
-    out: dict[str, Any] = {}
-    for name, value in ds.items():
-        path = f"{parent}.{name}" if parent else name
-        key = DS_CONFIG_KEYS[path]
-        if isinstance(value, dict) and key.kind == "block":
-            out[name] = _fill_auto(value, cfg, path)
-        elif value != "auto":
-            out[name] = value
-        elif isinstance(key.field, tuple):
-            out[name] = [_get(cfg, f) for f in key.field]
-        elif path == "scheduler.params.total_num_steps":
-            total = cfg.optimizer.lr_decay_iters or cfg.train.train_iters
-            if total is None:
-                raise ConfigError('scheduler.params.total_num_steps is "auto" but neither '
-                                  '--lr-decay-iters nor --train-iters is given; give one of them')
-            out[name] = total
-        elif path == "scheduler.params.cos_min_ratio":
-            out[name] = cfg.optimizer.min_lr / cfg.optimizer.lr if cfg.optimizer.lr else 0.0
-        elif path == "scheduler.params.warmup_min_lr":
-            # WarmupDecayLR ends at warmup_min_lr: the decay's floor is --min-lr (default 0)
-            out[name] = cfg.optimizer.min_lr
-        elif path == "scheduler.params.warmup_min_ratio":
-            out[name] = 0.0  # Megatron's warm-up starts from zero
-        elif path == "tensorboard.enabled":
-            out[name] = cfg.logging.tensorboard_dir is not None
-        elif key.field is not None:
-            out[name] = _get(cfg, key.field)
-        else:
-            out[name] = key.default
-    return out
-
-
 def _cuda_available() -> bool:
     import torch
 
@@ -286,87 +255,17 @@ def _backend(parallel: ParallelConfig) -> str:
     return "nccl" if _cuda_available() else "gloo"
 
 
-def _get(cfg: Any, path: str) -> Any:
-    for part in path.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def _schedule_lengths(cfg: MegazeroConfig, given: set[str]) -> MegazeroConfig:
-    """Megatron's other ways to give the warm-up and decay lengths, turned into iterations:
-    ``--lr-warmup-fraction`` (of the decay steps) and ``--lr-warmup-samples`` /
-    ``--lr-decay-samples`` (divided by the global batch, which must divide them)."""
-    o, t = cfg.optimizer, cfg.train
-    warmups = [n for n, f in (("--lr-warmup-iters", "optimizer.lr_warmup_iters"),
-                              ("--lr-warmup-fraction", "optimizer.lr_warmup_fraction"),
-                              ("--lr-warmup-samples", "optimizer.lr_warmup_samples"))
-               if f in given]
-    if len(warmups) > 1:
-        raise ConfigError(f"{' and '.join(warmups)} all set the warm-up length; give one of them")
-    if o.lr_decay_samples is not None and "optimizer.lr_decay_iters" in given:
-        raise ConfigError("--lr-decay-iters and --lr-decay-samples both set the decay length; "
-                          "give one of them")
-    gbs = t.global_batch_size
-    assert gbs is not None  # the batch triad is filled in before the schedule lengths
-
-    def iters(flag: str, samples: int) -> int:
-        if samples < 0 or samples % gbs:
-            raise ConfigError(f"{flag} {samples} is not a multiple of the global batch size "
-                              f"{gbs}; use a multiple (e.g. {max(gbs, samples - samples % gbs)})")
-        return samples // gbs
-
-    kw: dict[str, Any] = {}
-    if o.lr_decay_samples is not None:
-        kw["lr_decay_iters"] = iters("--lr-decay-samples", o.lr_decay_samples)
-    if o.lr_warmup_samples is not None:
-        kw["lr_warmup_iters"] = iters("--lr-warmup-samples", o.lr_warmup_samples)
-    if o.lr_warmup_fraction is not None:
-        if not 0.0 <= o.lr_warmup_fraction <= 1.0:
-            raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction}: expected a "
-                              f"fraction between 0 and 1")
-        decay = kw.get("lr_decay_iters", o.lr_decay_iters) or t.train_iters or (
-            t.train_samples // gbs if t.train_samples else None)
-        if decay is None:
-            raise ConfigError("--lr-warmup-fraction needs the decay length: give --train-iters "
-                              "or --lr-decay-iters")
-        kw["lr_warmup_iters"] = int(o.lr_warmup_fraction * decay)
-    return replace(cfg, optimizer=replace(o, **kw)) if kw else cfg
-
-
-def _saved_inputs_in_effect(parallel: ParallelConfig) -> ParallelConfig:
-    """Turn off (with one warning each) the saved-input settings that have nothing to act on:
-    both need full recomputation (only its layer groups keep an input); distributing needs
-    tensor parallelism without sequence parallelism (with it the input is already split)."""
-    full = parallel.recompute_granularity == "full"
-    distribute, offload = parallel.distribute_saved_activations, parallel.cpu_checkpointing
-    why = None
-    if distribute and not full:
-        why = "needs --recompute-granularity full"
-    elif distribute and parallel.tp == 1:
-        why = "has nothing to distribute at --tensor-model-parallel-size 1"
-    elif distribute and parallel.sequence_parallel:
-        why = ("has nothing to distribute with --sequence-parallel (each tensor-parallel rank "
-               "already keeps 1/tp of the input)")
-    if why:
-        warnings.warn(f"--distribute-saved-activations (activation_checkpointing."
-                      f"partition_activations) {why}; turning it off", UserWarning, stacklevel=3)
-        parallel = replace(parallel, distribute_saved_activations=False)
-    if offload and not full:
-        warnings.warn("activation_checkpointing.cpu_checkpointing needs --recompute-granularity "
-                      "full (it moves the inputs full recomputation keeps); turning it off",
-                      UserWarning, stacklevel=3)
-        parallel = replace(parallel, cpu_checkpointing=False)
-    return parallel
-
-
 def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[str, Any] | None,
-                     world_size: int) -> MegazeroConfig:
+                     world_size: int, pending: list[str] | None = None) -> MegazeroConfig:
     """Build the config from a DeepSpeed dict and the flags that were typed.
 
     ``args`` must hold only the flags given on the command line (``parse_args(argv)``, or a dict
     ``{"micro_batch_size": 4}`` keyed by argparse dest): a full namespace with defaults would make
-    every default look like a typed flag and conflict with the JSON.
+    every default look like a typed flag and conflict with the JSON. ``pending``: problems the
+    command line already had (:func:`megazero.config.parse.parse_args_collecting`); they are
+    raised in one error with the flag-vs-JSON conflicts found here.
     """
+    pending = list(pending or [])
     ds_checked, todo = check_ds_config(ds or {})
     for path in todo:
         shown = get_path(ds_checked, path)
@@ -390,8 +289,24 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                       UnimplementedConfigWarning, stacklevel=3)
     found = json_field_values(ds_checked)
     _json_semantics(ds_checked, found)
-    flags = flag_values(args or {})
-    merged = _merge(found, flags)
+    problems: list[str] = []  # bad flag values, flags that contradict the JSON
+    flags = flag_values(args or {}, problems)
+    merged = _merge(found, flags, problems)
+    if pending or problems:  # with them, the first rule the rest breaks, in the same message
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _build(ds_checked, merged, flags, world_size)
+        except ConfigError as e:
+            problems.append(str(e))
+        raise_problems([*pending, *problems], None if problems else "command line")
+    return _build(ds_checked, merged, flags, world_size)
+
+
+def _build(ds_checked: dict[str, Any], merged: dict[str, tuple[str, Any]],
+           flags: dict[str, tuple[str, Any]], world_size: int) -> MegazeroConfig:
+    """The validated dataclasses from the merged ``{field: (source, value)}``."""
+    merged = dict(merged)
     if "logging.steps_per_print" in merged and "logging.log_interval" not in flags:
         # A DeepSpeed user's print interval is the log line's interval unless the flag is typed.
         merged["logging.log_interval"] = ("steps_per_print", merged["logging.steps_per_print"][1])
@@ -410,7 +325,7 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                       "turning it off", UserWarning, stacklevel=2)
         parallel = replace(parallel, sequence_parallel=False)
-    parallel = _saved_inputs_in_effect(parallel)
+    parallel = saved_inputs_in_effect(parallel)
     micro, gbs, gas = _batch_triad(merged, parallel.dp, parallel)
     train = TrainConfig(**_section("train", merged, micro_batch_size=micro,
                                    global_batch_size=gbs, gradient_accumulation_steps=gas,
@@ -439,8 +354,10 @@ def config_from_dict(ds: dict[str, Any] | None, args: argparse.Namespace | dict[
                 if name not in ("model", "parallel", "train")}
     cfg = MegazeroConfig(model=model, parallel=parallel, train=train, zero=ZeroConfig(**zero_kw),
                          **sections, **top)
-    cfg = _schedule_lengths(cfg, {f for f, (src, _) in merged.items()})
-    filled = _fill_auto(copy.deepcopy(ds_checked), cfg)
+    for note in script_notes(cfg):
+        warnings.warn(note, UserWarning, stacklevel=2)
+    cfg = schedule_lengths(cfg, {f for f, (src, _) in merged.items()})
+    filled = fill_auto(copy.deepcopy(ds_checked), cfg)
     if cfg.optimizer.scheduler_type is None:
         return cfg
     params = dict(filled["scheduler"].get("params", {}))

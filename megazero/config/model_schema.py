@@ -55,6 +55,10 @@ class ModelConfig:
     # Megatron's --qk-layernorm (Qwen3): --normalization over each head's queries and keys
     # (one head_dim weight each, shared by the heads) after the QKV projection, before RoPE
     qk_layernorm: bool = False
+    # Megatron's --apply-layernorm-1p: zero-centred norm weights, the norms scale by 1 + weight
+    apply_layernorm_1p: bool = False
+    # Megatron's --transformer-impl; megazero runs its own layers for either value
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # a config read back from JSON (checkpoint, converter)
@@ -140,17 +144,24 @@ class ModelConfig:
         return cls(**{**presets[name], **overrides})
 
 
-def check_tensor_parallel_split(m: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+def check_tensor_parallel_split(m: ModelConfig, tp: int, sequence_parallel: bool,
+                                world_size: int | None = None, others: int = 1) -> None:
     """Can this model be split over ``tp`` ranks? One rule for the CLI config and for a model
-    built directly from a :class:`ModelConfig`; every message names the numbers and the fix."""
+    built directly from a :class:`ModelConfig`; every message names the numbers and the fix.
+    With ``world_size`` the TP sizes offered are those the world holds beside the ``others``
+    (pp x cp) ranks."""
+
+    def fits(n: int) -> list[int]:
+        return [d for d in divisors(n) if world_size is None or world_size % (d * others) == 0]
+
     check(m.num_attention_heads % tp == 0,
           f"--num-attention-heads {m.num_attention_heads} is not divisible by "
           f"--tensor-model-parallel-size {tp}; use a TP size that divides the heads "
-          f"({divisors(m.num_attention_heads)}) or a multiple of {tp} heads")
+          f"({fits(m.num_attention_heads)}) or a multiple of {tp} heads")
     check(m.query_groups % tp == 0,
           f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size "
           f"{tp}; each TP rank needs whole key/value groups: use a TP size in "
-          f"{divisors(m.query_groups)} or a multiple of {tp} groups")
+          f"{fits(m.query_groups)} or a multiple of {tp} groups")
     check(m.ffn_size % tp == 0,
           f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
           f"{tp}; use a multiple of {tp}")

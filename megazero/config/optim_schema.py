@@ -194,6 +194,13 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = None  # warm-up = fraction x decay steps (Megatron)
     lr_warmup_samples: int | None = None  # sample-based lengths, turned into iterations
     lr_decay_samples: int | None = None  # by ds_merge once the global batch is known
+    # Megatron-DeepSpeed's token-based schedule: warm-up and decay counted in tokens consumed
+    lr_warmup_tokens: int | None = None
+    lr_decay_tokens: int | None = None
+    # Megatron's --decoupled-lr: the input embedding and output layer on their own peak and
+    # minimum learning rate (the same schedule shape)
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     scheduler_type: str | None = None  # DeepSpeed scheduler block: WarmupLR, WarmupDecayLR, ...
     scheduler_params: dict[str, Any] = field(default_factory=dict)  # its params, "auto" filled in
     # The DeepSpeed JSON has an "optimizer" block: the engine builds the optimizer from it.

@@ -11,6 +11,8 @@ This module imports nothing but :mod:`megazero.errors` at module level (no torch
 
 from __future__ import annotations
 
+import math
+
 from megazero.errors import ConfigError
 
 
@@ -20,8 +22,10 @@ def check(cond: bool, message: str, error: type[Exception] = ConfigError) -> Non
 
 
 def divisors(n: int) -> list[int]:
-    """The positive divisors of ``n``, ascending (the valid sizes error messages suggest)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The positive divisors of ``n``, ascending (the valid sizes error messages suggest);
+    pairs up to the square root, so a width of 14336 costs 120 steps, not 14336."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def check_world_size(world_size: int, tp: int, pp: int,
@@ -113,6 +117,12 @@ def check_sequence_split(seq_length: int, tp: int, sequence_parallel: bool) -> N
               f"use a multiple of {tp}")
 
 
+def examples(*values: int) -> str:
+    """``e.g. 8 or 16`` from the positive candidates, each once (``e.g. 8`` when they agree)."""
+    shown = sorted({v for v in values if v > 0})
+    return "e.g. " + " or ".join(map(str, shown))
+
+
 def num_microbatches(global_batch: int, micro_batch: int, dp: int, *,
                      micro_name: str = "train_micro_batch_size_per_gpu (--micro-batch-size)",
                      dp_name: str | None = None, error: type[Exception] = ConfigError) -> int:
@@ -121,11 +131,10 @@ def num_microbatches(global_batch: int, micro_batch: int, dp: int, *,
     ``gradient_accumulation_steps`` can stand in for the micro-batch)."""
     step = micro_batch * dp
     if global_batch % step:
-        lower, upper = max(step, global_batch - global_batch % step), \
-            global_batch - global_batch % step + step
+        down = global_batch - global_batch % step
         raise error(f"train_batch_size (--global-batch-size) {global_batch} is not divisible by "
                     f"{micro_name} {micro_batch} x {dp_name or f'data-parallel size {dp}'} = "
-                    f"{step}; use a multiple of {step} (e.g. {lower} or {upper})")
+                    f"{step}; use a multiple of {step} ({examples(down, down + step)})")
     return global_batch // step
 
 
@@ -175,8 +184,8 @@ def check_microbatch_groups(pp: int, num_microbatches: int | None, group_size: i
           f"{_GROUP_FLAG} {n} is larger than the {count} micro-batches per iteration; use a "
           f"value from {pp} to {m} whose last group is empty or >= {pp}: {valid}")
     last = m % n
-    fits = (f"{gbs} rounded to a multiple of {n * per} (e.g. {m // n * n * per} or "
-            f"{(m // n + 1) * n * per})" if per else
+    fits = (f"{gbs} rounded to a multiple of {n * per} "
+            f"({examples(m // n * n * per, (m // n + 1) * n * per)})" if per else
             f"a number of micro-batches that is a multiple of {n}")
     check(last == 0 or last >= pp,
           f"{count} micro-batches in groups of {n} ({where}) leave a last group of {last}, "

@@ -11,6 +11,7 @@ Megatron-style command-line flags and an optional DeepSpeed-style JSON config by
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -75,6 +76,7 @@ class MegazeroConfig:
                               etp=self.parallel.expert_tensor_parallel_size)
 
 
+@functools.cache
 def field_choices(path: str) -> tuple[Any, ...] | None:
     """The values a ``Literal``-typed field such as ``model.normalization`` accepts (None is
     left out: it is the "not given" default), or None for a field of another type."""
@@ -134,7 +136,7 @@ def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, pp = p.tp, p.pp
-    check_tensor_parallel_split(m, tp, p.sequence_parallel)
+    check_tensor_parallel_split(m, tp, p.sequence_parallel, p.world_size, pp * p.cp)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
@@ -188,8 +190,29 @@ def validate(cfg: MegazeroConfig) -> None:
           f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are both given; "
           f"give only one of them")
     o = cfg.optimizer
+    check(o.decoupled_min_lr is None or o.decoupled_lr is not None,
+          f"--decoupled-min-lr {o.decoupled_min_lr} needs --decoupled-lr (the peak learning rate "
+          "of the embedding and output layer)")
+    check(t.train_tokens is None or t.train_tokens > 0,
+          f"--train-tokens must be > 0, got {t.train_tokens}")
+    for flag, tokens in (("--lr-warmup-tokens", o.lr_warmup_tokens),
+                         ("--lr-decay-tokens", o.lr_decay_tokens)):
+        check(tokens is None or tokens >= 0, f"{flag} must be >= 0, got {tokens}")
+    check(t.empty_unused_memory_level in (0, 1, 2), f"--empty-unused-memory-level must be 0, 1 "
+          f"or 2, got {t.empty_unused_memory_level}")
+    d = cfg.data
+    if d.per_split_paths:
+        check(not d.data_path and not d.mock_data,
+              "--train-data-path / --valid-data-path / --test-data-path give each split its own "
+              f"corpus; drop {'--mock-data' if d.mock_data else '--data-path'} (or use "
+              "--data-path with --split instead)")
+        check(bool(d.train_data_path), "--valid-data-path / --test-data-path need "
+              "--train-data-path (the corpus to train on)")
     for flag, value, ok in (
             ("--lr (optimizer.params.lr)", o.lr, o.lr >= 0),
+            ("--decoupled-lr", o.decoupled_lr, o.decoupled_lr is None or o.decoupled_lr >= 0),
+            ("--decoupled-min-lr", o.decoupled_min_lr,
+             o.decoupled_min_lr is None or o.decoupled_min_lr >= 0),
             ("--min-lr", o.min_lr, o.min_lr >= 0),
             ("--adam-beta1 (optimizer.params.betas[0])", o.adam_beta1, 0 <= o.adam_beta1 < 1),
             ("--adam-beta2 (optimizer.params.betas[1])", o.adam_beta2, 0 <= o.adam_beta2 < 1),

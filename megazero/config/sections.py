@@ -19,8 +19,8 @@ from megazero.errors import ConfigError
 
 #: ``--tokenizer-type`` values (Megatron's names); :func:`megazero.data.tokenizers.build_tokenizer`
 #: builds each.
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
 
 
 #: What selective recomputation can rematerialise (Megatron's ``--recompute-modules`` names).
@@ -159,6 +159,18 @@ class DataConfig:
     merge_file: str | None = None
     data_cache_path: str | None = None
     eod_mask_loss: bool = False  # Megatron: no loss on the token that follows an end-of-document
+    # Megatron's --train/valid/test-data-path: each split its own corpus ("[W] PREFIX ...")
+    train_data_path: tuple[str, ...] = ()
+    valid_data_path: tuple[str, ...] = ()
+    test_data_path: tuple[str, ...] = ()
+    mmap_bin_files: bool = True  # --no-mmap-bin-files: read each .bin into memory
+    tiktoken_pattern: Literal["v1", "v2"] | None = None  # TikTokenizer's regex (None: v2)
+    tiktoken_num_special_tokens: int = 1000  # ids below the vocabulary (Megatron's default)
+
+    @property
+    def per_split_paths(self) -> bool:
+        """The splits come from their own corpora (--train-data-path ...), not --split."""
+        return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
 
 
 @dataclass(frozen=True)
@@ -191,6 +203,12 @@ class TrainConfig:
     manual_gc: bool = False  # Python's automatic GC off; collected every manual_gc_interval
     manual_gc_interval: int = 0  # iterations between collections (0: none during training)
     manual_gc_eval: bool = True  # also collect around evaluation
+    # Megatron-DeepSpeed's --train-tokens: stop once this many tokens are consumed
+    train_tokens: int | None = None
+    # Megatron's --calculate-per-token-loss: the loss is the sum over the global batch's tokens
+    # divided by their count (not a mean of per-micro-batch means)
+    calculate_per_token_loss: bool = False
+    empty_unused_memory_level: int = 0  # Megatron's: 1 empty the CUDA cache per iteration, 2 +eval
 
 
 @dataclass(frozen=True)
@@ -221,6 +239,34 @@ class LoggingConfig:
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: tuple[int, ...] = (0,)
+    # Megatron's TensorBoard switches
+    tensorboard_queue_size: int = 1000  # events held before a write (SummaryWriter max_queue)
+    log_timers_to_tensorboard: bool = False  # the regions' times, without the printed line
+    log_batch_size_to_tensorboard: bool = False  # + "batch-size vs samples"
+    log_optimizer_states_to_tensorboard: bool = False  # norms of the Adam moments and weights
+    log_validation_ppl_to_tensorboard: bool = False  # + "lm loss validation ppl vs samples"
+    # Megatron's wandb flags (the JSON's "wandb" block says the same)
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+
+    @property
+    def timed(self) -> bool:
+        """Whether the iterations' regions are timed: to print them or to write them."""
+        return self.wall_clock_breakdown or self.log_timers_to_tensorboard
+
+    @property
+    def wandb_block(self) -> dict[str, Any]:
+        """The JSON's ``wandb`` block with Megatron's ``--wandb-*`` flags folded in (a project
+        turns it on, as in Megatron)."""
+        block = dict(self.wandb)
+        if self.wandb_project:
+            block.update(enabled=True, project=self.wandb_project)
+        if self.wandb_exp_name:
+            block["job_name"] = self.wandb_exp_name
+        if self.wandb_save_dir:
+            block["output_path"] = self.wandb_save_dir
+        return block
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,10 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
         if name not in state:
             raise ConversionError(f"cannot convert: tensor {name!r} is missing from the megazero "
                                   "state")
-        return state[name].detach().to(torch.float32)
+        value = state[name].detach().to(torch.float32)
+        if m.apply_layernorm_1p and name.endswith("layernorm.weight"):
+            return value + 1  # zero-centred norms (--apply-layernorm-1p) scale by 1 + weight
+        return value
 
     heads, groups, d = m.num_attention_heads, m.query_groups, m.head_dim
     out: dict[str, torch.Tensor] = {}

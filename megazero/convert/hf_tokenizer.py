@@ -127,12 +127,20 @@ def _write_config(path: str, **fields: Any) -> None:
         json.dump({**base, **fields}, f, indent=2)
 
 
-def _export_sentencepiece(src: str, path: str) -> TokenizerExport:
+def _export_sentencepiece(src: str, path: str, add_bos: bool = False) -> TokenizerExport:
+    """``add_bos`` (Megatron's Llama2Tokenizer, which starts every text with ``<s>``): the
+    exported tokenizer puts the bos id first too, so it gives the ids training saw."""
     import sentencepiece as spm
+    from tokenizers import processors
 
     shutil.copyfile(src, os.path.join(path, SP_MODEL))
-    sentencepiece_to_hf(src).save(os.path.join(path, HF_JSON))
     sp = spm.SentencePieceProcessor(model_file=src)
+    hf = sentencepiece_to_hf(src)
+    if add_bos:
+        bos = sp.id_to_piece(sp.bos_id())
+        hf.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, sp.bos_id())])
+    hf.save(os.path.join(path, HF_JSON))
     ids = {k: (i if i >= 0 else None) for k, i in
            (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id()), ("unk", sp.unk_id()))}
     names = {f"{k}_token": (sp.id_to_piece(i) if i is not None else None) for k, i in ids.items()}
@@ -187,9 +195,10 @@ def export_tokenizer(info: dict[str, Any] | None, path: str) -> TokenizerExport:
     info = info or {}
     kind = info.get("tokenizer_type")
     os.makedirs(path, exist_ok=True)
-    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         need_file(info.get("tokenizer_model"), "tokenizer_model (--tokenizer-model)")
-        return _export_sentencepiece(info["tokenizer_model"], path)
+        return _export_sentencepiece(info["tokenizer_model"], path,
+                                     add_bos=kind == "Llama2Tokenizer")
     if kind == "GPT2BPETokenizer":
         return _export_gpt2(info, path)
     if kind == "HuggingFaceTokenizer":

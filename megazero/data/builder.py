@@ -1,7 +1,9 @@
 """From a data config to per-rank iterators of token batches.
 
 ``build_train_valid_test_datasets`` opens every ``--data-path`` prefix, splits its documents with
-``--split``, builds one :class:`GPTDataset` per (prefix, split) and blends prefixes by weight;
+``--split``, builds one :class:`GPTDataset` per (prefix, split) and blends prefixes by weight
+(with Megatron's ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` each split
+is its own corpus, whole);
 ``build_data_iterator`` serves one dp rank's micro-batches as ``{"tokens": LongTensor[b, s+1]}``.
 """
 
@@ -39,6 +41,9 @@ class DataConfig:
     cache_dir: str | None = None
     mock: bool = False
     vocab_size: int | None = None
+    # each split's own corpus ("[W1] PREFIX1 ..."), instead of data_path with split
+    split_paths: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())
+    mmap: bool = True  # False: read the .bin files instead of mapping them
 
     def __post_init__(self) -> None:
         if self.seq_length < 1:
@@ -48,7 +53,7 @@ class DataConfig:
                              f"test), got {self.num_samples}")
         if self.mock and not self.vocab_size:
             raise ValueError("mock data needs vocab_size (from the tokenizer)")
-        if not self.mock and not self.data_path:
+        if not self.mock and not self.data_path and not self.split_paths[0]:
             raise ValueError("no --data-path given (or use --mock-data)")
 
 
@@ -72,13 +77,11 @@ def build_train_valid_test_datasets(config: DataConfig, is_builder: bool | None 
     if config.mock:
         return [MockGPTDataset(config.vocab_size, config.seq_length, n, config.seed, name)
                 if n > 0 else None for n, name in zip(config.num_samples, SPLIT_NAMES)]
+    if config.split_paths[0]:
+        return [_whole_corpus(config, s, paths, is_builder, barrier, group)
+                for s, paths in enumerate(config.split_paths)]
     weighted = parse_data_path(list(config.data_path))
-    indexed = [IndexedDataset(prefix) for _, prefix in weighted]
-    if config.vocab_size:
-        for ds in indexed:
-            check_token_ids(ds, config.vocab_size,
-                            config.cache_dir or default_cache_dir(ds.path_prefix), is_builder,
-                            barrier, group)
+    indexed = _open(config, [prefix for _, prefix in weighted], is_builder, barrier, group)
     ranges = [split_document_ranges(config.split, ds.num_documents) for ds in indexed]
     weights = [w for w, _ in weighted]
     out: list = []
@@ -96,6 +99,34 @@ def build_train_valid_test_datasets(config: DataConfig, is_builder: bool | None 
                  for ds, r, k in zip(indexed, ranges, per_ds)]
         out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n))
     return out
+
+
+def _open(config: DataConfig, prefixes: list[str], is_builder: bool | None,
+          barrier: Callable[[], None] | None, group) -> list[IndexedDataset]:
+    """The prefixes' datasets, their token ids checked against the vocabulary."""
+    indexed = [IndexedDataset(prefix, mmap=config.mmap) for prefix in prefixes]
+    if config.vocab_size:
+        for ds in indexed:
+            check_token_ids(ds, config.vocab_size,
+                            config.cache_dir or default_cache_dir(ds.path_prefix), is_builder,
+                            barrier, group)
+    return indexed
+
+
+def _whole_corpus(config: DataConfig, s: int, paths: tuple[str, ...], is_builder: bool | None,
+                  barrier: Callable[[], None] | None, group):
+    """Split ``s`` from its own corpus (``--train-data-path`` ...): every document of each
+    prefix, blended by weight; None without samples asked or without a path for it."""
+    n, name = config.num_samples[s], SPLIT_NAMES[s]
+    if n == 0 or not paths:
+        return None
+    weighted = parse_data_path(list(paths))
+    indexed = _open(config, [prefix for _, prefix in weighted], is_builder, barrier, group)
+    per_ds = [n] if len(indexed) == 1 else sizes_needed([w for w, _ in weighted], n)
+    parts = [GPTDataset(ds, (0, ds.num_documents), config.seq_length, max(k, 1), config.seed,
+                        name, config.cache_dir, is_builder, barrier, group)
+             for ds, k in zip(indexed, per_ds)]
+    return parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in weighted], n)
 
 
 def _collate(samples: Sequence[dict]) -> dict[str, torch.Tensor]:

@@ -98,14 +98,17 @@ def _missing_files_error(prefix: str) -> FileNotFoundError:
 
 
 class IndexedDataset:
-    """Read-only view of a ``.bin``/``.idx`` pair; every item is a zero-copy numpy view."""
+    """Read-only view of a ``.bin``/``.idx`` pair; every item is a zero-copy numpy view of the
+    mapped ``.bin``. With ``mmap=False`` (Megatron's ``--no-mmap-bin-files``, for file systems
+    where mapping large files is slow or refused) each item is read from the file instead."""
 
-    def __init__(self, path_prefix: str) -> None:
+    def __init__(self, path_prefix: str, mmap: bool = True) -> None:
         if path_prefix.endswith((".bin", ".idx")) and not dataset_exists(path_prefix):
             path_prefix = path_prefix[:-4]
         if not dataset_exists(path_prefix):
             raise _missing_files_error(path_prefix)
         self.path_prefix = path_prefix
+        self.mmap = mmap
         idx_path = index_file_path(path_prefix)
         bin_path = data_file_path(path_prefix)
 
@@ -145,9 +148,11 @@ class IndexedDataset:
         self._validate(idx_path, bin_path)
 
         bin_size = os.path.getsize(bin_path)
+        self._bin_path = bin_path
+        self._bin_map: np.ndarray | None = None
         if bin_size == 0:  # np.memmap refuses empty files
             self._bin_map = np.zeros(0, dtype=np.uint8)
-        else:
+        elif mmap:
             self._bin_map = np.memmap(bin_path, mode="r", dtype=np.uint8)
 
     def _validate(self, idx_path: str, bin_path: str) -> None:
@@ -188,10 +193,24 @@ class IndexedDataset:
     def __getstate__(self) -> dict:
         """Pickle the path only: a memmap would otherwise be pickled as a full in-memory copy
         (e.g. when a spawn-started DataLoader worker receives the dataset)."""
-        return {"path_prefix": self.path_prefix}
+        return {"path_prefix": self.path_prefix, "mmap": self.mmap}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path_prefix"])
+        self.__init__(state["path_prefix"], state.get("mmap", True))
+
+    def read_tokens(self, start: int, count: int) -> np.ndarray:
+        """``count`` tokens from token ``start`` of the ``.bin`` (a view when mapped, else read
+        from the file)."""
+        itemsize = np.dtype(self.dtype).itemsize
+        if self._bin_map is not None:
+            return np.frombuffer(self._bin_map, dtype=self.dtype, count=count,
+                                 offset=start * itemsize)
+        with open(self._bin_path, "rb") as f:
+            f.seek(start * itemsize)
+            out = np.frombuffer(f.read(count * itemsize), dtype=self.dtype)
+        if len(out) != count:
+            raise IndexFormatError(f"{self._bin_path}: ends before token {start + count}")
+        return out
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset+length)`` of sequence ``idx`` as a read-only view."""
@@ -202,8 +221,7 @@ class IndexedDataset:
             raise IndexError(f"slice [{offset}, {offset + length}) out of sequence {idx} of "
                              f"length {seq_len}")
         itemsize = np.dtype(self.dtype).itemsize
-        start = int(self.sequence_pointers[idx]) + offset * itemsize
-        return np.frombuffer(self._bin_map, dtype=self.dtype, count=length, offset=start)
+        return self.read_tokens(int(self.sequence_pointers[idx]) // itemsize + offset, length)
 
     def __getitem__(self, idx: int | slice) -> np.ndarray | list[np.ndarray]:
         if isinstance(idx, slice):

@@ -29,10 +29,9 @@ def _scan_range(ds: IndexedDataset) -> tuple[int, int]:
     """Smallest and largest token id in ``ds`` ((0, -1) when it holds no tokens), chunk by
     chunk."""
     total = int(ds.sequence_lengths.sum(dtype=np.int64))
-    tokens = np.frombuffer(ds._bin_map, dtype=ds.dtype, count=total) if total else None
     lo, hi = 0, -1
     for start in range(0, total, _CHUNK_TOKENS):
-        chunk = tokens[start:start + _CHUNK_TOKENS]
+        chunk = ds.read_tokens(start, min(_CHUNK_TOKENS, total - start))
         lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
     return lo, hi
 

@@ -13,11 +13,14 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from megazero.data.gpt2_bpe import GPT2BPETokenizer
+from megazero.data.tiktoken_bpe import TikTokenizer
 
 __all__ = [
     "Tokenizer",
     "SentencePieceTokenizer",
+    "Llama2Tokenizer",
     "GPT2BPETokenizer",
+    "TikTokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
     "build_tokenizer",
@@ -70,6 +73,28 @@ class SentencePieceTokenizer:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's ``Llama2Tokenizer``: Llama 2's SentencePiece model, every text starting with
+    the model's ``<s>`` (bos) id, documents ending with ``</s>`` (eos, the end-of-document
+    token); the vocabulary is the model's, with no extra ids."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file)
+        bos = self._sp.bos_id()
+        if bos < 0:
+            raise ValueError(f"SentencePiece model {model_file!r} has no bos piece, which "
+                             "Llama2Tokenizer puts before every text; use "
+                             "SentencePieceTokenizer")
+        self._bos = int(bos)
+
+    @property
+    def bos(self) -> int:
+        return self._bos
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self._bos, *super().tokenize(text)]
 
 
 class HuggingFaceTokenizer:
@@ -143,19 +168,29 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
 
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
                     vocab_file: str | None = None, merge_file: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
+                    vocab_size: int | None = None, tiktoken_pattern: str | None = None,
+                    tiktoken_num_special_tokens: int = 1000) -> Tokenizer:
     """Build a tokenizer from Megatron-style arguments; errors name the missing flag."""
     # Megatron's GPTSentencePieceTokenizer also uses the model's eos as end of document.
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                          "Llama2Tokenizer"):
         if not tokenizer_model:
             raise ValueError(f"{tokenizer_type} needs --tokenizer-model")
+        if tokenizer_type == "Llama2Tokenizer":
+            return Llama2Tokenizer(tokenizer_model)
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "TikTokenizer":
+        if not tokenizer_model:
+            raise ValueError("TikTokenizer needs --tokenizer-model (its vocabulary, a .json "
+                             "list of ranks)")
+        return TikTokenizer(tokenizer_model, tiktoken_pattern or "v2",
+                            tiktoken_num_special_tokens, vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
             raise ValueError("GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file "

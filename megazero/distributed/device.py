@@ -9,6 +9,7 @@ Launchers say different things:
 - ``torchrun`` exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``;
 - ``srun`` exports ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` and the tasks per node
   (``SLURM_NTASKS_PER_NODE`` only when asked for, ``SLURM_TASKS_PER_NODE`` as ``8(x2),4``);
+- DeepSpeed's ``deepspeed`` launcher exports torchrun's names and passes ``--local_rank=N``;
 - ``mpirun`` (Open MPI) exports ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``,
   MVAPICH the same with ``MV2_COMM_WORLD_``; other operators set ``RANK``/``WORLD_SIZE`` only.
 
@@ -20,7 +21,7 @@ set per process by the launcher) that GPU is device 0 whatever the local rank.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 from megazero.config import ConfigError
@@ -91,6 +92,28 @@ def export_launch(env: MutableMapping[str, str]) -> Launch | None:
     if launch.local_world_size is not None:
         env.setdefault("LOCAL_WORLD_SIZE", str(launch.local_world_size))
     return launch
+
+
+def local_rank_argument(argv: Sequence[str]) -> int | None:
+    """The ``--local_rank=N`` (or ``--local-rank N``) that DeepSpeed's launcher and the old
+    ``torch.distributed.launch`` pass on the command line, or None. Both also export
+    ``LOCAL_RANK``, which wins where both are given; the argument fills it where it is missing
+    (:func:`adopt_local_rank_argument`)."""
+    for i, token in enumerate(argv):
+        name, has_value, value = token.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            if not has_value:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            if value.strip().isdigit():
+                return int(value)
+    return None
+
+
+def adopt_local_rank_argument(argv: Sequence[str], env: MutableMapping[str, str]) -> None:
+    """``LOCAL_RANK`` from the command line's ``--local_rank`` when the launcher exported none."""
+    local = local_rank_argument(argv)
+    if local is not None:
+        env.setdefault("LOCAL_RANK", str(local))
 
 
 def one_gpu_per_process(env: Mapping[str, str], device_count: int) -> bool:

@@ -82,6 +82,8 @@ class Embedding(nn.Module):
                                                     dtype=parallel.params_dtype)
             declare(self.position_embeddings.weight, key="position_embeddings.weight")
         declare(self.word_embeddings.weight, key="word_embeddings.weight")
+        # Megatron's is_embedding_or_output_parameter: its own rate with --decoupled-lr
+        self.word_embeddings.weight.embedding_or_output = True
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
@@ -165,6 +167,7 @@ class GPTModel(nn.Module):
                 weight.init_name = WORD_EMBEDDING
                 weight.shared_embedding = True
                 weight.shared = True
+            weight.embedding_or_output = True
             self.output_layer.weight = weight
         if tied and pre_process and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True

@@ -228,9 +228,10 @@ def declare_linear(layer: nn.Module, *, depth_scaled: bool = False) -> nn.Module
     return layer
 
 
-def declare_norm(norm: nn.Module) -> nn.Module:
-    """A norm's rule: unit weight, zero bias. Returns ``norm``."""
-    declare(norm.weight, "ones", key="weight")
+def declare_norm(norm: nn.Module, zero_centred: bool = False) -> nn.Module:
+    """A norm's rule: unit weight (zero when it is applied as ``1 + weight``), zero bias.
+    Returns ``norm``."""
+    declare(norm.weight, "zeros" if zero_centred else "ones", key="weight")
     declare(getattr(norm, "bias", None), "zeros", key="bias")
     return norm
 

@@ -41,6 +41,6 @@ def build_qk_norms(config: ModelConfig, parallel: ParallelContext
     norms = []
     for name in ("q_layernorm", "k_layernorm"):
         norm = build_norm(config.normalization, config.head_dim, config.norm_epsilon, False,
-                          parallel.params_dtype)
+                          parallel.params_dtype, config.apply_layernorm_1p)
         norms.append(scope(mark_tp_partial_grad(norm), name))
     return norms[0], norms[1]

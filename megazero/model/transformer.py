@@ -70,7 +70,7 @@ class TransformerLayer(nn.Module):
         sp = parallel.sequence_parallel
         self.dropout_stream = MODEL_PARALLEL_STREAM if sp else DEFAULT_STREAM
         norm = (config.normalization, config.hidden_size, config.norm_epsilon, sp,
-                parallel.params_dtype)
+                parallel.params_dtype, config.apply_layernorm_1p)
         self.input_layernorm = build_norm(*norm)
         self.self_attention = SelfAttention(config, parallel=parallel)
         self.pre_mlp_layernorm = build_norm(*norm)
@@ -132,7 +132,8 @@ class TransformerBlock(nn.Module):
         })
         self.final_layernorm = build_norm(
             config.normalization, config.hidden_size, config.norm_epsilon,
-            parallel.sequence_parallel, parallel.params_dtype) if post_process else None
+            parallel.sequence_parallel, parallel.params_dtype,
+            config.apply_layernorm_1p) if post_process else None
         if self.final_layernorm is not None:
             scope(self.final_layernorm, "final_layernorm")
         self.recompute_segments: list[tuple[int, int]] = []

@@ -144,9 +144,10 @@ class Monitor:
         if not enabled:
             return
         if config.tensorboard_dir:
-            self._tb = _open_tensorboard(config.tensorboard_dir, config.tensorboard_job_name)
-        if config.wandb.get("enabled"):
-            self._wandb = _open_wandb(config.wandb, run_config)
+            self._tb = _open_tensorboard(config.tensorboard_dir, config.tensorboard_job_name,
+                                         config.tensorboard_queue_size)
+        if config.wandb_block.get("enabled"):
+            self._wandb = _open_wandb(config.wandb_block, run_config)
         if config.csv_monitor.get("enabled"):
             path = config.csv_monitor.get("output_path") or "csv_monitor"
             self._csv_dir = os.path.join(path, config.csv_monitor.get("job_name") or "megazero")
@@ -196,7 +197,8 @@ class Monitor:
         With ``wall_clock_breakdown`` the iterations' regions (:class:`Timers`) are printed on
         a second line, per iteration, against the loop time (the interval's wall time over its
         iterations, logging included), with the share of it they account for; ``overlapped``
-        (asynchronous collectives' in-flight seconds) is printed apart."""
+        (asynchronous collectives' in-flight seconds) is printed apart. Timed for
+        ``--log-timers-to-tensorboard`` alone, they are written, not printed."""
         s, self.stats = self.stats, IntervalStats()
         now = time.perf_counter()
         wall, self._interval_start = now - self._interval_start, now
@@ -219,7 +221,7 @@ class Monitor:
 
             line += log_line_part(moe)
         print(line, flush=True)
-        if breakdown_ms:
+        if breakdown_ms and self.config.wall_clock_breakdown:
             print(format_breakdown(breakdown_ms, loop_ms, overlapped_ms), flush=True)
         scalars: dict[str, float] = {"learning-rate": lr, "batch-size": global_batch_size,
                                      "iteration-time": sec}
@@ -239,8 +241,11 @@ class Monitor:
             "consumed_samples": consumed_samples, "tokens_per_second": tokens,
             "tflops_per_device": tflops, "mfu": mfu, "skipped": s.skipped, "nan": s.nan,
             "memory_mb": mem[1]})
+        if self.config.log_batch_size_to_tensorboard:
+            self.write_vs_samples(consumed_samples, {"batch-size": global_batch_size})
 
-    def report_validation(self, iteration: int, loss: float, label: str = "validation") -> None:
+    def report_validation(self, iteration: int, loss: float, label: str = "validation",
+                          consumed_samples: int | None = None) -> None:
         if not self.enabled:
             return
         ppl = _perplexity(loss)
@@ -249,6 +254,8 @@ class Monitor:
         bar = "-" * len(line)
         print(f"{bar}\n{line}\n{bar}", flush=True)
         self.write_scalars(iteration, {f"lm loss {label}": loss, f"lm loss {label} ppl": ppl})
+        if self.config.log_validation_ppl_to_tensorboard and consumed_samples is not None:
+            self.write_vs_samples(consumed_samples, {f"lm loss {label} ppl": ppl})
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -272,6 +279,13 @@ class Monitor:
                              + "\n")
             self._json.flush()
 
+    def write_vs_samples(self, consumed_samples: int, scalars: dict[str, float]) -> None:
+        """Megatron's ``<tag> vs samples`` TensorBoard series: x is the samples consumed."""
+        if self._tb is not None:
+            for tag, value in scalars.items():
+                self._tb.add_scalar(f"{tag} vs samples", value, consumed_samples)
+            self._tb.flush()
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
@@ -292,7 +306,7 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
-def _open_tensorboard(directory: str, job_name: str | None) -> Any:
+def _open_tensorboard(directory: str, job_name: str | None, max_queue: int = 1000) -> Any:
     path = os.path.join(directory, job_name) if job_name else directory
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -300,7 +314,7 @@ def _open_tensorboard(directory: str, job_name: str | None) -> Any:
         warnings.warn(f"TensorBoard logging to {path} is off: {e} (pip install tensorboard)",
                       stacklevel=2)
         return None
-    return SummaryWriter(log_dir=path, max_queue=1000)
+    return SummaryWriter(log_dir=path, max_queue=max_queue)
 
 
 def _open_wandb(block: dict[str, Any], run_config: dict[str, Any] | None) -> Any:

@@ -32,6 +32,19 @@ class StepProfiler:
         self.table: str | None = None
         self.trace: str | None = None
 
+    def note(self) -> str | None:
+        """What a profiling rank should be told before the window: a CUDA profiler range on a
+        run without CUDA captures nothing (the first profiling rank says it, once)."""
+        if not self.active or self.cfg.use_pytorch_profiler or self.device.type == "cuda":
+            return None
+        if self.rank != min(self.cfg.profile_ranks):
+            return None
+        return (f"--profile without --use-pytorch-profiler marks iterations "
+                f"{self.cfg.profile_step_start}-{self.cfg.profile_step_end - 1} as an nsys "
+                f"capture range (cudaProfilerStart/Stop), which a run on {self.device.type} "
+                f"does not have: nothing is profiled; add --use-pytorch-profiler for "
+                f"torch.profiler's table and trace")
+
     def _out_dir(self) -> str:
         if self.cfg.tensorboard_dir:
             return self.cfg.tensorboard_dir

@@ -13,12 +13,20 @@ Timing follows each original so results match runs of the tools users come from:
 * DeepSpeed (``WarmupLR`` and friends): the scheduler starts at ``last_batch_iteration = -1``
   and is stepped *after* each optimizer step, so step ``k`` uses ``f(k - 1)``; ``f(-1)`` is the
   warm-up minimum (``WarmupLR``, ``WarmupDecayLR``) or 0 (``WarmupCosineLR``).
+* Megatron-DeepSpeed's token schedule (``--lr-warmup-tokens``, ``--lr-decay-tokens``): the same
+  shapes over the tokens consumed instead of the steps taken (:class:`MegatronSchedule`). The
+  step ``k`` uses the tokens of the ``k`` steps before it, as step-counted schedules use ``k``
+  (Megatron-DeepSpeed itself passes the count of one step earlier). Warm-up counted in steps with
+  decay counted in tokens starts the decay at the tokens the warm-up consumed, as there.
+* Megatron's ``--decoupled-lr``: parameter groups marked ``decoupled`` (the input embedding and
+  output layer) follow the same schedule between their own peak and minimum.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megazero.config import ConfigError, OptimizerConfig
@@ -39,7 +47,45 @@ def megatron_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, deca
     if step > decay_steps:
         return min_lr
     span = decay_steps - warmup_steps
-    ratio = (step - warmup_steps) / span if span > 0 else 1.0
+    return _decayed(max_lr, min_lr, (step - warmup_steps) / span if span > 0 else 1.0, style)
+
+
+@dataclass(frozen=True)
+class MegatronSchedule:
+    """Megatron's ``--lr-decay-style`` schedule as a value: ``schedule(steps, tokens)``. The
+    warm-up is counted in tokens when ``warmup_tokens`` is set, the decay when
+    ``decay_tokens`` is (Megatron-DeepSpeed's meaning), else both in optimizer steps."""
+
+    max_lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    style: str
+    warmup_tokens: int | None = None
+    decay_tokens: int | None = None
+
+    def __call__(self, step: int, tokens: int = 0) -> float:
+        if self.warmup_tokens is None and self.decay_tokens is None:
+            return megatron_lr(step, self.max_lr, self.min_lr, self.warmup_steps,
+                               self.decay_steps, self.style)
+        if self.warmup_tokens is None:  # warm-up in steps, decay in tokens
+            if self.warmup_steps > 0 and step <= self.warmup_steps:
+                return self.max_lr * step / self.warmup_steps
+        elif self.warmup_tokens > 0 and tokens <= self.warmup_tokens:
+            return self.max_lr * tokens / self.warmup_tokens
+        if self.style == "constant":
+            return self.max_lr
+        if self.decay_tokens is None:  # warm-up in tokens, decay in steps
+            return megatron_lr(step, self.max_lr, self.min_lr, 0, self.decay_steps, self.style)
+        if tokens > self.decay_tokens:
+            return self.min_lr
+        start = self.warmup_tokens or 0
+        span = self.decay_tokens - start
+        return _decayed(self.max_lr, self.min_lr, (tokens - start) / span if span > 0 else 1.0,
+                        self.style)
+
+
+def _decayed(max_lr: float, min_lr: float, ratio: float, style: str) -> float:
     if style == "linear":
         coeff = 1.0 - ratio
     elif style == "cosine":
@@ -96,8 +142,12 @@ def warmup_cosine_lr(it: int, base_lr: float, total_num_steps: int,
     return base_lr * max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * ratio)
 
 
-def build_lr_function(config: OptimizerConfig, train_iters: int | None) -> Callable[[int], float]:
-    """``f(step) -> lr`` for the configured schedule; ``step`` = optimizer steps already taken."""
+def build_lr_function(config: OptimizerConfig, train_iters: int | None,
+                      tokens_at: Callable[[int], int] | None = None) -> Callable[..., float]:
+    """``f(step) -> lr`` for the configured schedule; ``step`` = optimizer steps already taken.
+    Megatron's styles give a :class:`MegatronSchedule` (``f(step, tokens)``); ``tokens_at(k)``
+    (the tokens the first ``k`` steps consume) places a step-counted warm-up's end on the token
+    axis when the decay is counted in tokens."""
     if config.scheduler_type:
         kind = config.scheduler_type
         if kind not in DEEPSPEED_SCHEDULERS:
@@ -134,8 +184,33 @@ def build_lr_function(config: OptimizerConfig, train_iters: int | None) -> Calla
     if style != "constant" and config.lr_warmup_iters > decay:
         raise ConfigError(f"--lr-warmup-iters {config.lr_warmup_iters} exceeds --lr-decay-iters "
                           f"{decay}; warm-up must end before decay does")
-    return lambda step: megatron_lr(step, config.lr, config.min_lr, config.lr_warmup_iters,
-                                    decay, style)
+    warmup_tokens = config.lr_warmup_tokens
+    if config.lr_decay_tokens is not None:
+        if warmup_tokens is None and config.lr_warmup_iters > 0:
+            if tokens_at is None:
+                raise ConfigError("--lr-decay-tokens with a warm-up in iterations needs the "
+                                  "tokens per step; give --lr-warmup-tokens instead")
+            warmup_tokens = tokens_at(config.lr_warmup_iters)
+        if (warmup_tokens or 0) > config.lr_decay_tokens:
+            raise ConfigError(f"the warm-up ({warmup_tokens} tokens) ends after "
+                              f"--lr-decay-tokens {config.lr_decay_tokens}; warm-up must end "
+                              "before decay does")
+    return MegatronSchedule(config.lr, config.min_lr, config.lr_warmup_iters, decay, style,
+                            warmup_tokens, config.lr_decay_tokens)
+
+
+def decoupled_schedule(config: OptimizerConfig, schedule: Callable[..., float]
+                       ) -> MegatronSchedule | None:
+    """``--decoupled-lr``'s schedule: ``schedule``'s shape between the decoupled peak and
+    minimum (default ``--min-lr``), or None without the flag."""
+    if config.decoupled_lr is None:
+        return None
+    if not isinstance(schedule, MegatronSchedule):
+        raise ConfigError(f"--decoupled-lr {config.decoupled_lr} follows --lr-decay-style; the "
+                          f"DeepSpeed config's scheduler {config.scheduler_type!r} has no "
+                          "decoupled rate: drop one of them")
+    low = config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
+    return replace(schedule, max_lr=config.decoupled_lr, min_lr=low)
 
 
 class LRScheduler:
@@ -149,13 +224,18 @@ class LRScheduler:
     The attribute is read on every update, never cached: ``torch.optim.Optimizer.load_state_dict``
     replaces the group list, and a scheduler holding the old list would silently stop steering
     the learning rate after a checkpoint is loaded.
+
+    ``num_tokens`` (tokens consumed) feeds a token-counted :class:`MegatronSchedule`; groups
+    marked ``decoupled`` follow ``decoupled`` when given (Megatron's ``--decoupled-lr``).
     """
 
-    def __init__(self, optimizer: Any, lr_fn: Callable[[int], float],
-                 num_steps: int = 0) -> None:
+    def __init__(self, optimizer: Any, lr_fn: Callable[..., float],
+                 num_steps: int = 0, decoupled: MegatronSchedule | None = None) -> None:
         self.optimizer = optimizer
         self.lr_fn = lr_fn
+        self.decoupled = decoupled
         self.num_steps = int(num_steps)
+        self.num_tokens = 0
         self._apply()
 
     @property
@@ -168,22 +248,37 @@ class LRScheduler:
                     train_iters: int | None) -> LRScheduler:
         return cls(optimizer, build_lr_function(config, train_iters))
 
+    def _at(self, fn: Callable[..., float]) -> float:
+        if isinstance(fn, MegatronSchedule):
+            return fn(self.num_steps, self.num_tokens)
+        return fn(self.num_steps)
+
     def get_lr(self) -> float:
         """The learning rate the next optimizer step will use."""
-        return self.lr_fn(self.num_steps)
+        return self._at(self.lr_fn)
+
+    def get_decoupled_lr(self) -> float | None:
+        """The next step's rate of the ``decoupled`` groups, or None without them."""
+        return None if self.decoupled is None else self._at(self.decoupled)
 
     def _apply(self) -> None:
-        lr = self.get_lr()
+        lr, decoupled = self.get_lr(), self.get_decoupled_lr()
         for group in self.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            own = decoupled if group.get("decoupled") and decoupled is not None else lr
+            group["lr"] = own * group.get("lr_mult", 1.0)
 
-    def step(self, increment: int = 1) -> None:
+    def step(self, increment: int = 1, tokens: int | None = None) -> None:
+        """After an applied update: ``increment`` more steps taken; ``tokens``: the tokens
+        consumed so far (a step skipped by the loss scaler consumed its tokens too)."""
         self.num_steps += increment
+        if tokens is not None:
+            self.num_tokens = int(tokens)
         self._apply()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, "num_tokens": self.num_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_steps = int(state["num_steps"])
+        self.num_tokens = int(state.get("num_tokens", 0))  # checkpoints before token schedules
         self._apply()

@@ -32,6 +32,11 @@ MODEL_PRESETS: dict[str, str] = {
     "llama3-8b": f"--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
                  f"--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
                  f"--seq-length 8192 --vocab-size 128256 --rotary-base 500000 {LLAMA_FLAGS}",
+    # Megatron-LM's examples/mixtral: 8 experts, top-2, 46.7B parameters (12.9B active)
+    "mixtral-8x7b": f"--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+                    f"--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
+                    f"--seq-length 4096 --vocab-size 32000 --rotary-base 1000000 "
+                    f"--num-experts 8 --moe-router-topk 2 {LLAMA_FLAGS}",
 }
 
 

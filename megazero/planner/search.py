@@ -1,201 +1,271 @@
-"""Enumerate the layouts a run could use, keep those that fit, rank them by predicted time.
+"""Find the fastest layouts of a run that fit: every axis enumerated, timed first, memory
+estimated only where it can matter.
 
-A layout is (tp, pp, layers per virtual stage, ZeRO stage, optimizer offload, recompute, SP,
-micro-batch size); each candidate becomes pretrain_gpt.py flags and goes through
-``load_config`` so that only layouts the run would accept are kept. Memory is evaluated on the
-first and last pipeline stages (the first holds the most in-flight activations, the last the
-logits; middle stages hold less of both).
+The layouts (:mod:`.layouts`: TP, CP, PP and its schedule, EP and ETP, SP, micro-batch, ZeRO
+stage, offload, recomputation) are each timed by the step-time model
+(:func:`megazero.planner.step_time.step_time`, with the rank's parameters counted from cached
+layers, :mod:`.layer_params`), then taken fastest first: a layout whose model states and
+activations alone (a lower bound of its memory) exceed the device is pruned; the others get the
+full memory estimate (:func:`megazero.planner.estimate.estimate`, first and last pipeline
+stage) until ``keep`` layouts fit. A layout that does not fit brings its offloaded twin into
+the race (slower and smaller: it can never beat the layout it comes from, so it is timed only
+where that one does not fit).
+The stage-3 parameter gathers' latency needs the units of the whole model: a stage-3 layout is
+timed without it first (a lower bound) and exactly when it comes up. The layouts kept are
+checked once more through ``load_config`` of their flags, so the winner is what the run reads.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
-import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megazero.config import ConfigError, load_config, valid_microbatch_group_sizes
-from megazero.config.rules import divisors, sequence_parallel_active
+from megazero.config import ConfigError, MegazeroConfig, flag_values, load_config, parse_args
+from megazero.config.optim_schema import nccl_zero_defaults
+from megazero.planner.activations import (
+    core_attention_saves_scores,
+    peak_saved_bytes,
+    uses_sdpa_math,
+)
+from megazero.planner.candidate import Candidate
 from megazero.planner.cluster import Cluster, planning_argv
-from megazero.planner.estimate import Estimate, estimate
+from megazero.planner.estimate import estimate, zero3_layout
+from megazero.planner.layer_params import stage_numel
+from megazero.planner.layouts import (
+    RECOMPUTE,
+    Layout,
+    Shape,
+    fixed_axes,
+    layout_config,
+    microbatch_sizes,
+    shapes,
+)
+from megazero.planner.plan_report import (  # noqa: F401 (the tool's and tests' one import)
+    assumptions,
+    deepspeed_json,
+    dumps,
+    runner_up,
+    why_slower,
+    why_winner,
+    winner_flags,
+)
+from megazero.planner.shapes import meta_chunks, shape_topology
+from megazero.planner.step_time import step_time
+
+#: called as the search goes: (what it counts: "shapes timed" or "layouts tried", how many so
+#: far, of how many known now, the fastest layout found to fit so far or None)
+ProgressFn = Callable[[str, int, int, "Candidate | None"], None]
 
 
 @dataclass
-class Candidate:
-    flags: list[str]
-    est: Estimate
-
-    @property
-    def label(self) -> str:
-        c = self.est.config
-        p, z = c.parallel, c.zero
-        rc = p.recompute.granularity or "none"
-        off = "+off" if z.offload_optimizer.enabled else ""
-        return (f"tp{p.tp} pp{p.pp} vpp{c.vpp or 1} dp{c.layout().dp} z{z.stage}{off} "
-                f"rc={rc} sp={'on' if p.sequence_parallel else 'off'} "
-                f"mbs={c.train.micro_batch_size}")
+class SearchResult:
+    fits: list[Candidate]  # the fastest layouts that fit, fastest first
+    timed: int = 0  # layouts whose step time was predicted
+    checked: int = 0  # layouts whose memory was estimated in full
+    pruned: int = 0  # layouts whose model states and activations alone exceed the device
+    shapes: int = 0  # (tp, cp, pp, schedule, ep, etp, sp) combinations
+    closest: Candidate | None = None  # when nothing fits: the one needing the least memory
+    invalid: int = 0  # layouts the run would refuse (heads not divisible by tp...)
+    also: Candidate | None = None  # the fastest fitting layout ``also`` asked for
 
 
-def candidate_flags(num_layers: int, world: int, gpus_per_node: int, gbs: int,
-                    max_pp: int = 64, stages: tuple[int, ...] = (0, 1, 2, 3)
-                    ) -> list[list[str]]:
-    out = []
-    for tp in [d for d in divisors(gpus_per_node) if world % d == 0]:
-        for pp in [d for d in divisors(num_layers) if world % (tp * d) == 0 and d <= max_pp]:
-            dp = world // (tp * pp)
-            per_stage = num_layers // pp
-            vpps = [None] + ([k for k in divisors(per_stage) if 2 <= per_stage // k <= 4]
-                             if pp > 1 else [])
-            for mbs in (1, 2, 4, 8):
-                if gbs % (mbs * dp):
-                    continue
-                m = gbs // (mbs * dp)
-                for vl, stage, off, rc, sp in itertools.product(
-                        vpps, stages, (False, True), ("none", "selective", "full"),
-                        (False, True)):
-                    if (sp and not sequence_parallel_active(sp, tp)) or (off and stage == 0):
-                        continue
-                    if vl is not None and pp not in valid_microbatch_group_sizes(pp, m):
-                        continue
-                    f = [f"--tensor-model-parallel-size={tp}",
-                         f"--pipeline-model-parallel-size={pp}", f"--zero-stage={stage}",
-                         f"--micro-batch-size={mbs}", f"--global-batch-size={gbs}"]
-                    if vl is not None:
-                        f.append(f"--num-layers-per-virtual-pipeline-stage={vl}")
-                    if rc == "selective":
-                        f.append("--recompute-granularity=selective")
-                    elif rc == "full":
-                        f += ["--recompute-granularity=full", "--recompute-method=uniform",
-                              "--recompute-num-layers=1"]
-                    if sp:
-                        f.append("--sequence-parallel")
-                    if off:
-                        f.append("--offload-optimizer")  # planner-only marker, see _config
-                    out.append(f)
-    return out
-
-
-def _config(base: list[str], flags: list[str], world: int, cluster: Cluster | None = None):
-    from dataclasses import replace
-
+def _config(base: list[str], flags: list[str], world: int, cluster: Cluster | None = None
+            ) -> MegazeroConfig:
+    """The config of ``base`` + a layout's ``flags`` as the run reads it (``--offload-optimizer``
+    is the planner's marker for the JSON's ``offload_optimizer`` block)."""
     from megazero.config import OffloadConfig
 
     off = "--offload-optimizer" in flags
     argv = planning_argv(base, cluster) if cluster is not None else base
     cfg = load_config(argv + [f for f in flags if f != "--offload-optimizer"], world)
-    # the user's overlap_comm (flags or JSON), as estimate_memory.py reads it: one step-time
-    # model for both tools; the DeepSpeed JSON written for the winner says the same
-    zero = cfg.zero
     if off:
-        zero = replace(zero, offload_optimizer=OffloadConfig(device="cpu"))
-    return replace(cfg, zero=zero)
+        cfg = replace(cfg, zero=replace(cfg.zero, offload_optimizer=OffloadConfig(device="cpu")))
+    return cfg
+
+
+def _user_fields(argv: list[str], typed: dict[str, Any]) -> set[str]:
+    """Config fields the user set (flags, or keys of ``--deepspeed_config``)."""
+    fields = set(flag_values(typed))
+    path = typed.get("deepspeed_config")
+    if path:
+        from megazero.config import load_ds_json
+        from megazero.config.deepspeed import check_ds_config, json_field_values
+
+        fields |= set(json_field_values(check_ds_config(load_ds_json(path))[0]))
+    return fields
+
+
+@dataclass
+class _Search:
+    base: MegazeroConfig
+    cluster: Cluster
+    world: int
+    gbs: int
+    nccl: set[str] | None
+    fixed: dict[str, Any]
+    result: SearchResult = field(default_factory=lambda: SearchResult([]))
+    heap: list[tuple[float, int, Layout, MegazeroConfig, bool]] = field(default_factory=list)
+    seen: set[Layout] = field(default_factory=set)
+    units: dict[Shape, tuple[int, int]] = field(default_factory=dict)
+    order: Any = field(default_factory=itertools.count)
+
+    @property
+    def cpu(self) -> bool:
+        return self.cluster.name == "cpu"
+
+    def microbatches(self, cfg: MegazeroConfig) -> int:
+        return self.gbs // (cfg.train.micro_batch_size * cfg.layout().dp)
+
+    def flash(self, cfg: MegazeroConfig) -> bool:
+        return not core_attention_saves_scores(cfg, self.cpu)
+
+    def seconds(self, layout: Layout, cfg: MegazeroConfig, exact: bool) -> float:
+        units = buckets = 0
+        if layout.stage == 3 and exact:
+            units, buckets = self.zero3_units(layout.shape, cfg)
+        return step_time(cfg, self.cluster, self.microbatches(cfg), stage_numel(cfg, 0),
+                         units, buckets, flash=self.flash(cfg)).seconds
+
+    def zero3_units(self, shape: Shape, cfg: MegazeroConfig) -> tuple[int, int]:
+        """Stage-3 units gathered and gradient buckets of the whole model, as
+        :func:`estimate` counts them (cached per shape)."""
+        if shape not in self.units:
+            layout = cfg.layout()
+            own = layout.ep != layout.tp
+            parts = [zero3_layout(cfg, c, shape_topology(layout), dp=1, edp=1 if own else None)
+                     for c in meta_chunks(cfg, shape_topology(layout))]
+            self.units[shape] = (sum(x.gathered for x in parts), sum(len(x.buckets)
+                                                                     for x in parts))
+        return self.units[shape]
+
+    def push(self, layout: Layout) -> None:
+        if layout in self.seen:
+            return
+        self.seen.add(layout)
+        try:
+            cfg = layout_config(self.base, layout, self.world, self.gbs, self.nccl)
+        except ConfigError:
+            self.result.invalid += 1
+            return
+        exact = layout.stage != 3  # stage 3: timed without the gathers' latency first
+        heapq.heappush(self.heap, (self.seconds(layout, cfg, exact), next(self.order), layout,
+                                   cfg, exact))
+        self.result.timed += 1
+
+    def memory_floor(self, cfg: MegazeroConfig) -> float:
+        """Device bytes rank 0 holds at least: its model states (sharded over the widest group
+        ZeRO may use) and the activations its schedule keeps at its peak."""
+        from megazero.zero.optimizers import state_layout
+
+        z, layout = cfg.zero, cfg.layout()
+        n = stage_numel(cfg, 0)
+        shard = max(layout.dp * layout.cp, layout.edp)
+        e, g = cfg.precision.params_dtype.itemsize, cfg.precision.grad_dtype.itemsize
+        moments, _ = state_layout(cfg.optimizer)
+        weights = e * n / (shard if z.stage == 3 else 1)
+        grads = g * n / (shard if z.stage >= 2 else 1)
+        copy = 4 if e != 4 else 0
+        states = 0.0 if z.offload_optimizer.enabled else (copy + 4 * moments) * n / (
+            shard if z.stage >= 1 else 1)
+        flash = self.flash(cfg)
+        acts = peak_saved_bytes(cfg, 0, self.microbatches(cfg), flash=flash,
+                                sdpa_math=not flash and uses_sdpa_math(cfg, self.cpu))
+        return weights + grads + states + acts
+
+    def run(self, keep: int, progress: ProgressFn | None,
+            also: Callable[[Candidate], bool] | None = None) -> SearchResult:
+        res = self.result
+        smallest: tuple[float, Layout, MegazeroConfig] | None = None
+        def more() -> bool:
+            """Keep going: too few fit, none slower than the winner (the runner-up the report
+            compares it with), or the layout ``also`` asks for is still to find."""
+            slower = res.fits and res.fits[-1].est.time.seconds > res.fits[0].est.time.seconds * (
+                1 + 1e-9)
+            return len(res.fits) < keep or not slower or (also is not None and res.also is None)
+
+        while self.heap and more():
+            seconds, _, layout, cfg, exact = heapq.heappop(self.heap)
+            if progress is not None:
+                progress("layouts tried", res.checked + res.pruned,
+                         res.checked + res.pruned + len(self.heap),
+                         res.fits[0] if res.fits else None)
+            if not exact:  # its exact time is no smaller: back in line
+                heapq.heappush(self.heap, (self.seconds(layout, cfg, True), next(self.order),
+                                           layout, cfg, True))
+                continue
+            floor = self.memory_floor(cfg)
+            if smallest is None or floor < smallest[0]:
+                smallest = (floor, layout, cfg)
+            if floor > self.cluster.memory_bytes:
+                res.pruned += 1
+            else:
+                try:
+                    est = estimate(cfg, self.cluster, stages=sorted({0, cfg.parallel.pp - 1}))
+                except ConfigError:  # a layout the model cannot be built at
+                    res.invalid += 1
+                    continue
+                res.checked += 1
+                cand = Candidate(layout.flags(self.gbs), est)
+                if est.fits:
+                    res.fits.append(cand)
+                    if also is not None and res.also is None and also(cand):
+                        res.also = cand
+                    continue
+                if res.closest is None or (est.worst.device_total
+                                           < res.closest.est.worst.device_total):
+                    res.closest = cand
+            twin = layout.twin()
+            if twin is not None:
+                self.push(twin)
+        if not res.fits and res.closest is None and smallest is not None:
+            _, layout, cfg = smallest
+            est = estimate(cfg, self.cluster, stages=sorted({0, cfg.parallel.pp - 1}))
+            res.closest = Candidate(layout.flags(self.gbs), est)
+        return res
+
+
+def uses_experts(c: Candidate) -> bool:
+    """A layout with expert parallelism (``also`` for MoE models)."""
+    return c.est.config.parallel.expert_model_parallel_size > 1
 
 
 def search(base: list[str], world: int, cluster: Cluster, gbs: int,
-           stages: tuple[int, ...] = (0, 1, 2, 3)) -> tuple[list[Candidate], list[Candidate]]:
-    """(fitting candidates by predicted time, all evaluated candidates)."""
-    num_layers = load_config(base, world).model.num_layers
-    evaluated = []
-    for flags in candidate_flags(num_layers, world, cluster.gpus_per_node, gbs, stages=stages):
-        try:
-            cfg = _config(base, flags, world, cluster)
-            pp = cfg.parallel.pp
-            est = estimate(cfg, cluster, stages=sorted({0, pp - 1}))
-        except ConfigError:
-            continue
-        evaluated.append(Candidate(flags, est))
-    fits = sorted((c for c in evaluated if c.est.fits), key=lambda c: c.est.time.seconds)
-    return fits, evaluated
+           stages: tuple[int, ...] = (0, 1, 2, 3), keep: int = 10,
+           progress: ProgressFn | None = None,
+           also: Callable[[Candidate], bool] | None = None) -> SearchResult:
+    """The ``keep`` fastest layouts of ``base`` (pretrain_gpt.py flags) on ``world`` ranks of
+    ``cluster`` at global batch ``gbs`` that fit, fastest first (see the module's doc); with
+    ``also``, the search goes on until the fastest fitting layout it accepts is found too
+    (``result.also``: e.g. the best with expert parallelism when the winner has none)."""
+    argv = planning_argv(base, cluster)
+    cfg = load_config(argv, world)  # the user's flags as the run reads them (errors: theirs)
+    typed = vars(parse_args(argv))
+    user = _user_fields(argv, typed)
+    nccl = None
+    if (cfg.parallel.distributed_backend or "gloo") == "nccl":
+        nccl = {k for k in nccl_zero_defaults(1) if f"zero.{k}" not in user}
+    fixed = fixed_axes(typed, cfg)
+    s = _Search(cfg, cluster, world, gbs, nccl, fixed)
+    every = list(shapes(cfg, world, cluster.gpus_per_node, fixed))
+    for i, shape in enumerate(every):
+        s.result.shapes += 1
+        if progress is not None:
+            progress("shapes timed", i, len(every), None)
+        for mbs in microbatch_sizes(shape, world, gbs, fixed):
+            for stage in ([fixed["stage"]] if "stage" in fixed else stages):
+                for rc in ([fixed["rc"]] if "rc" in fixed else RECOMPUTE):
+                    s.push(Layout(shape, mbs, stage, False, rc))
+    res = s.run(max(keep, 2), progress, also)
 
+    def as_read(c: Candidate) -> Candidate:
+        """What the run reads from the flags: the same config, estimated once more."""
+        cfg = _config(base, c.flags, world, cluster)
+        return Candidate(c.flags, estimate(cfg, cluster, stages=sorted({0, cfg.parallel.pp - 1})))
 
-def why_slower(c: Candidate, winner: Candidate) -> str:
-    """The time terms where ``c`` loses most to the winner."""
-    a, b = c.est.time.terms, winner.est.time.terms
-    diffs = sorted(((a.get(k, 0) - b.get(k, 0), k) for k in set(a) | set(b)), reverse=True)
-    parts = [f"+{d:.3g}s {k}" for d, k in diffs[:2] if d > 0]
-    return ", ".join(parts) or "same predicted time"
-
-
-def runner_up(ranked: list[Candidate]) -> tuple[Candidate | None, list[Candidate]]:
-    """(the first candidate predicted slower than the winner, those tied with the winner: the
-    same predicted time, e.g. ZeRO stages 1 and 2 when gradients are reduced once a step)."""
-    win = ranked[0].est.time.seconds
-    ties = []
-    for c in ranked[1:]:
-        if c.est.time.seconds > win * (1 + 1e-9):
-            return c, ties
-        ties.append(c)
-    return None, ties
-
-
-def why_winner(winner: Candidate, runner_up: Candidate) -> str:
-    """One line: by how much the winner beats the runner-up and in which time terms (what it
-    saves, and what it pays for that), with the throughput of both."""
-    a, b = winner.est.time, runner_up.est.time
-    diffs = sorted(((b.terms.get(k, 0.0) - a.terms.get(k, 0.0), k)
-                    for k in set(a.terms) | set(b.terms)), reverse=True)
-    saves = [f"{d:.3g} s {k}" for d, k in diffs if d > 1e-9]
-    pays = [f"{-d:.3g} s {k}" for d, k in diffs if d < -1e-9]
-    gap = b.seconds - a.seconds
-    line = (f"beats the runner-up ({runner_up.label}) by {gap:.3g} s per iteration "
-            f"({gap / b.seconds:.1%}; {a.tokens_per_s:,.0f} vs {b.tokens_per_s:,.0f} tokens/s)")
-    if saves:
-        line += ": it saves " + ", ".join(saves)
-    if pays:
-        line += "; it pays " + ", ".join(pays)
-    return line
-
-
-def deepspeed_json(c: Candidate) -> dict[str, Any]:
-    cfg = c.est.config
-    t, z = cfg.train, cfg.zero
-    dp = cfg.layout().dp
-    gbs = t.global_batch_size or t.micro_batch_size * dp
-    ds: dict[str, Any] = {
-        "train_batch_size": gbs, "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": gbs // (t.micro_batch_size * dp),
-        "zero_optimization": {"stage": z.stage, "overlap_comm": z.overlap_comm,
-                              "contiguous_gradients": True},
-        "gradient_clipping": cfg.optimizer.clip_grad,
-    }
-    if z.offload_optimizer.enabled:
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if cfg.precision.bf16:
-        ds["bf16"] = {"enabled": True}
-    if cfg.precision.fp16:
-        ds["fp16"] = {"enabled": True, "loss_scale": 0}
-    return ds
-
-
-def winner_flags(c: Candidate, base: list[str]) -> str:
-    """The winner's command line. ``--vocab-size`` (from a model preset) only sizes synthetic
-    data; with a real corpus the tokenizer decides the vocabulary, so it is left out unless
-    the run uses ``--mock-data`` or the NullTokenizer."""
-    flags = [f for f in c.flags if f != "--offload-optimizer" and not f.startswith("--zero-")]
-    synthetic = "--mock-data" in base or "NullTokenizer" in base
-    kept: list[str] = []
-    skip = False
-    for i, f in enumerate(base):
-        if skip:
-            skip = False
-            continue
-        if f.split("=")[0] == "--vocab-size" and not synthetic:
-            skip = "=" not in f and i + 1 < len(base)
-            continue
-        kept.append(f)
-    return " ".join(kept + flags + ["--deepspeed_config", "ds_config.json"])
-
-
-def assumptions(cfg: Any, gbs_note: str = "") -> str:
-    """The batch and sequence a prediction is for, in one line."""
-    t, m = cfg.train, cfg.model
-    dp = cfg.layout().dp
-    gbs = t.global_batch_size or t.micro_batch_size * dp
-    return (f"assuming sequence length {m.seq_length}, micro-batch {t.micro_batch_size}, "
-            f"global batch {gbs}{gbs_note} ({gbs // (t.micro_batch_size * dp)} "
-            f"micro-batch(es) per iteration at dp {dp}), vocabulary {m.vocab_size}, overlap_comm "
-            f"{str(cfg.zero.overlap_comm).lower()}")
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2)
+    res.fits = sorted((as_read(c) for c in res.fits), key=lambda c: c.est.time.seconds)
+    if res.also is not None:
+        res.also = as_read(res.also)
+    return res

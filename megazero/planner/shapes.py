@@ -33,15 +33,24 @@ class ShapeGroup:
 def shape_topology(layout: ParallelLayout, pp_rank: int = 0, dp_rank: int = 0,
                    tp_rank: int = 0) -> ParallelTopology:
     """A topology with ``layout``'s sizes and the rank at the given coordinates; its TP group
-    is a :class:`ShapeGroup` (the others are absent)."""
+    (and with context parallelism its CP and TP x CP groups, which an MoE router sums over) are
+    :class:`ShapeGroup` stand-ins (the others are absent)."""
+    from megazero.config.layout import TP_CP_GROUP_KIND
+
     groups: dict = {k: None for k in GROUP_KINDS}
     if layout.tp > 1:
         groups["tp"] = ShapeGroup(layout.tp, tp_rank)
+    if layout.cp > 1:
+        groups["cp"] = ShapeGroup(layout.cp, 0)
+        if layout.tp > 1:
+            groups[TP_CP_GROUP_KIND] = ShapeGroup(layout.tp * layout.cp, tp_rank)
     return ParallelTopology(layout, layout.rank(pp_rank, dp_rank, tp_rank), groups)
 
 
 @contextmanager
-def _shape_only():
+def shape_only():
+    """Inside, layers build with :class:`ShapeGroup` stand-ins and without initialising their
+    weights (values do not change byte counts)."""
     real_size, real_rank = dist.get_world_size, dist.get_rank
 
     def size(group=None):
@@ -78,7 +87,7 @@ def _build(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]
     from megazero.pipeline.partition import build_model_chunks
     from megazero.tensor_parallel.context import ParallelContext
 
-    with torch.device("meta"), _shape_only():  # shape-only groups answer size and rank here
+    with torch.device("meta"), shape_only():  # shape-only groups answer size and rank here
         parallel = ParallelContext.from_topology(
             topo, sequence_parallel=cfg.parallel.sequence_parallel)
         chunks = build_model_chunks(cfg.model, topo,

@@ -53,6 +53,32 @@ def run_training(args: list[str], nproc: int = 1, timeout: float = 240,
     return proc
 
 
+def run_like_deepspeed(args: list[str], nproc: int, timeout: float = 240
+                       ) -> subprocess.CompletedProcess:
+    """Start ``pretrain_gpt.py`` on ``nproc`` local ranks as DeepSpeed's launcher
+    (``deepspeed --num_gpus N pretrain_gpt.py ...``, its ``launcher/launch.py``) does: one
+    process per rank with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``
+    and its ``LOCAL_SIZE``/``CROSS_*`` in the environment, and ``--local_rank=N`` first on the
+    command line. Returns the ranks' output together (rank 0's first) and the worst status."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        rank_env = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc), "CROSS_RANK": "0",
+                    "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-u", SCRIPT, f"--local_rank={rank}",
+                                       *args], env=rank_env, cwd=REPO, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    code = max((p.returncode for p in procs), key=abs)
+    return subprocess.CompletedProcess(procs[0].args, code, "".join(o for o, _ in outs),
+                                       "".join(e for _, e in outs))
+
+
 def check(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
                                  f"{proc.stderr[-5000:]}"

@@ -17,7 +17,8 @@ from megazero.tensor_parallel.utils import is_duplicate_copy
 
 
 def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology,
-                          shapes: dict[int, torch.Size] | None = None) -> float:
+                          shapes: dict[int, torch.Size] | None = None,
+                          experts_only: bool = False) -> float:
     """This rank's share of the model's parameter count; summed over every rank and divided by
     the dense replicas (dp x cp) it is the count of the model itself, the same at every layout
     (MoE experts, replicated over their expert-data-parallel group instead, weighed to match).
@@ -34,6 +35,8 @@ def local_parameter_share(chunks: list[torch.nn.Module], topo: ParallelTopology,
     for c in chunks:
         for p in c.parameters():
             if is_duplicate_copy(p, topo.tp_rank):
+                continue
+            if experts_only and not getattr(p, "expert", False):
                 continue
             numel = math.prod(shapes[id(p)]) if shapes and id(p) in shapes else p.numel()
             # an MoE expert has edp replicas where a dense tensor has dp (x cp): weigh it so
@@ -70,6 +73,26 @@ def architecture(m: Any) -> str:
     return ", ".join(parts)
 
 
+def schedule_line(o: Any, train_iters: int) -> str:
+    """The learning-rate schedule in one line (an :class:`OptimizerConfig`): Megatron's style
+    with its warm-up and decay lengths, in iterations or tokens, and the decoupled rate."""
+    if o.scheduler_type:
+        return f"> learning rate: DeepSpeed scheduler {o.scheduler_type} {o.scheduler_params}"
+    def iterations(n: int) -> str:
+        return f"{n} iteration{'' if n == 1 else 's'}"
+
+    warmup = (f"{o.lr_warmup_tokens:,} tokens" if o.lr_warmup_tokens is not None
+              else iterations(o.lr_warmup_iters))
+    decay = (f"{o.lr_decay_tokens:,} tokens" if o.lr_decay_tokens is not None
+             else iterations(o.lr_decay_iters or train_iters))
+    line = (f"> learning rate: {o.lr_decay_style} from {o.lr:g} to {o.min_lr:g}, warm-up "
+            f"{warmup}" + (f", decay over {decay}" if o.lr_decay_style != "constant" else ""))
+    if o.decoupled_lr is not None:
+        low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        line += f"; embedding and output layer from {o.decoupled_lr:g} to {low:g}"
+    return line
+
+
 def describe_run(run: Any) -> None:
     """Print the run's start-up banner (rank 0): layout, model size, batch, attention kernel,
     MoE, offload, data, sinks. Collective: every rank counts its parameter share."""
@@ -77,29 +100,39 @@ def describe_run(run: Any) -> None:
     shapes: dict[int, torch.Size] = {}
     for store in run.engine.stores:  # ZeRO-3 keeps each parameter's full (TP-shard) shape
         shapes.update(store.param_shapes())
-    counts = torch.tensor([local_parameter_share(run.chunks, topo, shapes)],
+    counts = torch.tensor([local_parameter_share(run.chunks, topo, shapes),
+                           local_parameter_share(run.chunks, topo, shapes, experts_only=True)],
                           dtype=torch.float64, device=run.env.device)
     if topo.world_size > 1:
         dist.all_reduce(counts)
-    total = round(counts.item() / topo.grad_size)  # dp (x cp) replicas hold the same shards
+    # dp (x cp) replicas hold the same shards
+    total, experts = (round(v / topo.grad_size) for v in counts.tolist())
     padded = padded_vocab(run.chunks)
     vocab = f"vocab {cfg.model.vocab_size}" + (
         f" (padded to {padded} for --make-vocab-size-divisible-by "
         f"{cfg.model.make_vocab_size_divisible_by} x tp {topo.tp_size})"
         if padded and padded != cfg.model.vocab_size else "")
     precision = "fp16" if cfg.precision.fp16 else "bf16" if cfg.precision.bf16 else "fp32"
+    moe = cfg.model.moe
+    active = ""
+    if moe.enabled and experts:  # every token passes top-k of each MoE layer's experts
+        used = total - experts + experts * moe.moe_router_topk // moe.num_experts
+        active = f", {used / 1e6:.2f}M active per token ({used:,}, top-{moe.moe_router_topk})"
+    cp = f"cp {topo.cp_size} x " if topo.cp_size > 1 else ""
     lines = [
-        f"> world {topo.world_size} ({run.env.backend}): tp {topo.tp_size} x pp {topo.pp_size} "
-        f"x dp {topo.dp_size}, vpp {topo.vpp_size or 1}, sequence parallel {run.sp}, "
-        f"ZeRO stage {cfg.zero.stage}, {precision}"
-        + (f", context parallel {topo.cp_size} ({cfg.parallel.cp_comm_type})"
-           if topo.cp_size > 1 else ""),
+        f"> world {topo.world_size} ({run.env.backend}): tp {topo.tp_size} x {cp}pp "
+        f"{topo.pp_size} x dp {topo.dp_size}, vpp {topo.vpp_size or 1}, sequence parallel "
+        f"{run.sp}, ZeRO stage {cfg.zero.stage}, {precision}"
+        + (f", context parallel {cfg.parallel.cp_comm_type}" if topo.cp_size > 1 else ""),
         f"> model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, heads "
         f"{cfg.model.num_attention_heads}, seq {cfg.model.seq_length}, {vocab}: "
-        f"{total / 1e6:.2f}M parameters ({total:,})",
+        f"{total / 1e6:.2f}M parameters ({total:,}){active}",
         f"> architecture: {architecture(cfg.model)}",
         f"> batch: global {b.global_batch_size} = micro {b.micro_batch_size} x "
-        f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations",
+        f"{b.num_microbatches} micro-batches x dp {topo.dp_size}; {b.train_iters} iterations"
+        + (f" or {b.train_tokens:,} tokens (--train-tokens), whichever comes first"
+           if b.train_tokens is not None else ""),
+        schedule_line(cfg.optimizer, b.train_iters),
     ]
     if not dist.is_initialized() or dist.get_rank() == 0:  # the probe runs where it prints
         m = cfg.model
@@ -110,7 +143,6 @@ def describe_run(run: Any) -> None:
             max(1, m.num_attention_heads // topo.tp_size), max(1, m.query_groups // topo.tp_size),
             m.head_dim, m.attention_dropout))
     lines.append("> fusions: " + describe_fusions(cfg.model, run.env.device))
-    moe = cfg.model.moe
     if moe.enabled:
         lines.append(f"> moe: {moe.num_experts} experts, top-{moe.moe_router_topk} "
                      f"({moe.moe_router_load_balancing_type}), expert parallel "
@@ -134,8 +166,13 @@ def describe_run(run: Any) -> None:
     if d.mock_data:
         lines.append("> data: --mock-data (random tokens)")
     else:
-        lines.append(f"> data: {' '.join(d.data_path)} ({d.tokenizer_type}"
-                     + (f" {d.tokenizer_model}" if d.tokenizer_model else "") + ")")
+        where = " ".join(d.data_path) if not d.per_split_paths else "; ".join(
+            f"{name} {' '.join(paths)}" for name, paths in (
+                ("train", d.train_data_path), ("valid", d.valid_data_path),
+                ("test", d.test_data_path)) if paths)
+        lines.append(f"> data: {where} ({d.tokenizer_type}"
+                     + (f" {d.tokenizer_model}" if d.tokenizer_model else "")
+                     + (", .bin files read, not mapped" if not d.mmap_bin_files else "") + ")")
     if cfg.logging.tensorboard_dir:
         lines.append(f"> tensorboard: writing to {cfg.logging.tensorboard_dir}")
     if cfg.checkpoint.save:

@@ -33,6 +33,10 @@ class Batching:
     train_iters: int
     dp: int = 1
     rampup: tuple[int, int, int] | None = None
+    # Megatron-DeepSpeed's --train-tokens: training also stops once this many tokens (samples
+    # x seq_length) are consumed
+    train_tokens: int | None = None
+    seq_length: int = 1
 
     @classmethod
     def from_config(cls, cfg: MegazeroConfig, dp: int) -> Batching:
@@ -42,12 +46,45 @@ class Batching:
         rampup = t.rampup_batch_size
         if rampup is not None:
             check_rampup(rampup, gbs, t.micro_batch_size, dp)
+        seq = cfg.model.seq_length
+        probe = cls(t.micro_batch_size, gbs, count, 1, dp, rampup, t.train_tokens, seq)
         iters = t.train_iters
         if iters is None and t.train_samples is not None:
-            iters = cls(t.micro_batch_size, gbs, count, 1, dp, rampup).iters_for(t.train_samples)
+            iters = probe.iters_for(t.train_samples)
+        if iters is None and t.train_tokens is not None:
+            iters = probe.iters_until(-(-t.train_tokens // seq))
         if not iters:
-            raise ConfigError("set --train-iters (or --train-samples) to say how long to train")
-        return cls(t.micro_batch_size, gbs, count, iters, dp, rampup)
+            raise ConfigError("set --train-iters (or --train-samples, or --train-tokens) to say "
+                              "how long to train")
+        return cls(t.micro_batch_size, gbs, count, iters, dp, rampup, t.train_tokens, seq)
+
+    def tokens_done(self, consumed_samples: int) -> bool:
+        """``--train-tokens`` is reached (Megatron-DeepSpeed's stop: tokens consumed >= it)."""
+        return self.train_tokens is not None and (
+            consumed_samples * self.seq_length >= self.train_tokens)
+
+    def samples_after(self, iterations: int) -> int:
+        """Samples consumed by the first ``iterations`` iterations."""
+        consumed = 0
+        for done in range(iterations):
+            if self.global_batch_at(consumed) == self.global_batch_size:
+                return consumed + (iterations - done) * self.global_batch_size
+            consumed += self.global_batch_at(consumed)
+        return consumed
+
+    def tokens_at(self, iterations: int) -> int:
+        """Tokens consumed by the first ``iterations`` iterations."""
+        return self.samples_after(iterations) * self.seq_length
+
+    def iters_until(self, samples: int) -> int:
+        """Iterations until at least ``samples`` are consumed (the last batch may pass it)."""
+        consumed = iters = 0
+        while consumed < samples:
+            if self.global_batch_at(consumed) == self.global_batch_size:
+                return iters + -(-(samples - consumed) // self.global_batch_size)
+            consumed += self.global_batch_at(consumed)
+            iters += 1
+        return iters
 
     def global_batch_at(self, consumed_samples: int) -> int:
         if self.rampup is None:
@@ -81,21 +118,21 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
                                   ) -> tuple[Any, MegazeroConfig]:
     """The tokenizer, and the config with ``model.vocab_size`` (and the demo's data path) set.
 
-    ``--mock-data``: NullTokenizer over ``--vocab-size``. ``--data-path``: the tokenizer the
-    flags name. Neither: the built-in demo corpus (:mod:`megazero.data.demo`) with its own
-    tokenizer.
+    ``--mock-data``: NullTokenizer over ``--vocab-size``, or the tokenizer ``--tokenizer-type``
+    names, whose vocabulary then sizes the synthetic tokens (as in Megatron). ``--data-path``
+    (or ``--train-data-path``...): the tokenizer the flags name. Neither: the built-in demo
+    corpus (:mod:`megazero.data.demo`) with its own tokenizer.
     """
     import torch.distributed as dist
 
-    from megazero.data.tokenizers import NullTokenizer, SentencePieceTokenizer, build_tokenizer
+    from megazero.data.tokenizers import NullTokenizer, SentencePieceTokenizer
 
     d = cfg.data
-    if d.mock_data:
-        if d.tokenizer_type not in (None, "NullTokenizer"):
-            raise ConfigError(f"--mock-data works with --tokenizer-type NullTokenizer, got "
-                              f"{d.tokenizer_type}")
+    if d.mock_data and d.tokenizer_type in (None, "NullTokenizer"):
         tok: Any = NullTokenizer(cfg.model.vocab_size)
-    elif d.data_path:
+    elif d.mock_data:
+        tok = _named_tokenizer(cfg)
+    elif d.data_path or d.per_split_paths:
         if not d.tokenizer_type and d.vocab_file and d.merge_file:
             # Megatron's default tokenizer: GPT-2's BPE from --vocab-file and --merge-file.
             d = replace(d, tokenizer_type="GPT2BPETokenizer")
@@ -108,12 +145,7 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
                               "(SentencePieceTokenizer with --tokenizer-model, "
                               "HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer "
                               "with --vocab-size)")
-        try:
-            tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
-                                  vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                  vocab_size=cfg.model.vocab_size)
-        except (OSError, ValueError) as e:  # a missing or unreadable tokenizer file
-            raise DataError(f"--tokenizer-type {d.tokenizer_type}: {e}") from e
+        tok = _named_tokenizer(cfg)
     else:
         from megazero.data.demo import prepare_demo_data
 
@@ -131,6 +163,23 @@ def build_tokenizer_and_data_path(cfg: MegazeroConfig, topo: ParallelTopology,
                                         tokenizer_model=data.tokenizer_model))
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=tok.vocab_size))
     return tok, cfg
+
+
+def _named_tokenizer(cfg: MegazeroConfig) -> Any:
+    """The tokenizer ``--tokenizer-type`` names, built from its files."""
+    from megazero.data.tokenizers import build_tokenizer
+
+    d = cfg.data
+    assert d.tokenizer_type is not None
+    try:  # --vocab-size sizes a NullTokenizer; TikTokenizer reads its file (up to 2**17 ids)
+        return build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                               vocab_file=d.vocab_file, merge_file=d.merge_file,
+                               vocab_size=cfg.model.vocab_size
+                               if d.tokenizer_type == "NullTokenizer" else None,
+                               tiktoken_pattern=d.tiktoken_pattern,
+                               tiktoken_num_special_tokens=d.tiktoken_num_special_tokens)
+    except (OSError, ValueError) as e:  # a missing or unreadable tokenizer file
+        raise DataError(f"--tokenizer-type {d.tokenizer_type}: {e}") from e
 
 
 def _quiet(*_: Any, **__: Any) -> None:
@@ -159,7 +208,10 @@ def build_datasets(cfg: MegazeroConfig, batching: Batching,
     dc = DataConfig(seq_length=cfg.model.seq_length, num_samples=(train_n, valid_n, test_n),
                     data_path=tuple(cfg.data.data_path), split=cfg.data.split, seed=t.seed,
                     cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data,
-                    vocab_size=cfg.model.vocab_size)
+                    vocab_size=cfg.model.vocab_size,
+                    split_paths=(cfg.data.train_data_path, cfg.data.valid_data_path,
+                                 cfg.data.test_data_path),
+                    mmap=cfg.data.mmap_bin_files)
     try:
         train, valid_ds, _ = build_train_valid_test_datasets(dc)
     except (FileNotFoundError, ValueError) as e:  # a missing prefix, a split with no samples

@@ -29,7 +29,7 @@ from megazero.errors import attempt_key
 from megazero.observability.comms_logging import CommsLogger
 from megazero.observability.monitor import Monitor, Timers
 from megazero.observability.stragglers import StragglerSettings, StragglerWatch
-from megazero.optim.lr_scheduler import LRScheduler, build_lr_function
+from megazero.optim.lr_scheduler import LRScheduler, build_lr_function, decoupled_schedule
 from megazero.training.banner import describe_run
 from megazero.training.builders import (
     Batching,
@@ -82,11 +82,13 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     batching = Batching.from_config(cfg, topo.dp_size)
     train_ds, valid_ds = build_datasets(cfg, batching, saved_progress(cfg.checkpoint.load))
     chunks, engine = build_model_and_optimizer(cfg, topo, env.device)
-    scheduler = LRScheduler(engine, build_lr_function(cfg.optimizer, batching.train_iters))
+    schedule = build_lr_function(cfg.optimizer, batching.train_iters, batching.tokens_at)
+    scheduler = LRScheduler(engine, schedule,
+                            decoupled=decoupled_schedule(cfg.optimizer, schedule))
     logging = cfg.logging
     monitor = Monitor(logging, enabled=is_reporter, log_json=log_json or logging.log_json,
                       run_config=config_dict(cfg) if is_reporter else None)
-    timers = Timers(enabled=logging.wall_clock_breakdown, device=env.device)
+    timers = Timers(enabled=logging.timed, device=env.device)
     if timers.enabled:
         time_forwards(chunks, timers)
         engine.comms.set_timers(timers)
@@ -120,6 +122,9 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
                                _get_default_store(), attempt_key("async-save"), env.device,
                                log=monitor.info if is_reporter else None)
     load(run)
+    # a token-counted schedule continues from the tokens consumed (a checkpoint older than
+    # token schedules holds the samples only)
+    scheduler.step(0, tokens=run.state.consumed_samples * cfg.model.seq_length)
     return run
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megazero.checkpoint.ownership import HEARTBEAT_S, heartbeat
 from megazero.observability.flops import gpt_flops_per_iteration, peak_flops
 from megazero.observability.flops_profiler import for_run as flops_profiler_for
+from megazero.observability.optimizer_states import optimizer_state_stats
 from megazero.observability.profiling import StepProfiler
 from megazero.optim.onebit import exchange_scalars
 from megazero.training.builders import batch_iterator
@@ -45,6 +46,8 @@ def train(run: Run) -> TrainState:
     if run.env.device.type == "cuda":
         peak = peak_flops(torch.cuda.get_device_name(run.env.device),
                           cfg.precision.fp16 or cfg.precision.bf16)
+    if _complete(run):
+        return st
     data_iter = batch_iterator(run.train_ds, b, run.topo, st.consumed_samples)
     flags = ExitFlags()
     flags.install()
@@ -57,6 +60,8 @@ def train(run: Run) -> TrainState:
         gc.collect()
     profiler = StepProfiler(cfg.logging, dist.get_rank() if dist.is_initialized() else 0,
                             run.env.device)
+    if (note := profiler.note()) is not None:
+        print(f"note: {note}", flush=True)
     # the profiled iteration's model FLOPs: ``gbs`` is read when the report is made
     flops_profiler = flops_profiler_for(
         run, lambda: gpt_flops_per_iteration(cfg.model, gbs, vocab))
@@ -67,7 +72,7 @@ def train(run: Run) -> TrainState:
     run.timers.pop_overlapped()
     run.monitor.start_interval()
     try:
-        while st.iteration < b.train_iters:
+        while st.iteration < b.train_iters and not b.tokens_done(st.consumed_samples):
             t0 = time.perf_counter()
             gbs = b.global_batch_at(st.consumed_samples)  # a ramp-up grows it with the samples
             profiler.before(st.iteration + 1)
@@ -81,6 +86,7 @@ def train(run: Run) -> TrainState:
             st.consumed_samples += gbs
             if run.stragglers is not None:
                 run.stragglers.iteration_done(time.perf_counter() - t0)
+            empty_unused_memory(cfg.train.empty_unused_memory_level, 1, run.env.device)
             for table in (profiler.after(st.iteration), flops_profiler.after(st.iteration)):
                 if table is not None:
                     print(table, flush=True)
@@ -101,6 +107,9 @@ def train(run: Run) -> TrainState:
                     # 1-bit optimizers: the bytes the step's compressed exchange sent
                     run.monitor.memory_phases.update(exchange_scalars(run.engine))
                     moe = moe_metrics(run, log_interval)
+                    if cfg.logging.log_optimizer_states_to_tensorboard:  # collective
+                        run.monitor.memory_phases.update(optimizer_state_stats(run.engine,
+                                                                               run.topo))
                     run.monitor.report(st.iteration, b.train_iters, st.consumed_samples,
                                        run.scheduler.get_lr(), gbs,
                                        cfg.model.seq_length, result.loss_scale, norm,
@@ -137,10 +146,12 @@ def train(run: Run) -> TrainState:
                     if cfg.train.manual_gc and cfg.train.manual_gc_eval:
                         gc.collect()
                     val = evaluate(run)
+                    empty_unused_memory(cfg.train.empty_unused_memory_level, 2, run.env.device)
                     if cfg.train.manual_gc and cfg.train.manual_gc_eval:
                         gc.collect()
                 if val is not None:
-                    run.monitor.report_validation(st.iteration, val)
+                    run.monitor.report_validation(st.iteration, val,
+                                                  consumed_samples=st.consumed_samples)
             if (cfg.checkpoint.save_interval
                     and st.iteration % cfg.checkpoint.save_interval == 0):
                 with t.region("checkpoint save"), t.paused(), run.phase(
@@ -161,6 +172,9 @@ def train(run: Run) -> TrainState:
         flags.uninstall()
         if cfg.train.manual_gc:
             gc.enable()
+    if st.exit_reason is None and b.tokens_done(st.consumed_samples):
+        run.monitor.info(f"reached --train-tokens {b.train_tokens:,} at iteration "
+                         f"{st.iteration} ({st.consumed_samples * b.seq_length:,} tokens)")
     if run.saver is not None:
         with run.phase(f"waiting for the checkpoint in flight at iteration {st.iteration}",
                        "world"):
@@ -170,3 +184,28 @@ def train(run: Run) -> TrainState:
         with run.phase(f"final checkpoint save at iteration {st.iteration}", "world"):
             save_if_sound(run, "final", saved_at)
     return st
+
+
+def _complete(run: Run) -> bool:
+    """A resumed run that has nothing left to train says so (and is marked as having exited,
+    so no evaluation or save follows): its checkpoint already reached --train-iters (or
+    --train-samples, --train-tokens)."""
+    st, b = run.state, run.batching
+    if st.iteration < b.train_iters and not b.tokens_done(st.consumed_samples):
+        return False
+    what = (f"--train-tokens {b.train_tokens:,} ({st.consumed_samples * b.seq_length:,} tokens "
+            "consumed)" if b.tokens_done(st.consumed_samples) else f"the {b.train_iters} "
+            "iterations to train (--train-iters or --train-samples)")
+    st.exit_reason = "already complete"
+    run.monitor.info(f"nothing to train: the checkpoint loaded from {run.cfg.checkpoint.load} "
+                     f"is at iteration {st.iteration}, which already reached {what}; the run "
+                     "is complete (raise --train-iters to train further)")
+    return True
+
+
+def empty_unused_memory(level: int, needs: int, device: torch.device) -> None:
+    """Megatron's ``--empty-unused-memory-level``: return the CUDA caching allocator's unused
+    blocks to the driver after each iteration (level 1) and each evaluation too (level 2), at
+    the price of allocating them again. A CPU run has no such cache."""
+    if level >= needs and device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -43,7 +43,8 @@ def pretrain(cfg: MegazeroConfig, log_json: str | None = None) -> TrainState:
             with run.phase(f"final evaluation at iteration {state.iteration}", "mp"):
                 val = evaluate(run)
             if val is not None:
-                run.monitor.report_validation(state.iteration, val)
+                run.monitor.report_validation(state.iteration, val,
+                                              consumed_samples=state.consumed_samples)
         if run.comms_logger is not None:
             run.comms_logger.uninstall()
             run.monitor.info("communication summary (rank 0, from the end of setup to the end "

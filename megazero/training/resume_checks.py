@@ -44,6 +44,13 @@ _SCHEDULE = {
     "lr_warmup_iters": "--lr-warmup-iters",
     "lr_decay_iters": "--lr-decay-iters",
 }
+#: compared when the checkpoint records them (older checkpoints predate them)
+_SCHEDULE_LATER = {
+    "lr_warmup_tokens": "--lr-warmup-tokens",
+    "lr_decay_tokens": "--lr-decay-tokens",
+    "decoupled_lr": "--decoupled-lr",
+    "decoupled_min_lr": "--decoupled-min-lr",
+}
 
 
 _ITER = re.compile(r"iter_(\d{7,})")
@@ -161,8 +168,9 @@ def saved_progress(load_dir: str | None) -> tuple[int, int] | None:
         return None
 
 
-def _schedule(optimizer: dict[str, Any], train_iters: Any) -> dict[str, Any]:
-    out = {name: optimizer.get(name) for name in _SCHEDULE}
+def _schedule(optimizer: dict[str, Any], train_iters: Any, names: dict[str, str]
+              ) -> dict[str, Any]:
+    out = {name: optimizer.get(name) for name in names}
     out["lr_decay_iters"] = out["lr_decay_iters"] or train_iters  # the effective decay steps
     return out
 
@@ -178,12 +186,13 @@ def check_schedule(cfg: MegazeroConfig, saved: dict[str, Any] | None) -> Megazer
     old_opt = saved.get("optimizer") or {}
     if not all(name in old_opt for name in _SCHEDULE):
         return cfg  # a checkpoint without these settings: nothing to compare with
-    old = _schedule(old_opt, (saved.get("train") or {}).get("train_iters"))
+    names = {**_SCHEDULE, **{k: v for k, v in _SCHEDULE_LATER.items() if k in old_opt}}
+    old = _schedule(old_opt, (saved.get("train") or {}).get("train_iters"), names)
     o = cfg.optimizer
-    new = _schedule({name: getattr(o, name) for name in _SCHEDULE}, cfg.train.train_iters)
+    new = _schedule({name: getattr(o, name) for name in names}, cfg.train.train_iters, names)
     if ck.use_checkpoint_opt_param_scheduler:
-        return replace(cfg, optimizer=replace(o, **{k: old[k] for k in _SCHEDULE}))
-    diffs = [f"{_SCHEDULE[k]} {new[k]} (checkpoint: {old[k]})" for k in _SCHEDULE
+        return replace(cfg, optimizer=replace(o, **{k: old[k] for k in names}))
+    diffs = [f"{names[k]} {new[k]} (checkpoint: {old[k]})" for k in names
              if new[k] != old[k] and not (k == "lr_decay_iters" and None in (new[k], old[k]))]
     if diffs:
         raise ConfigError(f"--load {ck.load}: the learning-rate schedule differs from the "

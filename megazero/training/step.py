@@ -12,6 +12,12 @@ One iteration on every rank::
 The reported ``lm loss`` is the mean of the per-micro-batch token means over all micro-batches
 and data-parallel ranks, the same number a one-process run on the whole global batch computes.
 Rank 0 reports (the pipeline executor returns the losses on every pipeline rank).
+
+With ``--calculate-per-token-loss`` (Megatron's) the loss is instead the sum over every loss
+token of the global batch divided by their count: each micro-batch back-propagates its token
+sum (scaled so the executor's and the gradient reduction's averages cancel), the token counts
+ride in the optimizer step's scalar all-reduce, and the engine divides the reduced gradients by
+the global count before the norm, the clip and the update.
 """
 
 from __future__ import annotations
@@ -34,28 +40,42 @@ from megazero.training.run import Run
 
 def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
               activation_meter: ActivationMeter | None = None,
-              num_microbatches: int | None = None) -> list[float]:
+              num_microbatches: int | None = None,
+              token_sums: list[tuple[float, float]] | None = None) -> list[float]:
     """One pass of the pipeline schedule over ``num_microbatches`` micro-batches (default: a
-    full global batch's); returns their mean losses."""
+    full global batch's); returns their mean losses. ``token_sums``: per-token loss
+    (``--calculate-per-token-loss``): this rank's ``(loss sum, token count)`` of each
+    micro-batch are appended (on the last pipeline stage), the losses returned are not means."""
     from megazero.pipeline.executor import default_loss_fn, forward_backward
 
     scale = run.engine.loss_scale if (run.cfg.precision.fp16 and not forward_only) else 1.0
+    m = run.cfg.model
+    count = num_microbatches or run.batching.num_microbatches
+    # per-token: the executor divides by the micro-batch count and the gradient reduction by
+    # the dp x cp replicas; this factor cancels both, leaving the sum over the global batch
+    per_token_factor = count * run.topo.grad_size
 
     def loss_fn(per_token: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         # fp16: the executor back-propagates what this returns, so the loss scale goes here;
         # the scale is a power of two, so dividing the reported loss by it below is exact.
+        if token_sums is not None:
+            mask = batch.get("loss_mask")
+            loss = per_token.float() if mask is None else per_token.float() * mask.float()
+            tokens = float(per_token.numel() if mask is None else mask.float().sum())
+            token_sums.append((float(loss.detach().sum()), tokens))
+            return loss.sum() * (per_token_factor * scale)
         if run.topo.cp_size > 1:  # the micro-batch's tokens are split over the CP group
             from megazero.context_parallel.loss import exact_mean_loss
 
             return exact_mean_loss(per_token, batch.get("loss_mask"), run.topo.cp_group) * scale
         return default_loss_fn(per_token, batch) * scale
 
-    m = run.cfg.model
-    count = num_microbatches or run.batching.num_microbatches
     if m.moe.enabled:  # MoE auxiliary losses are scaled as each micro-batch's loss is
         from megazero.moe.moe_utils import set_aux_loss_scale
 
-        set_aux_loss_scale(scale / count)
+        # per-token: summed, not averaged, over micro-batches and replicas (Megatron's)
+        set_aux_loss_scale(scale * run.topo.grad_size if token_sums is not None
+                           else scale / count)
     losses = forward_backward(
         run.chunks, data_iter, run.topo,
         num_microbatches or run.batching.num_microbatches, m.seq_length // run.topo.cp_size,
@@ -126,18 +146,21 @@ def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
         from megazero.observability.memory_phases import MemoryPhases
 
         mem = MemoryPhases(run.engine, run.env.device)
+    per_token = run.cfg.train.calculate_per_token_loss
+    token_sums: list[tuple[float, float]] | None = [] if per_token else None
     with t.region("backward"), run.phase(f"iteration {it}: forward-backward (pipeline "
                                          "schedule)", "mp"):
         losses = _schedule(run, data_iter, forward_only=False,
                            activation_meter=mem.meter if mem is not None else None,
                            num_microbatches=run.batching.microbatches_at(
-                               run.state.consumed_samples))
+                               run.state.consumed_samples), token_sums=token_sums)
     with t.region("grad sync (local)"), run.phase(f"iteration {it}: gradient sync", "dp"):
         run.engine.finish_grad_sync()
     if mem is not None:
         mem.after_backward()
     finite = all(math.isfinite(x) for x in losses)
-    own = _loss_sums(losses, run.topo)
+    own = _token_sums(token_sums, run.topo) if token_sums is not None else _loss_sums(
+        losses, run.topo)
     votes = exit_votes()
     if run.saver is not None:  # a save in flight: its copies are taken before the update
         run.saver.freeze()
@@ -145,12 +168,15 @@ def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
                                           "check, grad norm, loss and exit votes)", "world"):
         result = run.engine.step(loss_is_finite=finite,
                                  skip_nonfinite=run.cfg.train.check_for_nan_in_loss_and_grad,
-                                 also_sum=[*own, *votes])
+                                 also_sum=[*own, *votes],
+                                 divide_grads_by=1 if per_token else None)
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
     with t.region("scheduler"):
-        if result.updated:
-            run.scheduler.step()
+        if result.updated:  # the tokens consumed once this iteration's batch is counted
+            consumed = run.state.consumed_samples + run.batching.global_batch_at(
+                run.state.consumed_samples)
+            run.scheduler.step(tokens=consumed * run.cfg.model.seq_length)
     if run.cfg.model.moe.enabled:
         from megazero.moe.router import update_expert_biases
 
@@ -168,6 +194,15 @@ def _loss_sums(losses: list[float], topo: ParallelTopology) -> tuple[float, floa
     return (sum(losses), float(len(losses))) if owner else (0.0, 0.0)
 
 
+def _token_sums(sums: list[tuple[float, float]], topo: ParallelTopology
+                ) -> tuple[float, float]:
+    """``--calculate-per-token-loss``: this rank's (loss sum, token count) of the global batch.
+    The last pipeline stage's TP rank 0 of each replica holds them (every CP rank its share of
+    the tokens); summed over every rank they are the global batch's."""
+    owner = topo.tp_rank == 0 and topo.is_last_stage
+    return (sum(a for a, _ in sums), sum(b for _, b in sums)) if owner else (0.0, 0.0)
+
+
 def time_forwards(chunks: list[torch.nn.Module], timers: Timers) -> None:
     for c in chunks:
         c.register_forward_pre_hook(lambda *_: timers.start("forward"))
@@ -183,9 +218,16 @@ def evaluate(run: Run) -> float | None:
         c.eval()
     it = batch_iterator(run.valid_ds, run.batching, run.topo, 0, cyclic=True)
     losses: list[float] = []
+    sums: list[tuple[float, float]] | None = (
+        [] if run.cfg.train.calculate_per_token_loss else None)
     with torch.no_grad():
         for _ in range(run.cfg.train.eval_iters):
-            losses += _schedule(run, it, forward_only=True)
+            losses += _schedule(run, it, forward_only=True, token_sums=sums)
     for c in run.chunks:
         c.train()
+    if sums is not None:  # the validation tokens' mean (every rank reduces over the world)
+        t = torch.tensor(_token_sums(sums, run.topo), dtype=torch.float64, device=run.env.device)
+        if run.topo.world_size > 1:
+            dist.all_reduce(t)
+        return (t[0] / t[1].clamp(min=1.0)).item()
     return _dp_mean(losses, run.topo, run.env.device)

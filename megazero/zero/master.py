@@ -41,13 +41,14 @@ if TYPE_CHECKING:
     from megazero.zero.swap import OptimizerSwapper
 
 
-def master_groups(pieces: list[Piece], groups: list[dict[str, Any]] | None
-                  ) -> list[dict[str, Any]]:
+def master_groups(pieces: list[Piece], groups: list[dict[str, Any]] | None,
+                  decoupled: bool = False) -> list[dict[str, Any]]:
     """The torch param groups over the pieces' masters: each of ``groups`` (dicts of model
-    parameters and settings) with its parameters' pieces; None: :func:`decay_groups`."""
+    parameters and settings) with its parameters' pieces; None: :func:`decay_groups` (with
+    ``decoupled``, the embedding and output layer in a group of their own)."""
     if groups is None:
         params = list({id(p.param): p.param for p in pieces}.values())
-        groups = decay_groups(params, {id(p.param): p.ndim for p in pieces})
+        groups = decay_groups(params, {id(p.param): p.ndim for p in pieces}, decoupled)
     index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
     masters: list[list[torch.Tensor]] = [[] for _ in groups]
     for pc in pieces:
@@ -103,7 +104,7 @@ class MasterParams:
             for p in self.pieces:
                 p.master = p.model
         make = factory if factory is not None else config_factory(cfg)
-        self.optimizer = make(master_groups(self.pieces, groups))
+        self.optimizer = make(master_groups(self.pieces, groups, cfg.decoupled_lr is not None))
         self.kind: OptimizerKind = kind_of(self.optimizer)
         self.sub_groups: list[list[Piece]] = []
         size = sub_group_size

@@ -245,7 +245,7 @@ class ZeroOptimizer:
         return sq, zeros
 
     def step(self, loss_is_finite: bool = True, skip_nonfinite: bool = False,
-             also_sum: Sequence[float] = ()) -> StepResult:
+             also_sum: Sequence[float] = (), divide_grads_by: int | None = None) -> StepResult:
         """Clip and apply this step's gradients, unless a rank sees a non-finite value.
 
         fp16 always checks (a gradient overflow under the loss scale skips the step and lowers
@@ -258,7 +258,10 @@ class ZeroOptimizer:
         ``also_sum``: the caller's own per-rank values (the training loop's loss sum and exit
         votes) to be summed over every rank in the step's one scalar all-reduce, so that an
         iteration makes a single blocking collective besides the gradient and parameter
-        traffic; the result's ``sums`` holds them (float64).
+        traffic; the result's ``sums`` holds them (float64). ``divide_grads_by``: the index of
+        one of them (summed) that the reduced gradients are divided by before the norm, the
+        clip and the update (Megatron's ``--calculate-per-token-loss``: the global batch's
+        token count).
         """
         self.finish_grad_sync()
         self.wait_for_params()  # a step with no forward since the last one
@@ -296,9 +299,11 @@ class ZeroOptimizer:
                 self.scaler.update(overflow=True)
             nonfinite = bad_loss or not self.precision.fp16
             return StepResult(False, float("nan"), scale, True, nonfinite, tuple(sums), counted)
-        norm = math.sqrt(max(total_sq, 0.0)) / scale
+        divisor = scale * (max(sums[divide_grads_by], 1.0) if divide_grads_by is not None
+                           else 1.0)
+        norm = math.sqrt(max(total_sq, 0.0)) / divisor
         coef = clip_grads.clip_coefficient(norm, self.clip_grad)
-        self.masters.step(coef / scale)
+        self.masters.step(coef / divisor)
         chunk = max(1, self.zero.allgather_bucket_size // max(1, self.comms.dp.size))
         for store in self.stores:
             if self.zero.overlap_param_gather and isinstance(store, GradBuffer):

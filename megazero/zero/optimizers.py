@@ -206,15 +206,25 @@ def config_factory(cfg: OptimizerConfig) -> OptimizerFactory:
     return class_factory(config_class(cfg), **config_defaults(cfg))
 
 
-def decay_groups(params: Iterable[nn.Parameter], ndims: dict[int, int] | None = None
-                 ) -> list[dict[str, Any]]:
+def decay_groups(params: Iterable[nn.Parameter], ndims: dict[int, int] | None = None,
+                 decoupled: bool = False) -> list[dict[str, Any]]:
     """Megatron's convention: weight decay on matrices, none on biases and norm weights
     (``ndim < 2``). ``ndims`` overrides a parameter's own rank (stage 3 releases parameters
-    to empty tensors)."""
+    to empty tensors). ``decoupled`` (Megatron's ``--decoupled-lr``): the input embedding and
+    the output layer (parameters flagged ``embedding_or_output``) form a third group, marked
+    ``decoupled`` for the learning-rate scheduler."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
+    own: list[nn.Parameter] = []
     for p in params:
         ndim = (ndims or {}).get(id(p), p.ndim)
-        (decay if ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        if decoupled and getattr(p, "embedding_or_output", False):
+            own.append(p)
+        else:
+            (decay if ndim >= 2 else no_decay).append(p)
+    groups: list[dict[str, Any]] = [
+        {"params": decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    if decoupled:
+        groups.append({"params": own, "name": "decoupled", "decoupled": True})
+    return groups

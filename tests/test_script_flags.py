@@ -1,0 +1,156 @@
+"""The flags of today's Megatron-LM and Megatron-DeepSpeed launch scripts read as those tools
+read them, and a command line's problems (unknown flags, bad values, conflicts with the JSON)
+are named together in one message."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from megazero.config import ConfigError, load_config
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--train-iters", "4", "--global-batch-size", "4"]
+
+
+def _load(argv, world=1, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config([*BASE, *argv], world, **kw)
+
+
+def _error(argv, world=1) -> str:
+    with pytest.raises(ConfigError) as e:
+        _load(argv, world)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("spelling, name", [("rmsnorm", "RMSNorm"), ("layernorm", "LayerNorm"),
+                                            ("RMSNorm", "RMSNorm"), ("LAYERNORM", "LayerNorm")])
+def test_normalization_in_any_case(spelling, name):
+    assert _load(["--normalization", spelling]).model.normalization == name
+
+
+def test_megatron_deepspeed_spellings():
+    cfg = _load(["--num-key-value-heads", "2", "--data-impl", "mmap", "--no-query-key-layer-"
+                 "scaling", "--no-async-tensor-model-parallel-allreduce", "--use-flash-attn",
+                 "--no-gradient-accumulation-fusion", "--deepspeed-activation-checkpointing",
+                 "--checkpoint-activations", "--local_rank=0"])
+    assert (cfg.model.group_query_attention, cfg.model.num_query_groups) == (True, 2)
+    p = cfg.parallel
+    assert (p.recompute_granularity, p.recompute_method, p.recompute_num_layers) == (
+        "full", "uniform", None)
+    # the script's own recompute flags win over the old switch's meaning
+    p = _load(["--checkpoint-activations", "--recompute-granularity", "full",
+               "--recompute-method", "block", "--recompute-num-layers", "1"]).parallel
+    assert (p.recompute_granularity, p.recompute_method) == ("full", "block")
+    assert "--data-impl lazy: megazero takes mmap or infer" in _error(["--data-impl", "lazy"])
+
+
+def test_megatron_values():
+    cfg = _load(["--split", "'99,1,0'", "--grad-reduce-in-bf16", "--bf16",
+                 "--empty-unused-memory-level", "1", "--no-mmap-bin-files",
+                 "--attention-backend", "fused", "--log-throughput",
+                 "--no-create-attention-mask-in-dataloader"])
+    assert cfg.data.split == "99,1,0" and not cfg.data.mmap_bin_files
+    assert cfg.precision.grad_dtype_name == "bf16" and cfg.train.empty_unused_memory_level == 1
+    assert _load(["--split", "949, 50, 1"]).data.split == "949,50,1"
+    assert "--attention-backend slow" in _error(["--attention-backend", "slow"])
+
+
+def test_transformer_engine_is_a_note_not_an_error():
+    with pytest.warns(UserWarning, match="--transformer-impl transformer_engine: megazero runs "
+                                         "its own layers"):
+        cfg = load_config([*BASE, "--transformer-impl", "transformer_engine"], 1)
+    assert cfg.model.transformer_impl == "transformer_engine"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config([*BASE, "--transformer-impl", "local"], 1)
+
+
+def test_fp8_flags_say_fp8_is_missing_in_one_line():
+    msg = _error(["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+                  "--fp8-amax-compute-algo", "max", "--fp8-param-gather"])
+    assert "\n" not in msg and "unknown argument" not in msg, msg
+    assert msg.startswith("command line: FP8 training is not in megazero yet, so --fp8-format "
+                          "hybrid, --fp8-amax-history-len 1024, --fp8-amax-compute-algo max, "
+                          "--fp8-param-gather cannot apply"), msg
+
+
+def test_every_problem_in_one_message(tmp_path):
+    """Unknown flags, invalid choices, bad numbers, a FP8 flag and conflicts with the JSON: one
+    launch names them all (a fixed one would otherwise reveal the next)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": False,
+                              "gradient_clipping": 1.0, "fp16": {"enabled": True}}))
+    msg = _error(["--deepspeed_config", str(ds), "--micro-batch-size", "4", "--clip-grad", "0.5",
+                  "--lr-decay-style", "step", "--hidden-size", "big", "--fp8-format", "e4m3",
+                  "--seq-lenght", "8", "--log-timers-to-tensorboard", "--fp16"])
+    assert msg.startswith("6 problems, all listed here: (1) "), msg
+    for part in ("argument --lr-decay-style: invalid choice: 'step'",
+                 "argument --hidden-size: invalid int value: 'big'",
+                 "FP8 training is not in megazero yet, so --fp8-format e4m3",
+                 "unknown argument '--seq-lenght'; did you mean --seq-length?",
+                 "--micro-batch-size 4 on the command line conflicts with "
+                 "train_micro_batch_size_per_gpu: 2",
+                 "--clip-grad 0.5 on the command line conflicts with gradient_clipping: 1.0"):
+        assert part in msg, (part, msg)
+    # Megatron's --log-timers-to-tensorboard is its own setting: the JSON's
+    # "wall_clock_breakdown": false is no conflict with it
+    assert "wall_clock_breakdown" not in msg
+
+
+def test_log_timers_to_tensorboard_is_not_the_printed_breakdown(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"wall_clock_breakdown": false}')
+    lg = _load(["--log-timers-to-tensorboard", "--deepspeed_config", str(ds)]).logging
+    assert (lg.log_timers_to_tensorboard, lg.wall_clock_breakdown, lg.timed) == (True, False, True)
+    assert not _load([]).logging.timed
+
+
+def test_wandb_flags_fill_the_wandb_block():
+    lg = _load(["--wandb-project", "p", "--wandb-exp-name", "run1", "--wandb-save-dir", "w"]
+               ).logging
+    assert lg.wandb_block == {"enabled": True, "project": "p", "job_name": "run1",
+                              "output_path": "w"}
+    assert _load([]).logging.wandb_block == {}
+
+
+def test_schedule_and_decoupled_lengths_are_checked():
+    assert "--lr-warmup-iters and --lr-warmup-tokens all set the warm-up length" in _error(
+        ["--lr-warmup-iters", "2", "--lr-warmup-tokens", "64"])
+    assert "--lr-decay-iters and --lr-decay-tokens all set the decay length" in _error(
+        ["--lr-decay-iters", "2", "--lr-decay-tokens", "64"])
+    assert "--decoupled-min-lr 1e-05 needs --decoupled-lr" in _error(
+        ["--decoupled-min-lr", "1e-5"])
+    assert "drop --data-path" in _error(["--data-path", "a", "--train-data-path", "b"])
+
+
+def test_empty_unused_memory_level(monkeypatch):
+    import torch
+
+    from megazero.training.loop import empty_unused_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for level, needs, device in ((0, 1, gpu), (1, 1, gpu), (1, 2, gpu), (2, 2, gpu),
+                                 (2, 1, cpu)):
+        empty_unused_memory(level, needs, device)
+    assert len(calls) == 2  # level 1 after iterations, level 2 after evaluations too
+
+
+def test_hints_offer_what_fits():
+    # a global batch below one step: one example, not "e.g. 8 or 8"
+    msg = _error(["--global-batch-size", "4", "--micro-batch-size", "4"], world=2)
+    assert "use a multiple of 8 (e.g. 8)" in msg, msg
+    # the TP sizes offered divide the heads and fit the launched world (6 heads, 4 ranks)
+    msg = _error(["--num-attention-heads", "6", "--hidden-size", "48",
+                  "--tensor-model-parallel-size", "4"], world=4)
+    assert "use a TP size that divides the heads ([1, 2])" in msg, msg
+    msg = _error(["--num-attention-heads", "6", "--hidden-size", "48",
+                  "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],
+                 world=8)
+    assert "([1, 2])" in msg, msg
