@@ -5,6 +5,8 @@ and across a save and resume."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 
 import pytest
@@ -74,11 +76,20 @@ def _train(rank, world, args):
     return run.state.iteration, run.state.exit_reason, run.scheduler.state_dict()
 
 
-def test_a_run_stops_at_train_tokens_and_resumes_its_schedule(tmp_path, capfd):
+def _train_printing(rank, world, args):
+    """``_train`` and what the rank printed (captured in the rank: a rank's stdout is the
+    forkserver's, not the test's)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        result = _train(rank, world, args)
+    return (*result, buf.getvalue())
+
+
+def test_a_run_stops_at_train_tokens_and_resumes_its_schedule(tmp_path):
     log, ck = tmp_path / "full.jsonl", str(tmp_path / "ck")
-    (iters, _, state), = run_distributed(_train, 1, [*TOKENS, "--log-json", str(log)])
+    (iters, _, state, out), = run_distributed(_train_printing, 1,
+                                               [*TOKENS, "--log-json", str(log)])
     assert iters == 5 and state == {"num_steps": 5, "num_tokens": 640}
-    out = capfd.readouterr().out
     assert "10 iterations or 640 tokens (--train-tokens), whichever comes first" in out
     assert "> learning rate: cosine from 0.001 to 0.0001, warm-up 256 tokens, decay over 640 " \
            "tokens" in out
@@ -98,8 +109,8 @@ def test_a_run_stops_at_train_tokens_and_resumes_its_schedule(tmp_path, capfd):
         assert resumed[i]["learning-rate"] == pytest.approx(full[i]["learning-rate"])
         assert resumed[i]["lm loss"] == pytest.approx(full[i]["lm loss"], rel=1e-6)
     # relaunched once more, the finished run says it is complete and trains nothing
-    capfd.readouterr()
-    (iters, why, _), = run_distributed(_train, 1, [*TOKENS, "--load", ck, "--save", ck])
+    (iters, why, _, out), = run_distributed(_train_printing, 1,
+                                            [*TOKENS, "--load", ck, "--save", ck])
     assert (iters, why) == (5, "already complete")
     assert "which already reached --train-tokens 640 (640 tokens consumed); the run is " \
-           "complete" in capfd.readouterr().out
+           "complete" in out
