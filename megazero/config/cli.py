@@ -26,6 +26,7 @@ from megazero.config.script_flags import (
     SCRIPT_FLAG_GROUPS,
     SCRIPT_FLAGS,
     normalization_name,
+    pipeline_schedule_name,
     split_proportions,
 )
 from megazero.config.sections import TOKENIZER_TYPES
@@ -90,6 +91,16 @@ FLAGS: tuple[Flag, ...] = (
        "parallel.num_layers_per_virtual_pipeline_stage", **_I),
     _f("--microbatch-group-size-per-virtual-pipeline-stage",
        "parallel.microbatch_group_size_per_vp_stage", **_I),
+    _f("--pipeline-schedule", "parallel.pipeline_schedule", type=pipeline_schedule_name,
+       help="the pipeline schedule: 1f1b, interleaved (with virtual stages), zb-h1 (1F1B with "
+            "the weight gradients filling the bubble: a third of 1F1B's at its memory), zbv "
+            "(two chunks per rank in a V, near-zero bubble at 1F1B's memory), dualpipev "
+            "(DeepSeek's V, F of one micro-batch with B of another; needs 2 x pp "
+            "micro-batches); torchtitan's 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV "
+            "accepted. Default: 1f1b, or interleaved with "
+            "--num-layers-per-virtual-pipeline-stage"),
+    _f("--delay-wgrad-compute", "parallel.delay_wgrad_compute", **_ON,
+       help="1F1B with each backward's weight gradients computed after its exchange"),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
     _f("--context-parallel-size", "parallel.context_parallel_size", **_I,
        help="ranks that split each sequence (CP); weights are replicated over them"),

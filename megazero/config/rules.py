@@ -227,3 +227,53 @@ def check_rampup(rampup: tuple[int, int, int], global_batch: int, micro_batch: i
               f"multiple of --micro-batch-size {micro_batch} x data-parallel size {dp} = {step}; "
               f"make START and INCREMENT multiples of {step}")
     return sizes
+
+
+#: ``--pipeline-schedule`` names; the V ones place two chunks per rank in a V.
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def schedule_min_microbatches(schedule: str | None, pp: int) -> int:
+    """DualPipeV's order needs ``2 pp`` micro-batches per step (as DeepSeek's); others any."""
+    return 2 * pp if schedule == "dualpipev" else 1
+
+
+def check_pipeline_schedule(schedule: str | None, pp: int, layers_per_virtual_stage: int | None,
+                            num_layers: int, untied: bool, delay_wgrad: bool,
+                            num_microbatches: int | None,
+                            error: type[Exception] = ConfigError) -> None:
+    """``--pipeline-schedule`` and ``--delay-wgrad-compute`` against the layout, in one line."""
+    flag = f"--pipeline-schedule {schedule}"
+    if schedule in ("zb-h1",) + V_SCHEDULES:
+        check(pp > 1, f"{flag} needs --pipeline-model-parallel-size > 1 (got {pp}); drop it "
+              f"at pp 1", error)
+    if schedule in V_SCHEDULES:
+        check(layers_per_virtual_stage is None, f"{flag} places its own two chunks per rank "
+              f"in a V; drop --num-layers-per-virtual-pipeline-stage "
+              f"{layers_per_virtual_stage}", error)
+        check(num_layers % (2 * pp) == 0, f"{flag} cuts --num-layers {num_layers} into "
+              f"2 x pp = {2 * pp} equal chunks; use a multiple of {2 * pp} layers", error)
+        check(untied, f"{flag} holds the embedding and the output layer on rank 0 as two "
+              f"chunks; tied copies there are not summed yet: add "
+              f"--untie-embeddings-and-output-weights, or use zb-h1", error)
+    if schedule == "zb-h1":
+        check(layers_per_virtual_stage is None, f"{flag} runs one chunk per rank; drop "
+              f"--num-layers-per-virtual-pipeline-stage or use zbv", error)
+    if schedule == "interleaved":
+        check(layers_per_virtual_stage is not None, f"{flag} needs "
+              f"--num-layers-per-virtual-pipeline-stage (the layers of each chunk)", error)
+    if schedule == "1f1b":
+        check(layers_per_virtual_stage is None, f"{flag} runs one chunk per rank; with "
+              f"--num-layers-per-virtual-pipeline-stage write --pipeline-schedule "
+              f"interleaved", error)
+    if delay_wgrad:
+        check(schedule in (None, "1f1b") and layers_per_virtual_stage is None,
+              f"--delay-wgrad-compute runs 1F1B with the weight gradients after each "
+              f"backward's exchange; drop it with {flag if schedule else 'interleaving'} "
+              f"(zb-h1, zbv and dualpipev defer them already)", error)
+    low = schedule_min_microbatches(schedule, pp)
+    if num_microbatches is not None and num_microbatches < low:
+        raise error(f"{flag} needs at least 2 x pp = {low} micro-batches per step but "
+                    f"--global-batch-size gives {num_microbatches}; raise it to {low} x "
+                    f"--micro-batch-size x data-parallel size, or use zbv")

@@ -25,8 +25,10 @@ from megazero.config.model_schema import (
 from megazero.config.observability_schema import CommsLoggerSettings, FlopsProfilerSettings
 from megazero.config.optim_schema import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import (
+    V_SCHEDULES,
     check,
     check_microbatch_groups,
+    check_pipeline_schedule,
     check_rampup,
     divisors,
     pipeline_chunks,
@@ -61,6 +63,8 @@ class MegazeroConfig:
     @property
     def vpp(self) -> int | None:
         """Virtual pipeline chunks per stage (interleaved 1F1B), or None without interleaving."""
+        if self.parallel.pipeline_schedule in V_SCHEDULES:
+            return 2  # the V: chunk 0 at stage r, chunk 1 at stage 2 pp - 1 - r
         per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
         return None if per_chunk is None else self.model.num_layers // self.parallel.pp // per_chunk
 
@@ -141,6 +145,11 @@ def validate(cfg: MegazeroConfig) -> None:
     check_moe_layout(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
+    check_pipeline_schedule(
+        p.pipeline_schedule, pp, per_chunk, m.num_layers, m.untie_embeddings_and_output_weights,
+        p.delay_wgrad_compute,
+        t.global_batch_size // (t.micro_batch_size * p.dp)
+        if p.world_size is not None and t.global_batch_size is not None else None)
     if per_chunk is not None:
         count = step = None
         if p.world_size is not None and t.global_batch_size is not None:

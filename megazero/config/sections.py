@@ -73,6 +73,10 @@ class ParallelConfig:
     # Interleaved schedule: micro-batches pass each model chunk in groups of this many
     # (Megatron's --microbatch-group-size-per-virtual-pipeline-stage); None means pp.
     microbatch_group_size_per_vp_stage: int | None = None
+    # --pipeline-schedule (None: 1f1b, or interleaved with virtual stages) and Megatron's
+    # --delay-wgrad-compute (1F1B with each backward's weight gradients after its exchange)
+    pipeline_schedule: Literal["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"] | None = None
+    delay_wgrad_compute: bool = False
     sequence_parallel: bool = False
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None

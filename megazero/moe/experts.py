@@ -184,9 +184,10 @@ class Experts(nn.Module):
         outs = []
         for expert, (a, b) in zip(experts, _segments(counts), strict=True):
             fc1 = expert.linear_fc1
-            h = LinearSavingWeight.apply(x[a:b], fc1.weight)
+            h = LinearSavingWeight.apply(x[a:b], fc1.weight)  # type: ignore[no-untyped-call]
             h = activation(h if fc1.bias is None else h + fc1.bias, self.config)
-            y = LinearSavingWeight.apply(h, expert.linear_fc2.weight)
+            y = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+                h, expert.linear_fc2.weight)
             if expert.linear_fc2.bias is not None:
                 y = add_once(y, expert.linear_fc2.bias, self.etp_group)
             outs.append(y)

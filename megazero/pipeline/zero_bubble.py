@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 
 from megazero.config import ConfigError
+from megazero.config.rules import schedule_min_microbatches
 from megazero.pipeline.schedules import (
     POST_ORDER,
     Action,
@@ -47,7 +48,7 @@ ZERO_BUBBLE = {"zb-h1": ("loop", 1), "zbv": ("v", 2), "dualpipev": ("v", 2)}
 
 
 def min_microbatches(schedule: str, pp: int) -> int:
-    return 2 * pp if schedule == "dualpipev" else 1
+    return schedule_min_microbatches(schedule, pp)
 
 
 def inflight_limits(schedule: str, pp: int, num_microbatches: int) -> list[int]:

@@ -1,0 +1,91 @@
+"""Zero-bubble schedules train the one-process model: ZB-H1, ZBV, DualPipeV and 1F1B with
+delayed weight gradients at pp 2 and pp 4, through the training entry point (setup + train,
+as ``pretrain_gpt.py``), give the single-process run's losses, grad norms and weights to fp32
+rounding; also with TP 2 + sequence parallelism, ZeRO 1 and 3, full recompute, and an MoE
+model at expert parallel 2.
+
+Tolerance: only the order of the sums differs (micro-batch accumulation, TP partial sums), so
+losses and grad norms agree to ~1e-6 relative; weights after three Adam steps (lr 3e-3) to
+2e-5 of their largest entry plus 3e-6 (a thousandth of a step: Adam's normalised update turns
+rounding in a near-zero gradient into up to ~1e-7 of weight). A wrong or missing weight
+gradient moves them by a whole step.
+"""
+
+from megazero.testing import run_distributed
+from megazero.testing.schedule_runs import runs_world
+from megazero.testing.training_runs import TINY
+
+ITERS = ["--train-iters", "3"]
+DENSE = [*TINY, "--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "8",
+         "--untie-embeddings-and-output-weights", *ITERS]
+MOE = [*DENSE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--swiglu", "--disable-bias-linear"]
+
+
+def _pp(pp, *extra):
+    return ["--pipeline-model-parallel-size", str(pp), *extra]
+
+
+def _compare(got, ref, what, weights=True):
+    assert len(got["losses"]) == len(ref["losses"]) == 3, what
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= 2e-6 * abs(b), f"{what}: loss {a} vs {b}"
+    for a, b in zip(got["norms"], ref["norms"]):
+        assert abs(a - b) <= 2e-5 * abs(b), f"{what}: grad norm {a} vs {b}"
+    if weights:
+        assert got["weights"].keys() == ref["weights"].keys(), what
+        for k, w in got["weights"].items():
+            r = ref["weights"][k]
+            err = float(abs(w - r).max())
+            assert err <= 2e-5 * float(abs(r).max()) + 3e-6, f"{what}: {k} off by {err}"
+
+
+def _merge(ranks):
+    """Per case: rank 0's losses and norms, every rank's weights."""
+    out = []
+    for i, first in enumerate(ranks[0]):
+        weights = {}
+        for r in ranks:
+            weights.update(r[i]["weights"])
+        out.append({**first, "weights": weights})
+    return out
+
+
+def _family(base, layouts, nproc, ref_world=1):
+    (ref,) = _merge(run_distributed(runs_world, ref_world, [base], timeout=300))
+    got = _merge(run_distributed(runs_world, nproc, [base + a for _, a in layouts],
+                                 timeout=600))
+    for (what, args), g in zip(layouts, got):
+        _compare(g, ref, what, weights="--zero-stage" not in args or "3" not in args)
+    return ref, got
+
+
+def test_zero_bubble_schedules_train_the_one_process_model_dense():
+    layouts = [
+        ("pp4 zb-h1", _pp(4, "--pipeline-schedule", "zb-h1")),
+        ("pp4 zbv", _pp(4, "--pipeline-schedule", "zbv")),
+        ("pp4 dualpipev", _pp(4, "--pipeline-schedule", "DualPipeV")),
+        ("pp4 1f1b delayed wgrad", _pp(4, "--delay-wgrad-compute")),
+        ("pp2 tp2 sp zb-h1", _pp(2, "--pipeline-schedule", "zb-h1",
+                                 "--tensor-model-parallel-size", "2", "--sequence-parallel")),
+        ("pp2 tp2 sp zbv full recompute", _pp(
+            2, "--pipeline-schedule", "zbv", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method",
+            "uniform", "--recompute-num-layers", "1")),
+        ("pp2 dp2 dualpipev zero1", _pp(2, "--pipeline-schedule", "dualpipev",
+                                        "--zero-stage", "1")),
+        ("pp2 dp2 zbv zero3", _pp(2, "--pipeline-schedule", "zbv", "--zero-stage", "3")),
+        ("pp2 dp2 zb-h1 zero3", _pp(2, "--pipeline-schedule", "zb-h1", "--zero-stage", "3")),
+    ]
+    _family(DENSE, layouts, 4)
+
+
+def test_zero_bubble_schedules_train_the_one_process_model_moe_ep2():
+    layouts = [
+        ("pp2 ep2 zbv", _pp(2, "--pipeline-schedule", "zbv",
+                            "--expert-model-parallel-size", "2")),
+        ("pp2 ep2 zb-h1 grouped", _pp(2, "--pipeline-schedule", "zb-h1",
+                                      "--expert-model-parallel-size", "2",
+                                      "--moe-grouped-gemm")),
+    ]
+    _family(MOE, layouts, 4)
