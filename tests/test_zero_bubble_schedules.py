@@ -116,3 +116,22 @@ def test_planted_faults_are_named():
     bad[3][i], bad[3][j] = bad[3][j], bad[3][i]
     with pytest.raises(ScheduleError, match=r"rank 3: F 0.1 runs before F 0.0"):
         check(bad)
+
+
+def test_schedule_grid_tool_prints_the_zero_bubble_schedules(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "schedule_grid.py"
+    spec = importlib.util.spec_from_file_location("schedule_grid", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--pp", "4", "--microbatches", "8", "--schedule", "zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "W7.0" in out and "rank 0: busy 24, idle 3 (bubble 0.125)" in out
+    assert tool.main(["--pp", "4", "--microbatches", "8", "--schedule", "zbv", "--f-time",
+                      "0.5", "--b-time", "1", "--w-time", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "F7.1" in out and "idle 1.5 (bubble 0.062)" in out
+    assert tool.main(["--pp", "4", "--microbatches", "6", "--schedule", "dualpipev"]) == 1
+    assert "needs at least 8 micro-batches" in capsys.readouterr().err
