@@ -25,6 +25,9 @@ from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --microbatch-group-size-per-virtual-pipeline-stage --pipeline-schedule --delay-wgrad-compute
+--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+--pipeline-model-parallel-layout
 --context-parallel-size --cp-comm-type
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
 --distribute-saved-activations
@@ -242,6 +245,16 @@ def error(argv, world_size) -> str:
     (VPP2 + ["--pipeline-schedule", "1f1b", "--global-batch-size", "4"], 2,
      ["write --pipeline-schedule interleaved"]),
     (["--pipeline-schedule", "zb-h2"], 1, ["--pipeline-schedule", "zb-h2", "zbv"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+      "--pipeline-model-parallel-layout", "E|t*3|t*2L", "--num-layers-per-virtual-pipeline-"
+      "stage", "1"], 2, ["with an uneven split give the chunks with "
+                         "--pipeline-model-parallel-layout"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+      "--pipeline-model-parallel-layout", "E|t*3|t*2L", "--pipeline-schedule", "zbv",
+      "--untie-embeddings-and-output-weights"], 2, ["gives 3 stages; give 4"]),
+    (["--pipeline-model-parallel-size", "3", "--num-layers", "5",
+      "--decoder-last-pipeline-num-layers", "2"], 3,
+     ["--decoder-last-pipeline-num-layers 2 leave 3 of --num-layers 5 layers for 2 other"]),
     (["--recompute-granularity", "full"], 1, ["--recompute-method uniform or block"]),
     (["--group-query-attention"], 1, ["--num-query-groups"]),
     (["--initial-loss-scale", "1000"], 1, ["--initial-loss-scale 1000", "power of two"]),

@@ -2,6 +2,8 @@
 F/B/W once, W after its B, messages matched in order without deadlock, the bubble and the
 peak of micro-batches held against 1F1B's, and planted faults refused by name."""
 
+import re
+
 import pytest
 
 from megazero.config import ConfigError
@@ -135,3 +137,26 @@ def test_schedule_grid_tool_prints_the_zero_bubble_schedules(capsys):
     assert "F7.1" in out and "idle 1.5 (bubble 0.062)" in out
     assert tool.main(["--pp", "4", "--microbatches", "6", "--schedule", "dualpipev"]) == 1
     assert "needs at least 8 micro-batches" in capsys.readouterr().err
+
+
+def test_uneven_split_counts_and_ranges():
+    from megazero.config.rules import parse_pipeline_layout, stage_layer_counts
+    from megazero.pipeline.partition import ranges_from_counts
+
+    assert stage_layer_counts(5, 2, first=3) == [3, 2]
+    assert stage_layer_counts(6, 2, account_embedding=True, account_loss=True) == [3, 3]
+    assert stage_layer_counts(10, 4, first=1, last=3) == [1, 3, 3, 3]
+    assert parse_pipeline_layout("Et|(t|)*2ttL", 5) == [(1, True, False), (1, False, False),
+                                                         (1, False, False), (2, False, True)]
+    assert stage_layer_counts(5, 4, layout="E|t*3|t*2|L") == [0, 3, 2, 0]
+    assert ranges_from_counts([0, 3, 2, 0], 2) == [[(0, 0), (3, 5)], [(0, 3), (5, 5)]]
+    assert ranges_from_counts([0, 3, 2, 0], 2, "v") == [[(0, 0), (5, 5)], [(0, 3), (3, 5)]]
+    for stages, kw, msg in [
+            (3, dict(first=2), "leave 3 of --num-layers 5 layers for 2 other stages"),
+            (4, dict(layout="E|t*3|t|L"), "places 4 transformer layers"),
+            (3, dict(layout="t|Et*4|L"), "the embedding E must open the first stage"),
+            (2, dict(layout="Et*5|X"), "unknown symbols ['X']"),
+            (4, dict(layout="Et*5|L"), "gives 2 stages but the run has 4"),
+            (4, dict(account_embedding=True), "= 6 does not split evenly over 4")]:
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            stage_layer_counts(5, stages, **kw)

@@ -52,6 +52,7 @@ def _merge(ranks):
 
 
 def _family(base, layouts, nproc, ref_world=1):
+    """The one-process run of ``base``, then every layout in one world of ``nproc``."""
     (ref,) = _merge(run_distributed(runs_world, ref_world, [base], timeout=300))
     got = _merge(run_distributed(runs_world, nproc, [base + a for _, a in layouts],
                                  timeout=600))
@@ -89,3 +90,28 @@ def test_zero_bubble_schedules_train_the_one_process_model_moe_ep2():
                                       "--moe-grouped-gemm")),
     ]
     _family(MOE, layouts, 4)
+
+
+UNEVEN = [*TINY, "--num-layers", "5", "--micro-batch-size", "1", "--global-batch-size", "8",
+          "--untie-embeddings-and-output-weights", *ITERS]
+
+
+def test_uneven_splits_train_the_one_process_model():
+    """5 layers as 3 + 2 on pp 2, and layout strings with the embedding and the loss on stages
+    of their own, under 1F1B, interleaved 1F1B and ZBV."""
+    layouts = [
+        ("pp2 1f1b 3+2", _pp(2, "--decoder-first-pipeline-num-layers", "3")),
+        ("pp2 zb-h1 account for embedding and loss", _pp(
+            2, "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-"
+            "split", "--pipeline-schedule", "zb-h1", "--num-layers", "6")),
+        ("pp2 interleaved E|t*3|t*2|L", _pp(2, "--pipeline-model-parallel-layout",
+                                            "E|t*3|t*2|L")),
+        ("pp2 zbv E|ttt|tt|L", _pp(2, "--pipeline-model-parallel-layout", "E|ttt|tt|L",
+                                   "--pipeline-schedule", "zbv")),
+        ("pp2 zbv Et|(t|)*2tL", _pp(2, "--pipeline-model-parallel-layout", "Et|(t|)*2ttL",
+                                    "--pipeline-schedule", "zbv")),
+        ("pp4 1f1b E|ttt|tt|L", _pp(4, "--pipeline-model-parallel-layout", "E|ttt|tt|L")),
+    ]
+    ref, _ = _family(UNEVEN, [x for x in layouts if "--num-layers" not in x[1]], 4)
+    six = [x for x in layouts if "--num-layers" in x[1]]
+    _family(UNEVEN + ["--num-layers", "6"], [(w, a[:-2]) for w, a in six], 2)

@@ -101,6 +101,20 @@ FLAGS: tuple[Flag, ...] = (
             "--num-layers-per-virtual-pipeline-stage"),
     _f("--delay-wgrad-compute", "parallel.delay_wgrad_compute", **_ON,
        help="1F1B with each backward's weight gradients computed after its exchange"),
+    _f("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers",
+       **_I, help="transformer layers of the first (virtual) pipeline stage; the others split "
+                  "the rest evenly"),
+    _f("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers",
+       **_I, help="transformer layers of the last (virtual) pipeline stage"),
+    _f("--account-for-embedding-in-pipeline-split",
+       "parallel.account_for_embedding_in_pipeline_split", **_ON,
+       help="count the embedding as one layer of the first stage when splitting"),
+    _f("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",
+       **_ON, help="count the output layer and loss as one layer of the last stage"),
+    _f("--pipeline-model-parallel-layout", "parallel.pipeline_model_parallel_layout",
+       help="every virtual stage's layers, Megatron's string: stages separated by |, E the "
+            "embedding, t a transformer layer, L the loss, e.g. 'Et*3|t*4|t*3L' or "
+            "'E|(t*2|)*4L'"),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
     _f("--context-parallel-size", "parallel.context_parallel_size", **_I,
        help="ranks that split each sequence (CP); weights are replicated over them"),

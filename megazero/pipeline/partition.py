@@ -19,7 +19,7 @@ from typing import Any
 from megazero.config import ConfigError, ModelConfig, RecomputeConfig
 from megazero.config.rules import pipeline_chunks
 from megazero.distributed.topology import ParallelTopology
-from megazero.pipeline.schedules import virtual_stage
+from megazero.pipeline.schedules import stage_owner, virtual_stage
 from megazero.tensor_parallel.context import ParallelContext
 
 LayerRange = tuple[int, int]
@@ -29,9 +29,11 @@ LayerRange = tuple[int, int]
 
 def chunk_layer_ranges(
     num_layers: int, pp: int, layers_per_virtual_stage: int | None = None,
-    placement: str = "loop",
+    placement: str = "loop", layer_counts: list[int] | None = None,
 ) -> list[list[LayerRange]]:
     """Global layer ranges ``[start, end)`` indexed ``[pp_rank][chunk]``."""
+    if layer_counts is not None:
+        return ranges_from_counts(layer_counts, pp, placement)
     if placement == "v":
         n = v_layers_per_chunk(num_layers, pp)
         return [[(v * n, (v + 1) * n) for v in (p, 2 * pp - 1 - p)] for p in range(pp)]
@@ -41,6 +43,21 @@ def chunk_layer_ranges(
         return [[(p * per_stage, (p + 1) * per_stage)] for p in range(pp)]
     n = layers_per_virtual_stage
     return [[((c * pp + p) * n, (c * pp + p + 1) * n) for c in range(vpp)] for p in range(pp)]
+
+
+def ranges_from_counts(counts: list[int], pp: int, placement: str = "loop"
+                       ) -> list[list[LayerRange]]:
+    """Layer ranges ``[pp_rank][chunk]`` from the layers of each virtual stage in stage order
+    (an uneven split, :func:`megazero.config.rules.stage_layer_counts`); a stage may hold
+    none (the embedding or the loss alone)."""
+    vpp = len(counts) // pp
+    out: list[list[LayerRange]] = [[(0, 0)] * vpp for _ in range(pp)]
+    start = 0
+    for v, n in enumerate(counts):
+        rank, chunk = stage_owner(v, pp, placement)
+        out[rank][chunk] = (start, start + n)
+        start += n
+    return out
 
 
 def v_layers_per_chunk(num_layers: int, pp: int) -> int:
@@ -70,6 +87,7 @@ def build_model_chunks(
     recompute: RecomputeConfig | None = None,
     model_cls: Any = None,
     placement: str = "loop",
+    layer_counts: list[int] | None = None,
     **model_kwargs: Any,
 ) -> list[Any]:
     """This rank's model chunks, in chunk order, each a ``GPTModel`` over its layer range.
@@ -84,7 +102,7 @@ def build_model_chunks(
 
         model_cls = GPTModel
     ranges = chunk_layer_ranges(model_config.num_layers, topo.pp_size, layers_per_virtual_stage,
-                                placement)
+                                placement, layer_counts)
     vpp = len(ranges[0])
     if (topo.vpp_size or 1) != vpp:
         raise ConfigError(
