@@ -384,3 +384,23 @@ def all_schedule_steps(pp: int, vpp: int | None, num_microbatches: int,
     """:func:`schedule_steps` of every rank."""
     return [schedule_steps(pp, vpp, num_microbatches, r, forward_only, group_size, schedule,
                            delay_wgrad) for r in range(pp)]
+
+
+@functools.lru_cache(maxsize=256)
+def bubble_units(schedule: str, pp: int, num_microbatches: int,
+                 delay_wgrad: bool = False) -> float:
+    """The longest any rank idles in one step of ``schedule``, in micro-batches of a whole
+    stage's compute (F + B + W), from the checker's simulation with F = B = W: ``pp - 1``
+    for 1F1B, a third of it for ZB-H1. The planner prices the bubble with it. Past ``4 pp``
+    micro-batches the idle time no longer grows (the steady state has none), so longer steps
+    are simulated at ``4 pp``."""
+    from megazero.pipeline.checker import check_schedules
+
+    m = min(num_microbatches, 4 * pp)
+    placement, vpp = ZERO_BUBBLE.get(schedule, ("loop", 1))
+    steps = all_schedule_steps(pp, vpp if vpp > 1 else None, m, schedule=schedule,
+                               delay_wgrad=delay_wgrad)
+    f = 1.0 / vpp
+    res = check_schedules(steps, vpp, m, f_time=f, b_time=2 * f, w_time=f,
+                          placement=placement, memory_bound=False)
+    return max(res.idle) / 3
