@@ -115,3 +115,27 @@ def test_uneven_splits_train_the_one_process_model():
     ref, _ = _family(UNEVEN, [x for x in layouts if "--num-layers" not in x[1]], 4)
     six = [x for x in layouts if "--num-layers" in x[1]]
     _family(UNEVEN + ["--num-layers", "6"], [(w, a[:-2]) for w, a in six], 2)
+
+
+def _resume_world(rank, world, tmp):
+    from megazero.testing.training_runs import train_in_rank
+
+    base = [*DENSE[:-2], "--pipeline-model-parallel-size", "2"]
+    zbv = ["--pipeline-schedule", "zbv"]
+    straight = train_in_rank(rank, world, [*base, "--train-iters", "6"])
+    first = train_in_rank(rank, world, [*base, *zbv, "--train-iters", "2", "--save",
+                                        f"{tmp}/zbv"])
+    second = train_in_rank(rank, world, [*base, "--train-iters", "4", "--load", f"{tmp}/zbv",
+                                         "--save", f"{tmp}/1f1b"])
+    third = train_in_rank(rank, world, [*base, *zbv, "--train-iters", "6", "--load",
+                                        f"{tmp}/1f1b"])
+    return straight, {**first, **second, **third}
+
+
+def test_a_zbv_checkpoint_resumes_at_1f1b_and_back(tmp_path):
+    """ZBV saves, 1F1B loads and saves, ZBV loads again: the six losses are the straight
+    1F1B run's."""
+    straight, resumed = run_distributed(_resume_world, 2, str(tmp_path), timeout=600)[0]
+    assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5, 6]
+    for it, loss in straight.items():
+        assert abs(resumed[it] - loss) <= 2e-6 * abs(loss), (it, resumed[it], loss)
