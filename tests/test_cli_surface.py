@@ -236,7 +236,6 @@ def error(argv, world_size) -> str:
       "--num-layers-per-virtual-pipeline-stage 1"]),
     (ZBV2 + ["--num-layers", "6"], 2, ["--num-layers 6 into 2 x pp = 4 equal chunks",
                                        "multiple of 4 layers"]),
-    (ZBV2[:-1], 2, ["--untie-embeddings-and-output-weights"]),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "DualPipeV",
       "--untie-embeddings-and-output-weights", "--num-layers", "4", "--global-batch-size", "3"],
      2, ["--pipeline-schedule dualpipev needs at least 2 x pp = 4 micro-batches", "gives 3"]),

@@ -240,7 +240,7 @@ def schedule_min_microbatches(schedule: str | None, pp: int) -> int:
 
 
 def check_pipeline_schedule(schedule: str | None, pp: int, layers_per_virtual_stage: int | None,
-                            num_layers: int, untied: bool, delay_wgrad: bool,
+                            num_layers: int, delay_wgrad: bool,
                             num_microbatches: int | None,
                             error: type[Exception] = ConfigError) -> None:
     """``--pipeline-schedule`` and ``--delay-wgrad-compute`` against the layout, in one line."""
@@ -254,9 +254,6 @@ def check_pipeline_schedule(schedule: str | None, pp: int, layers_per_virtual_st
               f"{layers_per_virtual_stage}", error)
         check(num_layers % (2 * pp) == 0, f"{flag} cuts --num-layers {num_layers} into "
               f"2 x pp = {2 * pp} equal chunks; use a multiple of {2 * pp} layers", error)
-        check(untied, f"{flag} holds the embedding and the output layer on rank 0 as two "
-              f"chunks; tied copies there are not summed yet: add "
-              f"--untie-embeddings-and-output-weights, or use zb-h1", error)
     if schedule == "zb-h1":
         check(layers_per_virtual_stage is None, f"{flag} runs one chunk per rank; drop "
               f"--num-layers-per-virtual-pipeline-stage or use zbv", error)

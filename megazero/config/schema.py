@@ -190,8 +190,7 @@ def validate(cfg: MegazeroConfig) -> None:
         pipeline_chunks(m.num_layers, pp, per_chunk)
     check_pipeline_schedule(
         p.pipeline_schedule, pp, per_chunk,
-        2 * pp if p.uneven_split else m.num_layers, m.untie_embeddings_and_output_weights,
-        p.delay_wgrad_compute,
+        2 * pp if p.uneven_split else m.num_layers, p.delay_wgrad_compute,
         t.global_batch_size // (t.micro_batch_size * p.dp)
         if p.world_size is not None and t.global_batch_size is not None else None)
     if per_chunk is not None:

@@ -55,8 +55,8 @@ class ScheduleChoice:
 
 
 ONE_F_ONE_B = ScheduleChoice("1f1b")
-#: the zero-bubble schedules (the V ones need 2 x pp equal chunks, and an untied output
-#: layer: a layout the run refuses is dropped by the search)
+#: the zero-bubble schedules (the V ones need 2 x pp equal chunks: a layout the run refuses
+#: is dropped by the search)
 ZERO_BUBBLE_CHOICES = tuple(ScheduleChoice(n) for n in ZERO_BUBBLE)
 
 
