@@ -1,11 +1,11 @@
 """Zero-bubble schedules train the one-process model: ZB-H1, ZBV, DualPipeV and 1F1B with
 delayed weight gradients at pp 2 and pp 4, through the training entry point (setup + train,
 as ``pretrain_gpt.py``), give the single-process run's losses, grad norms and weights to fp32
-rounding; also with TP 2 + sequence parallelism, ZeRO 1 and 3, full recompute, and an MoE
-model at expert parallel 2.
+rounding; also with TP 2 + sequence parallelism, context parallelism, ZeRO 1, 2 and 3, full
+recompute, tied embeddings, uneven splits, and an MoE model at expert parallel 2.
 
 Tolerance: only the order of the sums differs (micro-batch accumulation, TP partial sums), so
-losses and grad norms agree to ~1e-6 relative; weights after three Adam steps (lr 3e-3) to
+losses and grad norms agree to ~1e-6 relative; weights after two Adam steps (lr 3e-3) to
 2e-5 of their largest entry plus 3e-6 (a thousandth of a step: Adam's normalised update turns
 rounding in a near-zero gradient into up to ~1e-7 of weight). A wrong or missing weight
 gradient moves them by a whole step.
@@ -15,7 +15,7 @@ from megazero.testing import run_distributed
 from megazero.testing.schedule_runs import runs_world
 from megazero.testing.training_runs import TINY
 
-ITERS = ["--train-iters", "3"]
+ITERS = ["--train-iters", "2"]
 DENSE = [*TINY, "--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "8",
          "--untie-embeddings-and-output-weights", *ITERS]
 MOE = [*DENSE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
@@ -27,7 +27,7 @@ def _pp(pp, *extra):
 
 
 def _compare(got, ref, what, weights=True):
-    assert len(got["losses"]) == len(ref["losses"]) == 3, what
+    assert len(got["losses"]) == len(ref["losses"]) == 2, what
     for a, b in zip(got["losses"], ref["losses"]):
         assert abs(a - b) <= 2e-6 * abs(b), f"{what}: loss {a} vs {b}"
     for a, b in zip(got["norms"], ref["norms"]):
@@ -81,6 +81,7 @@ def test_zero_bubble_schedules_train_the_one_process_model_dense():
                                         "--zero-stage", "1")),
         ("pp2 dp2 zbv zero3", _pp(2, "--pipeline-schedule", "zbv", "--zero-stage", "3")),
         ("pp2 dp2 zb-h1 zero3", _pp(2, "--pipeline-schedule", "zb-h1", "--zero-stage", "3")),
+        ("pp2 cp2 zbv", _pp(2, "--pipeline-schedule", "zbv", "--context-parallel-size", "2")),
     ]
     _family(DENSE, layouts, 4)
 
@@ -101,24 +102,18 @@ UNEVEN = [*TINY, "--num-layers", "5", "--micro-batch-size", "1", "--global-batch
 
 
 def test_uneven_splits_train_the_one_process_model():
-    """5 layers as 3 + 2 on pp 2, and layout strings with the embedding and the loss on stages
-    of their own, under 1F1B, interleaved 1F1B and ZBV."""
+    """5 layers as 3 + 2 on pp 2 under 1F1B, and layout strings with the embedding and the
+    loss on stages of their own under interleaved 1F1B and ZBV (the --account-for-* flags and
+    the estimator's per-stage charges are checked without training, in
+    tests/test_zero_bubble_schedules.py and tests/test_planner_step_time.py)."""
     layouts = [
         ("pp2 1f1b 3+2", _pp(2, "--decoder-first-pipeline-num-layers", "3")),
-        ("pp2 zb-h1 account for embedding and loss", _pp(
-            2, "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-"
-            "split", "--pipeline-schedule", "zb-h1", "--num-layers", "6")),
         ("pp2 interleaved E|t*3|t*2|L", _pp(2, "--pipeline-model-parallel-layout",
                                             "E|t*3|t*2|L")),
         ("pp2 zbv E|ttt|tt|L", _pp(2, "--pipeline-model-parallel-layout", "E|ttt|tt|L",
                                    "--pipeline-schedule", "zbv")),
-        ("pp2 zbv Et|(t|)*2tL", _pp(2, "--pipeline-model-parallel-layout", "Et|(t|)*2ttL",
-                                    "--pipeline-schedule", "zbv")),
-        ("pp4 1f1b E|ttt|tt|L", _pp(4, "--pipeline-model-parallel-layout", "E|ttt|tt|L")),
     ]
-    ref, _ = _family(UNEVEN, [x for x in layouts if "--num-layers" not in x[1]], 4)
-    six = [x for x in layouts if "--num-layers" in x[1]]
-    _family(UNEVEN + ["--num-layers", "6"], [(w, a[:-2]) for w, a in six], 2)
+    _family(UNEVEN, layouts, 2)
 
 
 def _resume_world(rank, world, tmp):
