@@ -23,8 +23,9 @@ work fills the idle slots 1F1B leaves (Qi et al., "Zero Bubble Pipeline Parallel
    In the V the last rank hands its activation (and the grad back) to itself, without a
    message.
 
-Minimum micro-batch counts (:data:`MIN_MICROBATCHES`): DualPipeV's order needs ``2 pp`` (as
-DeepSeek's); the others run any number.
+Minimum micro-batch counts (:func:`min_microbatches`): DualPipeV's order needs ``2 pp`` (as
+DeepSeek's); the others run any number. :func:`schedule_steps` is what the executor, the
+planner and ``tools/schedule_grid.py`` ask for a rank's steps under any ``--pipeline-schedule``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ ZERO_BUBBLE = {"zb-h1": ("loop", 1), "zbv": ("v", 2), "dualpipev": ("v", 2)}
 
 
 def min_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches per step ``schedule`` runs (the config's rule)."""
     return schedule_min_microbatches(schedule, pp)
 
 
@@ -347,12 +349,6 @@ def fill_with_w(fb_orders: list[list[Action]], vpp: int, placement: str, limits:
                 held[r] -= 1
         t += 1
     return orders
-
-
-#: ``--pipeline-schedule`` values, and torchtitan's names for them.
-SCHEDULE_NAMES = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
-SCHEDULE_ALIASES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "ZBVZeroBubble": "zbv",
-                    "DualPipeV": "dualpipev", "ZBH1": "zb-h1"}
 
 
 def placement_of(schedule: str | None) -> str:
