@@ -139,3 +139,29 @@ def test_overlapped_collectives_are_in_flight_under_gemms():
         assert all(v > 0.0 for vs in shares.values() for v in vs), (name, shares)
         medians = {op: statistics.median(vs) for op, vs in shares.items()}
         assert statistics.median(medians.values()) > 0.1, (name, medians)
+
+
+def test_tp_comm_overlap_flags():
+    """The flags fill the overlap the layers run; without sequence parallelism the flag is
+    refused naming --sequence-parallel; userbuffers settings are accepted with no effect."""
+    import pytest
+
+    from megazero.config import ConfigError, load_config
+    from megazero.tensor_parallel.overlap import tp_comm_overlap_of
+    from megazero.testing.training_runs import TINY
+
+    tp2 = [*TINY, "--tensor-model-parallel-size", "2"]
+    cfg = load_config([*tp2, "--sequence-parallel", "--tp-comm-overlap",
+                       "--disable-tp-comm-overlap-ag", "--tp-comm-overlap-rs-dgrad",
+                       "--disable-tp-comm-bulk-wgrad", "--tp-comm-overlap-cfg", "ub.yaml",
+                       "--tp-comm-bootstrap-backend", "nccl"], 2)
+    assert tp_comm_overlap_of(cfg.parallel) == TPCommOverlap(ag=False, rs=True, rs_dgrad=True,
+                                                             bulk_dgrad=True, bulk_wgrad=False)
+    assert tp_comm_overlap_of(load_config([*tp2, "--sequence-parallel"], 2).parallel) is None
+    for args in ([*tp2, "--tp-comm-overlap"],
+                 [*TINY, "--sequence-parallel", "--tp-comm-overlap"]):
+        with pytest.raises(ConfigError, match="--tp-comm-overlap.*add --sequence-parallel"):
+            load_config(args, 2)
+    with pytest.raises(ConfigError, match="--moe-shared-expert-overlap.*add "
+                                          "--moe-shared-expert-intermediate-size"):
+        load_config([*TINY, "--num-experts", "4", "--moe-shared-expert-overlap"], 1)

@@ -116,6 +116,22 @@ FLAGS: tuple[Flag, ...] = (
             "embedding, t a transformer layer, L the loss, e.g. 'Et*3|t*4|t*3L' or "
             "'E|(t*2|)*4L'"),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
+    _f("--tp-comm-overlap", "parallel.tp_comm_overlap", **_ON,
+       help="run the sequence-parallel all-gathers and reduce-scatters inside the linear "
+            "layers' GEMMs (ring chunks forward, bulk overlap backward); needs "
+            "--sequence-parallel"),
+    _f("--disable-tp-comm-overlap-ag", "parallel.tp_comm_overlap_ag", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: keep the all-gathers before the GEMMs"),
+    _f("--disable-tp-comm-overlap-rs", "parallel.tp_comm_overlap_rs", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: keep the row-parallel reduce-scatter after its GEMM"),
+    _f("--tp-comm-overlap-rs-dgrad", "parallel.tp_comm_overlap_rs_dgrad", **_ON,
+       help="--tp-comm-overlap: pipeline the input gradient's reduce-scatter with the dgrad "
+            "GEMM instead of hiding it under the wgrad GEMM"),
+    _f("--disable-tp-comm-bulk-dgrad", "parallel.tp_comm_bulk_dgrad", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: gather the input for the weight gradient before the dgrad "
+            "GEMM"),
+    _f("--disable-tp-comm-bulk-wgrad", "parallel.tp_comm_bulk_wgrad", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: reduce-scatter the input gradient before the wgrad GEMM"),
     _f("--context-parallel-size", "parallel.context_parallel_size", **_I,
        help="ranks that split each sequence (CP); weights are replicated over them"),
     _f("--cp-comm-type", "parallel.cp_comm_type",
@@ -152,6 +168,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--moe-shared-expert-intermediate-size",
        "model.moe.moe_shared_expert_intermediate_size", **_I),
     _f("--moe-shared-expert-gate", "model.moe.moe_shared_expert_gate", **_ON),
+    _f("--moe-shared-expert-overlap", "model.moe.moe_shared_expert_overlap", **_ON,
+       help="the shared expert computes while the dispatch all-to-all is in flight"),
     _f("--moe-token-dispatcher-type", "model.moe.moe_token_dispatcher_type"),
     _f("--moe-per-layer-logging", "model.moe.moe_per_layer_logging", **_ON),
     # model

@@ -40,6 +40,7 @@ GROUP_OF_FLAG = {
     "--moe-grouped-gemm": "mixture of experts",
     "--moe-shared-expert-intermediate-size": "mixture of experts",
     "--moe-shared-expert-gate": "mixture of experts",
+    "--moe-shared-expert-overlap": "mixture of experts",
     "--moe-token-dispatcher-type": "mixture of experts",
     "--moe-per-layer-logging": "mixture of experts",
     "--lr": "learning rate", "--min-lr": "learning rate", "--lr-decay-style": "learning rate",

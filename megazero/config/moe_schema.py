@@ -43,6 +43,8 @@ class MoEConfig:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    # the shared expert runs while the token dispatch all-to-all is in flight (megatron-core)
+    moe_shared_expert_overlap: bool = False
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
     moe_per_layer_logging: bool = False
 
@@ -105,6 +107,11 @@ class MoEConfig:
         _check(not self.moe_shared_expert_gate
                or self.moe_shared_expert_intermediate_size is not None,
                "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+        _check(not self.moe_shared_expert_overlap
+               or self.moe_shared_expert_intermediate_size is not None,
+               "--moe-shared-expert-overlap runs the shared expert under the dispatch "
+               "all-to-all, and there is none: add --moe-shared-expert-intermediate-size or "
+               "drop --moe-shared-expert-overlap")
 
     @property
     def enabled(self) -> bool:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megazero.config.sections import ParallelConfig
 from megazero.distributed import collectives
 from megazero.tensor_parallel.mappings import Group, group_rank, group_size
 from megazero.tensor_parallel.weight_grad import current as deferring_store
@@ -65,6 +66,16 @@ class TPCommOverlap:
     rs_dgrad: bool = False
     bulk_dgrad: bool = True
     bulk_wgrad: bool = True
+
+
+def tp_comm_overlap_of(parallel: ParallelConfig) -> TPCommOverlap | None:
+    """The overlap a run's ``--tp-comm-overlap*`` flags ask for (None: the flag is off)."""
+    if not parallel.tp_comm_overlap:
+        return None
+    return TPCommOverlap(ag=parallel.tp_comm_overlap_ag, rs=parallel.tp_comm_overlap_rs,
+                         rs_dgrad=parallel.tp_comm_overlap_rs_dgrad,
+                         bulk_dgrad=parallel.tp_comm_bulk_dgrad,
+                         bulk_wgrad=parallel.tp_comm_bulk_wgrad)
 
 
 #: Every switch off: the same chunk-free computation as the plain layers, with each collective

@@ -271,10 +271,12 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     from megazero.pipeline.partition import build_model_chunks
     from megazero.pipeline.zero_bubble import placement_of
     from megazero.tensor_parallel.context import ParallelContext
+    from megazero.tensor_parallel.overlap import tp_comm_overlap_of
 
     parallel = ParallelContext.from_topology(topo,
                                              sequence_parallel=cfg.parallel.sequence_parallel,
-                                             cp_comm_type=cfg.parallel.cp_comm_type)
+                                             cp_comm_type=cfg.parallel.cp_comm_type,
+                                             tp_comm_overlap=tp_comm_overlap_of(cfg.parallel))
     with torch.device("meta"):
         chunks = build_model_chunks(
             cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,

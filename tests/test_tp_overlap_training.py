@@ -1,0 +1,45 @@
+"""--tp-comm-overlap trains the same model: through the training entry point (setup + train, as
+``pretrain_gpt.py``), runs with the sequence-parallel collectives inside the GEMMs give the
+one-process run's losses, grad norms and weights to fp32 rounding at tp 2 and 4, with context
+parallel 2, interleaved pipeline parallel 2, a zero-bubble schedule (weight gradients deferred
+to W), ZeRO 1 and 3, and with the per-part switches.
+
+Tolerance as tests/test_zero_bubble_training.py: only the order of sums differs (the ring
+reduce-scatter adds the ranks' partials starting from the next rank, the chunked weight
+gradient sums chunk by chunk); a wrong chunk or a missing gradient moves a weight by a whole
+Adam step.
+"""
+
+from megazero.testing import run_distributed
+from megazero.testing.schedule_runs import runs_world
+from megazero.testing.training_runs import TINY
+from tests.test_zero_bubble_training import _compare, _merge
+
+BASE = [*TINY, "--train-iters", "2", "--untie-embeddings-and-output-weights"]
+TP_SP = ["--sequence-parallel", "--tp-comm-overlap"]
+
+
+def _tp(tp, *extra):
+    return ["--tensor-model-parallel-size", str(tp), *TP_SP, *extra]
+
+
+def test_tp_comm_overlap_trains_the_one_process_model():
+    layouts = [
+        ("tp4 sp overlap", _tp(4)),
+        ("tp2 sp overlap dp2 zero1", _tp(2, "--zero-stage", "1")),
+        ("tp2 sp overlap dp2 zero3", _tp(2, "--zero-stage", "3")),
+        ("tp2 sp overlap cp2", _tp(2, "--context-parallel-size", "2")),
+        ("tp2 sp overlap pp2 interleaved", _tp(2, "--pipeline-model-parallel-size", "2",
+                                               "--num-layers-per-virtual-pipeline-stage", "1")),
+        ("tp2 sp overlap pp2 zb-h1 (deferred wgrad)", _tp(
+            2, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1")),
+        ("tp2 sp overlap rs-dgrad, no ag", _tp(2, "--tp-comm-overlap-rs-dgrad",
+                                               "--disable-tp-comm-overlap-ag")),
+        ("tp2 sp overlap no bulk, no rs", _tp(2, "--disable-tp-comm-bulk-dgrad",
+                                              "--disable-tp-comm-bulk-wgrad",
+                                              "--disable-tp-comm-overlap-rs")),
+    ]
+    (ref,) = _merge(run_distributed(runs_world, 1, [BASE], timeout=300))
+    got = _merge(run_distributed(runs_world, 4, [BASE + a for _, a in layouts], timeout=600))
+    for (what, args), g in zip(layouts, got):
+        _compare(g, ref, what, weights="3" not in args)
