@@ -3,9 +3,8 @@ single-process computation, at tp 2 and 4 in one gloo world of 4: a column-paral
 (all-gather inside the GEMM) feeding a row-parallel one (reduce-scatter inside the GEMM),
 outputs and every gradient, for every overlap mode, with and without weight-gradient deferral
 (the zero-bubble B/W split); and the in-flight proof: each overlapped collective is in flight
-under a GEMM of its rank, each plain one is not."""
-
-import statistics
+under a GEMM of its rank, each plain one is not; likewise the expert-parallel dispatch
+all-to-all with the shared expert under it (--moe-shared-expert-overlap)."""
 
 import torch
 import torch.distributed as dist
@@ -108,6 +107,25 @@ def _in_flight(rank, world, modes):
                 z = linear_reduce_scatter(all_gather_linear(x, wc, None, g, cfg), wr, g, cfg)
                 z.backward(torch.ones_like(z))
             out[name].append(trace)
+    # expert parallel: the dispatch all-to-all, with the shared expert under it or after it
+    from megazero.moe.token_dispatcher import AllToAllDispatcher
+
+    tokens = torch.randn(SEQ, HID, requires_grad=True)
+    routing = torch.zeros(SEQ, 4, dtype=torch.bool)
+    routing[torch.arange(SEQ), torch.randint(0, 4, (SEQ,))] = True
+    probs = torch.rand(SEQ, 4)
+    shared_w = torch.randn(4 * HID, HID)
+    for name, overlap in (("ep plain", False), ("ep overlap", True)):
+        out[name] = []
+        for _ in range(3):
+            d = AllToAllDispatcher(4, 2 * rank, 2, g)
+            with recording() as trace:
+                under = (lambda: tokens.matmul(shared_w.t())) if overlap else None
+                rows, _ = d.dispatch(tokens, probs, routing, under)
+                if not overlap:
+                    tokens.matmul(shared_w.t())
+            out[name].append(trace)
+            assert rows.shape[1] == HID
     return out
 
 
@@ -137,8 +155,10 @@ def test_overlapped_collectives_are_in_flight_under_gemms():
         shares = _shares(results, name)
         assert set(shares) == ops, (name, sorted(shares))
         assert all(v > 0.0 for vs in shares.values() for v in vs), (name, shares)
-        medians = {op: statistics.median(vs) for op, vs in shares.items()}
-        assert statistics.median(medians.values()) > 0.1, (name, medians)
+    ep_plain, ep = _shares(results, "ep plain"), _shares(results, "ep overlap")
+    assert set(ep_plain) == {"ep_all_to_all"} and set(ep) == {"ep_dispatch"}, (ep_plain, ep)
+    assert all(v == 0.0 for v in ep_plain["ep_all_to_all"]), ep_plain
+    assert all(v > 0.0 for v in ep["ep_dispatch"]), ep
 
 
 def test_tp_comm_overlap_flags():
@@ -164,4 +184,9 @@ def test_tp_comm_overlap_flags():
             load_config(args, 2)
     with pytest.raises(ConfigError, match="--moe-shared-expert-overlap.*add "
                                           "--moe-shared-expert-intermediate-size"):
-        load_config([*TINY, "--num-experts", "4", "--moe-shared-expert-overlap"], 1)
+        load_config([*TINY, "--num-experts", "4", "--moe-shared-expert-overlap",
+                     "--moe-token-dispatcher-type", "alltoall"], 1)
+    with pytest.raises(ConfigError, match="--moe-shared-expert-overlap.*add "
+                                          "--moe-token-dispatcher-type alltoall"):
+        load_config([*TINY, "--num-experts", "4", "--moe-shared-expert-overlap",
+                     "--moe-shared-expert-intermediate-size", "32"], 1)

@@ -43,3 +43,31 @@ def test_tp_comm_overlap_trains_the_one_process_model():
     got = _merge(run_distributed(runs_world, 4, [BASE + a for _, a in layouts], timeout=600))
     for (what, args), g in zip(layouts, got):
         _compare(g, ref, what, weights="3" not in args)
+
+
+MOE = [*BASE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-token-dispatcher-type", "alltoall",
+       "--swiglu", "--disable-bias-linear"]
+
+
+def test_shared_expert_overlap_trains_the_one_process_model():
+    """--moe-shared-expert-overlap (the shared expert under the dispatch all-to-all) at expert
+    parallel 2, alone and with TP 2 + SP + --tp-comm-overlap, gives the one-process MoE run."""
+    layouts = [
+        ("ep2 dp2 shared-expert overlap", ["--expert-model-parallel-size", "2",
+                                           "--moe-shared-expert-overlap"]),
+        ("tp2 sp ep2 shared-expert overlap + tp overlap",
+         ["--expert-model-parallel-size", "2", "--moe-shared-expert-overlap",
+          "--expert-tensor-parallel-size", "1", *_tp(2)]),
+    ]
+    (ref,) = _merge(run_distributed(runs_world, 1, [MOE], timeout=300))
+    (got,) = _merge(run_distributed(runs_world, 2, [MOE + layouts[0][1]], timeout=600))
+    _compare(got, ref, layouts[0][0])
+    (got,) = _merge(run_distributed(runs_world, 4, [MOE + layouts[1][1]], timeout=600))
+    # weights come from TP rank 0 only, which at tp 2 x ep 2 holds half of the experts
+    _compare(got, ref, layouts[1][0], weights=False)
+    assert len(got["weights"]) > len(ref["weights"]) // 2
+    for k, w in got["weights"].items():
+        r = ref["weights"][k]
+        err = float(abs(w - r).max())
+        assert err <= 2e-5 * float(abs(r).max()) + 3e-6, f"{layouts[1][0]}: {k} off by {err}"

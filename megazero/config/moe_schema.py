@@ -112,6 +112,11 @@ class MoEConfig:
                "--moe-shared-expert-overlap runs the shared expert under the dispatch "
                "all-to-all, and there is none: add --moe-shared-expert-intermediate-size or "
                "drop --moe-shared-expert-overlap")
+        _check(not self.moe_shared_expert_overlap
+               or self.moe_token_dispatcher_type == "alltoall",
+               "--moe-shared-expert-overlap hides the dispatch all-to-all, and "
+               f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type} has none: add "
+               "--moe-token-dispatcher-type alltoall or drop --moe-shared-expert-overlap")
 
     @property
     def enabled(self) -> bool:

@@ -99,9 +99,15 @@ class OverlapTrace:
         of its wait) during which a GEMM of this rank ran. A collective issued and waited for
         at once has none; one waited for after a GEMM has that GEMM's time, less the issue's
         and the wait's (on a loaded host also the wait for a slower peer)."""
+        merged: list[list[float]] = []  # nested computes (a GEMM inside a traced block) once
+        for g0, g1 in sorted(self.gemms):
+            if merged and g0 <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], g1)
+            else:
+                merged.append([g0, g1])
         out = []
         for name, t0, t1 in self.comms:
-            covered = sum(max(0.0, min(t1, g1) - max(t0, g0)) for g0, g1 in self.gemms)
+            covered = sum(max(0.0, min(t1, g1) - max(t0, g0)) for g0, g1 in merged)
             out.append((name, covered / max(t1 - t0, 1e-12)))
         return out
 
@@ -119,7 +125,8 @@ def recording() -> Iterator[OverlapTrace]:
         _trace.remove(trace)
 
 
-def _gemm(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+def compute(fn: Callable[[], Any]) -> Any:
+    """``fn()``, traced as compute (a GEMM) while :func:`recording`."""
     if not _trace:
         return fn()
     t0 = time.perf_counter()
@@ -128,8 +135,9 @@ def _gemm(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     return out
 
 
-class _InFlight:
-    """Work handles of one collective, its issue time, and a ``finish`` run after the wait."""
+class InFlight:
+    """An asynchronous collective being traced: its work handles, its issue time, and a
+    ``finish`` run after the wait."""
 
     def __init__(self, name: str, works: list[Any], t0: float,
                  finish: Callable[[], None] | None = None):
@@ -145,27 +153,27 @@ class _InFlight:
             _trace[-1].comms.append((self.name, self.t0, time.perf_counter()))
 
 
-def _ring_step(send: torch.Tensor, recv: torch.Tensor, group: Group, name: str) -> _InFlight:
+def _ring_step(send: torch.Tensor, recv: torch.Tensor, group: Group, name: str) -> InFlight:
     """Send ``send`` to the next rank of the ring and receive ``recv`` from the previous."""
     r, t = group_rank(group), group_size(group)
     nxt = dist.get_global_rank(group, (r + 1) % t)
     prev = dist.get_global_rank(group, (r - 1) % t)
     ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prev, group)]
     t0 = time.perf_counter()
-    return _InFlight(name, list(dist.batch_isend_irecv(ops)), t0)
+    return InFlight(name, list(dist.batch_isend_irecv(ops)), t0)
 
 
-def all_gather_async(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, _InFlight]:
+def all_gather_async(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, InFlight]:
     """Start the sequence all-gather of ``x``; the gathered tensor is valid after ``wait``."""
     x = x.contiguous()
     out = torch.empty((group_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype,
                       device=x.device)
     t0 = time.perf_counter()
     work = collectives.all_gather(out, x, group, async_op=True)
-    return out, _InFlight("all_gather", [work], t0)
+    return out, InFlight("all_gather", [work], t0)
 
 
-def reduce_scatter_async(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, _InFlight]:
+def reduce_scatter_async(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, InFlight]:
     """Start the sequence reduce-scatter of ``x``; the result is valid after ``wait``."""
     x = x.contiguous()
     t = group_size(group)
@@ -173,7 +181,7 @@ def reduce_scatter_async(x: torch.Tensor, group: Group) -> tuple[torch.Tensor, _
     impl = collectives.reduce_scatter_impl("auto", collectives.backend_of(group))
     t0 = time.perf_counter()
     issued = collectives.reduce_scatter(out, x, group, impl, async_op=True)
-    return out, _InFlight("reduce_scatter", [issued.work], t0, issued.finish)
+    return out, InFlight("reduce_scatter", [issued.work], t0, issued.finish)
 
 
 # --- the two ring patterns -------------------------------------------------------------------
@@ -227,7 +235,7 @@ def _sync_reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _wgrad(grad: torch.Tensor, x: torch.Tensor, wdtype: torch.dtype) -> torch.Tensor:
     g2 = grad.reshape(-1, grad.shape[-1])
-    return _gemm(lambda: g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype))).to(wdtype)
+    return compute(lambda: g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype))).to(wdtype)
 
 
 def _deferred(weight: torch.Tensor) -> bool:
@@ -246,11 +254,11 @@ class AllGatherLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         if not cfg.ag:
             total = _sync_all_gather(x, group)
-            return _gemm(lambda: F.linear(total, weight, bias))
+            return compute(lambda: F.linear(total, weight, bias))
         outs: list[torch.Tensor | None] = [None] * group_size(group)
 
         def step(k: int, chunk: torch.Tensor) -> None:
-            outs[k] = _gemm(lambda: F.linear(chunk, weight, bias))
+            outs[k] = compute(lambda: F.linear(chunk, weight, bias))
 
         ring_all_gather_apply(x, step, group, "ag_fwd")
         return torch.cat(outs, 0)
@@ -271,7 +279,7 @@ class AllGatherLinear(torch.autograd.Function):
             total, ag = all_gather_async(x, group)
             if not cfg.bulk_dgrad:
                 ag.wait()
-            dgrad = _gemm(lambda: grad.matmul(w)) if want_x else None
+            dgrad = compute(lambda: grad.matmul(w)) if want_x else None
             if cfg.bulk_dgrad:
                 ag.wait()
             rs = None
@@ -286,10 +294,10 @@ class AllGatherLinear(torch.autograd.Function):
             if want_x:
                 if pipelined:
                     grad_x = ring_matmul_reduce_scatter(
-                        lambda k: _gemm(lambda: grad[k * s:(k + 1) * s].matmul(w)), group,
+                        lambda k: compute(lambda: grad[k * s:(k + 1) * s].matmul(w)), group,
                         "rs_dgrad")
                 else:
-                    grad_x = _sync_reduce_scatter(_gemm(lambda: grad.matmul(w)), group)
+                    grad_x = _sync_reduce_scatter(compute(lambda: grad.matmul(w)), group)
             if want_w:
                 ring = cfg.bulk_dgrad
 
@@ -325,9 +333,9 @@ class LinearReduceScatter(torch.autograd.Function):
         if x.shape[0] % t:
             raise ValueError(f"reduce-scatter: dim 0 ({x.shape[0]}) not divisible by {t} ranks")
         if not cfg.rs:
-            return _sync_reduce_scatter(_gemm(lambda: F.linear(x, weight)), group)
+            return _sync_reduce_scatter(compute(lambda: F.linear(x, weight)), group)
         return ring_matmul_reduce_scatter(
-            lambda k: _gemm(lambda: F.linear(x[k * s:(k + 1) * s], weight)), group, "rs_fwd")
+            lambda k: compute(lambda: F.linear(x[k * s:(k + 1) * s], weight)), group, "rs_fwd")
 
     @staticmethod
     def backward(ctx, grad):
@@ -342,7 +350,7 @@ class LinearReduceScatter(torch.autograd.Function):
 
             def step(k: int, chunk: torch.Tensor) -> None:
                 gathered[k] = chunk
-                outs[k] = _gemm(lambda: chunk.matmul(w))
+                outs[k] = compute(lambda: chunk.matmul(w))
 
             ring_all_gather_apply(grad, step, group, "ag_dgrad")
             grad_x = torch.cat(outs, 0).to(x.dtype)
@@ -350,7 +358,7 @@ class LinearReduceScatter(torch.autograd.Function):
         else:
             total = _sync_all_gather(grad, group)
             if want_x:
-                grad_x = _gemm(lambda: total.matmul(w)).to(x.dtype)
+                grad_x = compute(lambda: total.matmul(w)).to(x.dtype)
         if want_w:
             wdtype = weight.dtype
             grad_w = run_or_defer(weight, lambda: _wgrad(total, x, wdtype))
