@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time {t.seconds:.3f} s  (" + ", ".join(
         f"{k} {v:.3f}" for k, v in t.terms.items()) + ")")
     print(f"tokens/s {t.tokens_per_s:,.0f}   MFU {t.mfu:.1%}")
+    from megazero.planner.comm_overlap import exposed_comm
+
+    for line in exposed_comm(cfg, cluster).lines(cfg):
+        print(line)
     if args.deepspeed_compat:
         d = out["deepspeed"]
         print(f"DeepSpeed estimate (total {d['total_params']:,} params, largest layer "

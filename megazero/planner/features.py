@@ -10,7 +10,8 @@ numbers (the FP8 peak and efficiency in ``clusters/*.json``), never from a per-r
 
 When the training code gains a feature, its flag is read into these fields, in one place,
 :func:`features_from_config`, so the planner's view of a run and the run itself cannot drift.
-Today that function reads nothing: every field defaults to "not used".
+It reads ``--tp-comm-overlap`` and ``--moe-shared-expert-overlap``, which megazero runs; the
+other fields stay what the caller (a published run's description) sets.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class Features:
     linear layers' GEMMs (Megatron's ``--tp-comm-overlap``, Transformer Engine userbuffers: each
     collective split into ``tp`` ring steps, each step's transfer under the previous step's
     GEMM): the first step, and what exceeds those GEMMs' time, is exposed.
+    ``moe_shared_expert_overlap``: the shared expert's forward runs while the forward dispatch
+    all-to-all is in flight (``--moe-shared-expert-overlap``); the backward's all-to-alls and
+    the combine stay exposed.
     ``moe_ep_overlap``: the dispatch and combine all-to-alls of one micro-batch run under
     another micro-batch's compute (megatron-core's combined 1F1B,
     ``--overlap-moe-expert-parallel-comm``).
@@ -54,6 +58,7 @@ class Features:
     fp8_param_gather: bool = False
     tp_comm_overlap: bool = False
     moe_ep_overlap: bool = False
+    moe_shared_expert_overlap: bool = False
     embedding_and_loss_slots: bool = False
     sliding_window: int | None = None
     sliding_window_share: float = 0.0
@@ -72,9 +77,9 @@ class Features:
 
 
 def features_from_config(cfg: MegazeroConfig) -> Features:
-    """The features a run's own config turns on (none of them exists in training yet)."""
-    del cfg
-    return Features()
+    """The features a run's own config turns on: the TP and shared-expert overlaps."""
+    return Features(tp_comm_overlap=cfg.parallel.tp_comm_overlap,
+                    moe_shared_expert_overlap=cfg.model.moe.moe_shared_expert_overlap)
 
 
 def transformer_layers(cfg: MegazeroConfig, features: Features) -> int:

@@ -184,6 +184,11 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
             experts = work.terms.get("MoE grouped GEMM", 0.0) + work.terms.get("MoE permute",
                                                                                 0.0)
             traffic = overlapped_traffic(traffic, per_mb - experts, experts)
+        elif feats.moe_shared_expert_overlap:  # the forward dispatch under the shared expert
+            from megazero.planner.moe_cost import shared_expert_overlapped
+
+            traffic = shared_expert_overlapped(traffic, shared_expert_forward_seconds(
+                cfg, cluster, feats))
         out.terms["MoE dispatch"] = mb * traffic["dispatch"]
         out.terms["MoE combine"] = mb * traffic["combine"]
         exposed_per_mb += sum(traffic.values())
@@ -228,6 +233,21 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
 
         out.model_flops = gpt_flops_per_iteration(m, gbs)
     return out
+
+
+def shared_expert_forward_seconds(cfg: MegazeroConfig, cluster: Cluster,
+                                  features: Features) -> float:
+    """The shared experts' forward GEMMs of one micro-batch over the slowest stage's MoE layers
+    (what ``--moe-shared-expert-overlap`` hides the forward dispatch under)."""
+    from megazero.planner.moe_cost import moe_layers
+
+    m, p = cfg.model, cfg.parallel
+    shared = m.moe.moe_shared_expert_intermediate_size or 0
+    tokens = cfg.train.micro_batch_size * m.seq_length / p.cp
+    flops = tokens * 2 * m.hidden_size * shared * ((2 if m.swiglu else 1) + 1) / p.tp
+    sixteen = cfg.precision.params_dtype.itemsize == 2
+    rate = cluster.gemm_rate(sixteen, bool(features.fp8))
+    return moe_layers(cfg) / p.pp * flops / rate
 
 
 def _data_parallel(cfg: MegazeroConfig, cluster: Cluster, feats: Features, mb: int, dp: int,
