@@ -48,7 +48,9 @@ def main() -> None:
                   f"{r['exposed_share_max']:.3f}]  x{r['exposed_share_median'] / plain:.2f}")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tp_overlap.json")
     with open(out, "w") as f:
-        json.dump({"config": vars(args), "backend": "gloo", "results": results}, f, indent=2)
+        json.dump({"config": vars(args), "backend": "gloo", "cpus": os.cpu_count(),
+                   # the host's load (1, 5, 15 min) when done: the shares move with it
+                   "load_average": os.getloadavg(), "results": results}, f, indent=2)
     print(f"\nwrote {out}")
 
 
