@@ -2,13 +2,14 @@
 ``pretrain_gpt.py``), runs with the sequence-parallel collectives inside the GEMMs give the
 one-process run's losses, grad norms and weights to fp32 rounding at tp 2 and 4, with context
 parallel 2, interleaved pipeline parallel 2, a zero-bubble schedule (weight gradients deferred
-to W), ZeRO 1 and 3, and with the per-part switches; and an MoE model with a shared expert at
-expert parallel 2 under --moe-shared-expert-overlap.
+to W), ZeRO 1 and 3, full recompute (the recomputed forward repeats the ring), and with the
+per-part switches; and an MoE model with a shared expert at expert parallel 2 under
+--moe-shared-expert-overlap.
 
-Tolerance (megazero.testing.schedule_runs.assert_same_run): only the order of sums differs (the ring
-reduce-scatter adds the ranks' partials starting from the next rank, the chunked weight
-gradient sums chunk by chunk); a wrong chunk or a missing gradient moves a weight by a whole
-Adam step.
+Tolerance (megazero.testing.schedule_runs.assert_same_run): only the order of sums differs
+(the ring reduce-scatter adds the ranks' partials starting from the next rank, the chunked
+weight gradient sums chunk by chunk); a wrong chunk or a missing gradient moves a weight by a
+whole Adam step.
 """
 
 from megazero.testing import run_distributed
@@ -36,6 +37,9 @@ DENSE_LAYOUTS = [
                                            "--num-layers-per-virtual-pipeline-stage", "1")),
     ("tp2 sp overlap pp2 zb-h1 (deferred wgrad)", _tp(
         2, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1")),
+    ("tp2 sp overlap dp2 full recompute", _tp(2, "--recompute-granularity", "full",
+                                              "--recompute-method", "uniform",
+                                              "--recompute-num-layers", "1")),
     ("tp2 sp overlap rs-dgrad, no ag", _tp(2, "--tp-comm-overlap-rs-dgrad",
                                            "--disable-tp-comm-overlap-ag")),
     ("tp2 sp overlap no bulk, no rs", _tp(2, "--disable-tp-comm-bulk-dgrad",
