@@ -66,7 +66,8 @@ GOLDEN_FLAGS = """
 --moe-z-loss-coeff --moe-router-enable-expert-bias --moe-router-bias-update-rate
 --moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
 --moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
---moe-token-dispatcher-type --moe-per-layer-logging
+--moe-token-dispatcher-type --moe-per-layer-logging --moe-router-num-groups
+--moe-router-group-topk --moe-router-dtype
 --async-save --exit-on-save-failure --max-spike-steps --log-straggler --straggler-minmax-count
 --straggler-factor --straggler-patience
 --train-tokens --lr-warmup-tokens --lr-decay-tokens --tensorboard-queue-size

@@ -129,6 +129,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--moe-shared-expert-gate", "model.moe.moe_shared_expert_gate", **_ON),
     _f("--moe-token-dispatcher-type", "model.moe.moe_token_dispatcher_type"),
     _f("--moe-per-layer-logging", "model.moe.moe_per_layer_logging", **_ON),
+    _f("--moe-router-num-groups", "model.moe.moe_router_num_groups", **_I),
+    _f("--moe-router-group-topk", "model.moe.moe_router_group_topk", **_I),
+    _f("--moe-router-dtype", "model.moe.moe_router_dtype"),
     # model
     _f("--model-preset", "model.model_preset",
        help="start the model from a preset; flags given explicitly override it"),
