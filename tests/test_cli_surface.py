@@ -67,7 +67,9 @@ GOLDEN_FLAGS = """
 --moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
 --moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
 --moe-token-dispatcher-type --moe-per-layer-logging --moe-router-num-groups
---moe-router-group-topk --moe-router-dtype
+--moe-router-group-topk --moe-router-dtype --multi-latent-attention --q-lora-rank --kv-lora-rank
+--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale-all-dim
+--original-max-position-embeddings --mtp-num-layers --mtp-loss-scaling-factor
 --async-save --exit-on-save-failure --max-spike-steps --log-straggler --straggler-minmax-count
 --straggler-factor --straggler-patience
 --train-tokens --lr-warmup-tokens --lr-decay-tokens --tensorboard-queue-size

@@ -150,7 +150,8 @@ class GPTModel(nn.Module):
 
         self.embedding = (scope(Embedding(config, parallel=parallel), "embedding")
                           if pre_process else None)
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.max_positions, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.max_positions, config.rotary_base,
+                                       config.yarn)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, layer_range, parallel=parallel,
                                         post_process=post_process)
@@ -182,7 +183,7 @@ class GPTModel(nn.Module):
         if self.rotary is not None and self.rotary.cos.is_meta:
             c = self.config
             with torch.device("cpu"):
-                rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base)
+                rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base, c.yarn)
             self.rotary = rotary.to(device)
         for module in self.modules():  # MoE routers' expert-bias buffers (zeros at start)
             if module is not self and hasattr(module, "materialize_buffers"):

@@ -30,6 +30,15 @@ def build_mlp(config: ModelConfig, layer_number: int, parallel: ParallelContext)
     return MLP(config, parallel=parallel)
 
 
+def build_attention(config: ModelConfig, parallel: ParallelContext) -> nn.Module:
+    """Self-attention, or multi-head latent attention with ``--multi-latent-attention``."""
+    if config.multi_latent_attention:
+        from megazero.model.mla import MultiLatentAttention
+
+        return MultiLatentAttention(config, parallel=parallel)
+    return SelfAttention(config, parallel=parallel)
+
+
 def _biased_row_linear(module: nn.Module, name: str) -> RowParallelLinear | None:
     """``module.<name>`` when it is a row-parallel linear with a bias (the attention
     projection, the dense MLP's fc2; an MoE block has none): the bias the layer can fuse."""
@@ -72,7 +81,7 @@ class TransformerLayer(nn.Module):
         norm = (config.normalization, config.hidden_size, config.norm_epsilon, sp,
                 parallel.params_dtype, config.apply_layernorm_1p)
         self.input_layernorm = build_norm(*norm)
-        self.self_attention = SelfAttention(config, parallel=parallel)
+        self.self_attention = build_attention(config, parallel)
         self.pre_mlp_layernorm = build_norm(*norm)
         self.mlp = build_mlp(config, layer_number, parallel)
         for child, name in ((self.input_layernorm, "input_layernorm"),
