@@ -139,6 +139,13 @@ def validate(cfg: MegazeroConfig) -> None:
     check_tensor_parallel_split(m, tp, p.sequence_parallel, p.world_size, pp * p.cp)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
+    if m.mtp_num_layers:
+        check(not t.calculate_per_token_loss, "--mtp-num-layers with --calculate-per-token-loss "
+              "is not supported (the MTP losses are per-micro-batch means); drop one of them")
+        check(pp == 1 or not m.untie_embeddings_and_output_weights,
+              f"--mtp-num-layers with --pipeline-model-parallel-size {pp} needs the word "
+              "embedding on the last stage, which megazero keeps there for tied embeddings "
+              "only; drop --untie-embeddings-and-output-weights or use one pipeline stage")
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
     if per_chunk is not None:

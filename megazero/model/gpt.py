@@ -38,7 +38,10 @@ from megazero.tensor_parallel.layers import (
     mark_vocab_parallel,
     pad_vocab_size,
 )
-from megazero.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megazero.tensor_parallel.mappings import (
+    reduce_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megazero.tensor_parallel.random import (
     DEFAULT_STREAM,
     MODEL_PARALLEL_STREAM,
@@ -172,6 +175,17 @@ class GPTModel(nn.Module):
             self.output_layer.weight = weight
         if tied and pre_process and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        self.mtp = None
+        if config.mtp_num_layers and post_process:  # multi-token prediction (model.mtp)
+            from megazero.model.mtp import MultiTokenPrediction
+
+            if not tied and not pre_process:
+                raise ConfigError("--mtp-num-layers on a chunk without the word embedding "
+                                  "needs tied embeddings; drop "
+                                  "--untie-embeddings-and-output-weights")
+            self.mtp = scope(MultiTokenPrediction(config, parallel), "mtp")
+            if pre_process:  # read outside its module's forward (ZeRO-3 gathers it for all)
+                self.embedding.word_embeddings.weight.zero_external = True
         initialize_parameters(self, config, topo, seed)
         self.recompute = recompute or RecomputeConfig()
         apply_recompute(self, self.recompute)
@@ -240,12 +254,37 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x
+        if self.mtp is not None and labels is not None:
+            self.mtp(x, labels, self._embed_ids, self._token_losses, rotary)
         logits = self._logits(x)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         # in place: the logits are ours, and the output layer's backward does not read them
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
                                             inplace=True)
+        return loss.transpose(0, 1).contiguous()
+
+    def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Word embeddings of ``ids [b, s]`` as the model's input ``[s(/t), b, h]`` (no
+        positions: MTP's input is the token alone), from whichever copy this chunk holds."""
+        weight = (self.embedding.word_embeddings.weight if self.pre_process
+                  else self._output_weight())
+        group = self.topo.tp_group
+        if self.topo.tp_size == 1:
+            x = torch.nn.functional.embedding(ids, weight)
+        else:
+            start = self.topo.tp_rank * weight.shape[0]
+            outside = (ids < start) | (ids >= start + weight.shape[0])
+            local = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), weight)
+            x = reduce_from_tensor_parallel_region(local.masked_fill(outside.unsqueeze(-1), 0.0),
+                                                   group)
+        x = x.transpose(0, 1).contiguous()
+        return scatter_to_sequence_parallel_region(x, group) if self.sequence_parallel else x
+
+    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` of the output head on hidden states ``x``."""
+        loss = vocab_parallel_cross_entropy(self._logits(x), labels.transpose(0, 1),
+                                            self.topo.tp_group, inplace=True)
         return loss.transpose(0, 1).contiguous()
 
     def _cp_rotary(self, local_len: int, dtype: torch.dtype

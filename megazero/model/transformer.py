@@ -22,8 +22,9 @@ from megazero.tensor_parallel.saved_inputs import SavedInputLayout
 
 
 def build_mlp(config: ModelConfig, layer_number: int, parallel: ParallelContext) -> nn.Module:
-    """The dense MLP, or an MoE block on the layers ``--moe-layer-freq`` chooses."""
-    if config.moe.is_moe_layer(layer_number, config.num_layers):
+    """The dense MLP, or an MoE block on the layers ``--moe-layer-freq`` chooses (a
+    multi-token-prediction layer, numbered after the last, as the last layer)."""
+    if config.moe.is_moe_layer(min(layer_number, config.num_layers - 1), config.num_layers):
         from megazero.moe.moe_layer import MoELayer  # the MoE package builds on this one
 
         return MoELayer(config, parallel=parallel, layer_number=layer_number)

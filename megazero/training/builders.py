@@ -231,8 +231,8 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
 
 
 def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | None = None,
-              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1)
-              ) -> dict[str, torch.Tensor]:
+              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1),
+              mtp_layers: int = 0) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
     ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
     ``--eod-mask-loss``) also ``loss_mask [b, s]``: 0 where the input token is that id, so no
@@ -243,7 +243,9 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     non-blocking copy, so the transfer overlaps the work already queued on the GPU.
 
     ``cp``: ``(cp_rank, cp_size)``; with context parallelism the rank keeps its share of the
-    sequence (:func:`megazero.context_parallel.batch.split_batch`).
+    sequence (:func:`megazero.context_parallel.batch.split_batch`). ``mtp_layers``: also the
+    multi-token-prediction depths' masks, ``mtp_loss_mask [b, s, N]``
+    (:func:`megazero.model.mtp.mtp_loss_masks`), built before the split.
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
@@ -251,6 +253,11 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eod_mask is not None:
         batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    if mtp_layers:
+        from megazero.model.mtp import mtp_loss_masks
+
+        batch["mtp_loss_mask"] = mtp_loss_masks(batch.get("loss_mask"), batch["tokens"],
+                                                mtp_layers)
     if cp[1] > 1:
         from megazero.context_parallel.batch import split_batch
 
