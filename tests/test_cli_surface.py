@@ -70,6 +70,7 @@ GOLDEN_FLAGS = """
 --moe-router-group-topk --moe-router-dtype --multi-latent-attention --q-lora-rank --kv-lora-rank
 --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale-all-dim
 --original-max-position-embeddings --mtp-num-layers --mtp-loss-scaling-factor
+--reset-position-ids --reset-attention-mask
 --async-save --exit-on-save-failure --max-spike-steps --log-straggler --straggler-minmax-count
 --straggler-factor --straggler-patience
 --train-tokens --lr-warmup-tokens --lr-decay-tokens --tensorboard-queue-size

@@ -286,6 +286,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("--merge-file", "data.merge_file"),
     _f("--data-cache-path", "data.data_cache_path"),
     _f("--eod-mask-loss", "data.eod_mask_loss", **_ON),
+    _f("--reset-position-ids", "data.reset_position_ids", **_ON,
+       help="positions restart at 0 after each end-of-document token of a packed sequence"),
+    _f("--reset-attention-mask", "data.reset_attention_mask", **_ON,
+       help="tokens attend only to their own document of a packed sequence"),
     # checkpoints
     _f("--save", "checkpoint.save"),
     _f("--load", "checkpoint.load"),

@@ -146,6 +146,15 @@ def validate(cfg: MegazeroConfig) -> None:
               f"--mtp-num-layers with --pipeline-model-parallel-size {pp} needs the word "
               "embedding on the last stage, which megazero keeps there for tied embeddings "
               "only; drop --untie-embeddings-and-output-weights or use one pipeline stage")
+    d = cfg.data
+    for flag, on in (("--reset-position-ids", d.reset_position_ids),
+                     ("--reset-attention-mask", d.reset_attention_mask)):
+        check(not on or pp == 1, f"{flag} with --pipeline-model-parallel-size {pp}: the "
+              "documents of a packed sequence are known where it is drawn, on the first stage "
+              "only; use one pipeline stage or drop the flag")
+    check(not d.reset_attention_mask or m.attention_dropout == 0,
+          f"--reset-attention-mask with --attention-dropout {m.attention_dropout}: packed "
+          "attention runs without dropout; pass --attention-dropout 0")
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
     if per_chunk is not None:

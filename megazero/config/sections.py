@@ -159,6 +159,10 @@ class DataConfig:
     merge_file: str | None = None
     data_cache_path: str | None = None
     eod_mask_loss: bool = False  # Megatron: no loss on the token that follows an end-of-document
+    # packed documents kept apart (megazero.model.packed): positions restart after each
+    # end-of-document token, and attention stays inside each document
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     # Megatron's --train/valid/test-data-path: each split its own corpus ("[W] PREFIX ...")
     train_data_path: tuple[str, ...] = ()
     valid_data_path: tuple[str, ...] = ()

@@ -88,9 +88,12 @@ class Embedding(nn.Module):
         # Megatron's is_embedding_or_output_parameter: its own rate with --decoupled-lr
         self.word_embeddings.weight.embedding_or_output = True
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
-        if self.position_embeddings is not None and self.parallel.cp_size > 1:
+        if self.position_embeddings is not None and positions is not None:
+            x = x + self.position_embeddings.weight[positions]  # packed documents' own
+        elif self.position_embeddings is not None and self.parallel.cp_size > 1:
             x = x + self.position_embeddings.weight[self._cp_positions(tokens)]
         elif self.position_embeddings is not None:
             x = x + self.position_embeddings.weight[: tokens.shape[1]]
@@ -236,20 +239,28 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None, *,
+                doc_position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``doc_position_ids`` / ``document_ids`` ``[b, s]``: packed documents kept apart
+        (:mod:`megazero.model.packed`; this rank's CP share, as the tokens)."""
         tp = self.topo.tp_size
+        for core in self._core_attentions():
+            core.documents = document_ids
         if self.pre_process:
             if tokens is None:
                 raise ValueError("the first pipeline chunk (pre_process=True) needs tokens")
             check_sequence_split(tokens.shape[1], tp, self.sequence_parallel)
-            x = self.embedding(tokens)
+            x = self.embedding(tokens, doc_position_ids)
         else:
             if hidden_states is None:
                 raise ValueError("a pipeline chunk without pre_process needs hidden_states")
             x = hidden_states
         seq_len = x.shape[0] * (tp if self.sequence_parallel else 1)
         rotary = self.rotary(seq_len, x.dtype) if self.rotary is not None else None
-        if rotary is not None and self.parallel.cp_size > 1:
+        if rotary is not None and doc_position_ids is not None:
+            rotary = self._rows_rotary(doc_position_ids, x.dtype)
+        elif rotary is not None and self.parallel.cp_size > 1:
             rotary = self._cp_rotary(seq_len, x.dtype)
         x = self.decoder(x, rotary)
         if not self.post_process:
@@ -263,6 +274,24 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
                                             inplace=True)
         return loss.transpose(0, 1).contiguous()
+
+    def _core_attentions(self) -> list[nn.Module]:
+        cores = getattr(self, "_cores", None)
+        if cores is None:
+            from megazero.model.attention import CoreAttention
+
+            cores = [m for m in self.modules() if isinstance(m, CoreAttention)]
+            self._cores = cores
+        return cores
+
+    def _rows_rotary(self, positions: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary rows ``[s, b, 1, d]`` of per-token positions ``[b, s]``."""
+        assert self.rotary is not None
+        cos, sin = self.rotary(self.config.max_positions, dtype)
+        d = cos.shape[-1]
+        return tuple(t.reshape(-1, d)[positions].transpose(0, 1).unsqueeze(2)  # type: ignore
+                     for t in (cos, sin))
 
     def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Word embeddings of ``ids [b, s]`` as the model's input ``[s(/t), b, h]`` (no

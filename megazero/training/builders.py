@@ -232,7 +232,8 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
 
 def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | None = None,
               eod_mask: int | None = None, cp: tuple[int, int] = (0, 1),
-              mtp_layers: int = 0) -> dict[str, torch.Tensor]:
+              mtp_layers: int = 0, documents: tuple[int | None, bool, bool] = (None, False, False)
+              ) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
     ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
     ``--eod-mask-loss``) also ``loss_mask [b, s]``: 0 where the input token is that id, so no
@@ -245,7 +246,9 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     ``cp``: ``(cp_rank, cp_size)``; with context parallelism the rank keeps its share of the
     sequence (:func:`megazero.context_parallel.batch.split_batch`). ``mtp_layers``: also the
     multi-token-prediction depths' masks, ``mtp_loss_mask [b, s, N]``
-    (:func:`megazero.model.mtp.mtp_loss_masks`), built before the split.
+    (:func:`megazero.model.mtp.mtp_loss_masks`), built before the split. ``documents``:
+    ``(end-of-document id, --reset-position-ids, --reset-attention-mask)``: also
+    ``doc_position_ids`` / ``document_ids`` (:mod:`megazero.model.packed`), before the split.
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
@@ -253,6 +256,15 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eod_mask is not None:
         batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    eod, reset_positions, reset_mask = documents
+    if eod is not None and (reset_positions or reset_mask):
+        from megazero.model.packed import document_ids, document_positions
+
+        docs = document_ids(batch["tokens"], eod)
+        if reset_positions:
+            batch["doc_position_ids"] = document_positions(docs)
+        if reset_mask:
+            batch["document_ids"] = docs
     if mtp_layers:
         from megazero.model.mtp import mtp_loss_masks
 

@@ -115,7 +115,9 @@ def moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
 def _timed_get_batch(run: Run) -> Callable[[Iterator[dict[str, Any]]], dict[str, torch.Tensor]]:
     draw = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask,
                              cp=(run.topo.cp_rank, run.topo.cp_size),
-                             mtp_layers=run.cfg.model.mtp_num_layers or 0)
+                             mtp_layers=run.cfg.model.mtp_num_layers or 0,
+                             documents=(run.eod_id, run.cfg.data.reset_position_ids,
+                                        run.cfg.data.reset_attention_mask))
 
     def fetch(data_iterator: Iterator[dict[str, Any]]) -> dict[str, torch.Tensor]:
         try:
