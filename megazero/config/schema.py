@@ -142,10 +142,6 @@ def validate(cfg: MegazeroConfig) -> None:
     if m.mtp_num_layers:
         check(not t.calculate_per_token_loss, "--mtp-num-layers with --calculate-per-token-loss "
               "is not supported (the MTP losses are per-micro-batch means); drop one of them")
-        check(pp == 1 or not m.untie_embeddings_and_output_weights,
-              f"--mtp-num-layers with --pipeline-model-parallel-size {pp} needs the word "
-              "embedding on the last stage, which megazero keeps there for tied embeddings "
-              "only; drop --untie-embeddings-and-output-weights or use one pipeline stage")
     d = cfg.data
     for flag, on in (("--reset-position-ids", d.reset_position_ids),
                      ("--reset-attention-mask", d.reset_attention_mask)):

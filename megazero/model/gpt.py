@@ -176,16 +176,23 @@ class GPTModel(nn.Module):
                 weight.shared = True
             weight.embedding_or_output = True
             self.output_layer.weight = weight
-        if tied and pre_process and not post_process:
+        if pre_process and not post_process and (tied or config.mtp_num_layers):
             self.embedding.word_embeddings.weight.shared_embedding = True
         self.mtp = None
         if config.mtp_num_layers and post_process:  # multi-token prediction (model.mtp)
             from megazero.model.mtp import MultiTokenPrediction
 
             if not tied and not pre_process:
-                raise ConfigError("--mtp-num-layers on a chunk without the word embedding "
-                                  "needs tied embeddings; drop "
-                                  "--untie-embeddings-and-output-weights")
+                # MTP embeds tokens here: a copy of the word embedding, kept equal to the
+                # first stage's as a tied output layer is (summed gradients, saved once)
+                self.mtp_embedding = nn.Module()
+                copy = nn.Parameter(torch.empty(self.padded_vocab_size // tp,
+                                                config.hidden_size, dtype=params_dtype))
+                mark_vocab_parallel(copy, config.vocab_size, self.padded_vocab_size)
+                declare(copy, key=WORD_EMBEDDING)
+                copy.init_name = WORD_EMBEDDING
+                copy.shared_embedding = copy.shared = copy.embedding_or_output = True
+                self.mtp_embedding.weight = copy
             self.mtp = scope(MultiTokenPrediction(config, parallel), "mtp")
             if pre_process:  # read outside its module's forward (ZeRO-3 gathers it for all)
                 self.embedding.word_embeddings.weight.zero_external = True
@@ -297,6 +304,7 @@ class GPTModel(nn.Module):
         """Word embeddings of ``ids [b, s]`` as the model's input ``[s(/t), b, h]`` (no
         positions: MTP's input is the token alone), from whichever copy this chunk holds."""
         weight = (self.embedding.word_embeddings.weight if self.pre_process
+                  else self.mtp_embedding.weight if hasattr(self, "mtp_embedding")
                   else self._output_weight())
         group = self.topo.tp_group
         if self.topo.tp_size == 1:

@@ -2,9 +2,11 @@
 :data:`megazero.testing.launch.TINY`): multi-latent attention with a query latent and YaRN,
 layer 0 dense and layer 1 MoE (8 experts in 4 groups, 2 groups per token, sigmoid routing
 with the expert bias, routed scaling, a shared expert, the sequence-wise balancing loss) and
-one multi-token-prediction depth whose layer is MoE too."""
+one multi-token-prediction depth whose layer is MoE too; untied embeddings, so a pipeline's
+last stage keeps a copy of the word embedding for MTP."""
 
-DEEPSEEK = ["--num-layers", "2", "--position-embedding-type", "rope", "--normalization",
+DEEPSEEK = ["--num-layers", "2", "--untie-embeddings-and-output-weights",
+            "--position-embedding-type", "rope", "--normalization",
             "RMSNorm", "--swiglu", "--disable-bias-linear", "--multi-latent-attention",
             "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "6",
             "--qk-pos-emb-head-dim", "4", "--v-head-dim", "10", "--rotary-scaling-factor", "4",
