@@ -155,3 +155,85 @@ def test_imported_deepseek_v3_computes_the_same_at_tp2_sp_and_ep2():
         assert len(result) == 3
         for name, logits in result.items():
             _close(logits, ref, f"rank {rank} {name}")
+
+
+def _with_mtp(hf, seed: int = 5) -> dict[str, torch.Tensor]:
+    """``hf``'s state plus one MTP module under DeepSeek's naming (layer L = 3): random
+    weights, its transformer layer of the last layer's kind, copies of the embedding and
+    head."""
+    g = torch.Generator().manual_seed(seed)
+    state = dict(hf.state_dict())
+    layers, h = hf.config.num_hidden_layers, hf.config.hidden_size
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    for name, value in list(state.items()):
+        if name.startswith(last):
+            noise = torch.randn(value.shape, generator=g) * value.float().std().clamp(min=0.05)
+            state[mtp + name[len(last):]] = (value + noise).to(value.dtype)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        state[f"{mtp}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    state[mtp + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    state[mtp + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state[mtp + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    return state
+
+
+def _mtp_reference(hf, state, toks, labels) -> torch.Tensor:
+    """Depth 1's per-token loss ``[b, s - 1]`` from transformers' own modules: the MoE decoder
+    layer, RMSNorms and rotary embedding, loaded with the MTP weights."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3DecoderLayer,
+        DeepseekV3RMSNorm,
+    )
+
+    cfg, n = hf.config, hf.config.num_hidden_layers
+    layer = DeepseekV3DecoderLayer(cfg, n - 1).eval()
+    prefix = f"model.layers.{n}."
+    layer.load_state_dict({k[len(prefix):]: v for k, v in state.items()
+                           if k.startswith(prefix) and k[len(prefix):] in layer.state_dict()})
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name].weight.data.copy_(state[f"{prefix}{name}.weight"])
+    with torch.no_grad():
+        hidden = hf.model(toks).last_hidden_state  # after the final norm
+        x = torch.cat([norms["enorm"](hf.model.embed_tokens(labels)), norms["hnorm"](hidden)],
+                      dim=-1) @ state[prefix + "eh_proj.weight"].t()
+        pos = torch.arange(toks.shape[1])[None]
+        x = layer(x, position_embeddings=hf.model.rotary_emb(x, pos), position_ids=pos)
+        logits = hf.lm_head(norms["shared_head.norm"](x))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             labels[:, 1:].reshape(-1), reduction="none")
+    return loss.view(toks.shape[0], -1)
+
+
+def test_mtp_weights_under_deepseek_naming_import_compute_and_export():
+    from megazero.convert import megazero_to_hf
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
+
+    hf = build_deepseek_v3()
+    state = _with_mtp(hf)
+    config = dict(hf.config.to_dict(), num_nextn_predict_layers=1)
+    mc, ours = hf_to_megazero(config, state)
+    assert mc.mtp_num_layers == 1
+    model = GPTModel(mc, ParallelTopology.single()).eval()
+    load_global_state(model, ours, ParallelTopology.single())
+    seq = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(2))
+    toks, labels = seq[:, :-1], seq[:, 1:]
+    with torch.no_grad():
+        model(toks, labels)
+    got = model.mtp.pending[0][:, :-1]  # the last position has no target at depth 1
+    want = _mtp_reference(hf, state, toks, labels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    back_config, back = megazero_to_hf(mc, ours)
+    assert back_config["num_nextn_predict_layers"] == 1
+    for k, v in state.items():  # the per-expert layout where transformers holds them fused
+        if ".experts." not in k:
+            assert torch.equal(back[k], v.float()), k
+    again_config, again = hf_to_megazero(back_config, back)
+    assert again_config == mc and set(again) == set(ours)
+    for k, v in ours.items():
+        assert torch.equal(again[k], v), k
+    # transformers' own state (no MTP weights) imports without MTP
+    assert hf_to_megazero(config, hf.state_dict())[0].mtp_num_layers is None

@@ -20,8 +20,12 @@
   scaled by ``routed_scaling_factor``; ``n_shared_experts`` experts of ``moe_intermediate_size``
   are one ungated shared expert ``n`` times as wide.
 * multi-token prediction: DeepSeek's checkpoints keep the MTP modules as extra layers
-  ``model.layers.{L + k}`` (transformers drops them); :mod:`megazero.convert.hf_deepseek_mtp`
-  reads and writes them there.
+  ``model.layers.{L + k}`` (transformers drops them): ``enorm``, ``hnorm``, ``eh_proj``, the
+  transformer layer's own names, ``shared_head.norm`` (megazero's ``mtp.layers.k.*``:
+  ``final_layernorm``, ``transformer_layer.*``) and copies of the embedding and head
+  (``embed_tokens``, ``shared_head.head``, checked equal to the model's and written back). When
+  a state holds them they are read (``num_nextn_predict_layers`` of them); an export writes
+  them when the model has MTP.
 """
 
 from __future__ import annotations
@@ -269,6 +273,85 @@ def mlp_from_megazero(m: ModelConfig, i: int, get: Callable[[str], torch.Tensor]
     return out
 
 
+def mtp_depths_in(c: Mapping[str, Any], names: set[str]) -> int:
+    """How many of the config's MTP modules the state holds (DeepSeek's naming)."""
+    layers, depths = int(c["num_hidden_layers"]), int(c.get("num_nextn_predict_layers") or 0)
+    return sum(1 for k in range(depths) if f"model.layers.{layers + k}.eh_proj.weight" in names)
+
+
+class _Renamed:
+    """A source that reads MTP layer ``L + k``'s transformer layer under the main layers'
+    names: ``model.layers.{j}.`` of what the mappings above ask is ``model.layers.{L+k}.``,
+    and megazero's ``decoder.layers.{j}.`` prefix becomes ``mtp.layers.{k}.transformer_layer.``
+    (j: the main model's last layer, whose kind the MTP layer has)."""
+
+    def __init__(self, fn: Callable[[str], torch.Tensor], j: int, hf_layer: int):
+        self.fn, self.j, self.hf_layer = fn, j, hf_layer
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.fn(name.replace(f"model.layers.{self.j}.", f"model.layers.{self.hf_layer}."))
+
+
+def _mtp_names(i: int, k: int, d: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    prefix = f"decoder.layers.{i}."
+    return {f"mtp.layers.{k}.transformer_layer." + n[len(prefix):]: v for n, v in d.items()}
+
+
+def mtp_to_megazero(m: ModelConfig, src: Callable[[str], torch.Tensor], names: set[str],
+                    interleaved: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    last = m.num_layers - 1
+    embed, head = src("model.embed_tokens.weight"), src("lm_head.weight")
+    for k in range(m.mtp_num_layers or 0):
+        n = m.num_layers + k
+        p, mz = f"model.layers.{n}.", f"mtp.layers.{k}."
+        for hf, ours in (("enorm", "enorm"), ("hnorm", "hnorm"),
+                         ("shared_head.norm", "final_layernorm")):
+            out[f"{mz}{ours}.weight"] = src(f"{p}{hf}.weight")
+        out[mz + "eh_proj.weight"] = src(p + "eh_proj.weight")
+        for copy, main in (("embed_tokens.weight", embed), ("shared_head.head.weight", head)):
+            if f"{p}{copy}" in names and not torch.equal(src(p + copy), main):
+                raise ValueError(f"cannot convert: {p}{copy} differs from the model's own "
+                                 "(megazero's MTP shares the embedding and the head)")
+        renamed = _Renamed(src, last, n)
+        layer = {f"decoder.layers.{last}.input_layernorm.weight":
+                 renamed(f"model.layers.{last}.input_layernorm.weight"),
+                 f"decoder.layers.{last}.pre_mlp_layernorm.weight":
+                 renamed(f"model.layers.{last}.post_attention_layernorm.weight"),
+                 **attention_to_megazero(m, last, renamed, interleaved),
+                 **mlp_to_megazero(m, last, renamed,
+                                   {x.replace(p, f"model.layers.{last}.") for x in names})}
+        out.update(_mtp_names(last, k, layer))
+    return out
+
+
+def mtp_from_megazero(m: ModelConfig, get: Callable[[str], torch.Tensor], embed: torch.Tensor,
+                      head: torch.Tensor) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    last = m.num_layers - 1
+    for k in range(m.mtp_num_layers or 0):
+        n = m.num_layers + k
+        p, mz = f"model.layers.{n}.", f"mtp.layers.{k}."
+
+        def ours(name: str, k: int = k) -> torch.Tensor:
+            return get(name.replace(f"decoder.layers.{last}.",
+                                    f"mtp.layers.{k}.transformer_layer."))
+
+        layer = {f"{p}input_layernorm.weight":
+                 ours(f"decoder.layers.{last}.input_layernorm.weight"),
+                 f"{p}post_attention_layernorm.weight":
+                 ours(f"decoder.layers.{last}.pre_mlp_layernorm.weight"),
+                 **attention_from_megazero(m, last, ours), **mlp_from_megazero(m, last, ours)}
+        out.update({x.replace(f"model.layers.{last}.", p): v for x, v in layer.items()})
+        for hf, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"),
+                           ("final_layernorm", "shared_head.norm")):
+            out[f"{p}{theirs}.weight"] = get(f"{mz}{hf}.weight")
+        out[p + "eh_proj.weight"] = get(mz + "eh_proj.weight")
+        out[p + "embed_tokens.weight"] = embed
+        out[p + "shared_head.head.weight"] = head
+    return out
+
+
 def state_to_megazero(m: ModelConfig, c: Mapping[str, Any], src: Callable[[str], torch.Tensor],
                       names: set[str]) -> dict[str, torch.Tensor]:
     interleaved = bool(c.get("rope_interleave", True))
@@ -281,6 +364,7 @@ def state_to_megazero(m: ModelConfig, c: Mapping[str, Any], src: Callable[[str],
         out.update(attention_to_megazero(m, i, src, interleaved))
         out.update(mlp_to_megazero(m, i, src, names))
     out["decoder.final_layernorm.weight"] = src("model.norm.weight")
+    out.update(mtp_to_megazero(m, src, names, interleaved))
     return out
 
 
