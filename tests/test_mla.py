@@ -92,8 +92,8 @@ def _world(rank, world_size):
 
 
 def test_mla_layouts_equal_one_rank():
-    from megazero.testing import run_distributed
     from megazero.tensor_parallel.utils import shard_tensor
+    from megazero.testing import run_distributed
 
     toks, labels = _data()
     refs = {}
