@@ -91,3 +91,27 @@ def test_estimate_memory_reads_the_deepseek_config(capsys):
     # the embedding copy MTP reads: the worst rank, 36.3 GB with full recomputation
     assert out["worst_pp_rank"] == 15 and out["fits"]
     assert 25e9 < out["device_total"] < 50e9
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "mla-no-q-lora-biases", "gpt2-gqa-gated-moe"])
+def test_model_flops_price_mla_and_mtp(kind):
+    """The FLOPs the log line and the planner count equal the GEMMs torch's FLOP counter sees
+    in the model's forward (core attention aside: SDPA on CPU is not counted)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.model.gpt import GPTModel
+    from megazero.observability.flops import attention_flops_per_token, gpt_flops_per_iteration
+
+    m = replace(KINDS[kind], moe=replace(KINDS[kind].moe, moe_router_load_balancing_type="none"),
+                attention_dropout=0.0, hidden_dropout=0.0)
+    model = GPTModel(m, ParallelTopology.single()).eval()
+    toks = torch.randint(0, m.vocab_size, (2, m.seq_length),
+                         generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(toks, toks)
+    core = attention_flops_per_token(m)[1] * (m.num_layers + (m.mtp_num_layers or 0))
+    padded = model.padded_vocab_size
+    want = gpt_flops_per_iteration(m, 2, padded) / 3 - core * 2 * m.seq_length
+    assert counter.get_total_flops() == want
