@@ -55,6 +55,11 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
     # the dp x cp replicas; this factor cancels both, leaving the sum over the global batch
     per_token_factor = count * run.topo.grad_size
 
+    # the chunk with the output layer holds the MTP depths (the last, or under a V-shaped
+    # schedule another of this rank's chunks)
+    mtp_chunk = next((c for c in run.chunks if getattr(c, "mtp", None) is not None),
+                     run.chunks[-1])
+
     def loss_fn(per_token: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         # fp16: the executor back-propagates what this returns, so the loss scale goes here;
         # the scale is a power of two, so dividing the reported loss by it below is exact.
@@ -73,7 +78,7 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
         if m.mtp_num_layers:  # the MTP depths' losses ride the backward (model.mtp)
             from megazero.model.mtp import add_mtp_loss
 
-            loss = add_mtp_loss(loss, run.chunks[-1], batch, run.topo, scale)
+            loss = add_mtp_loss(loss, mtp_chunk, batch, run.topo, scale)
         return loss
 
     if m.moe.enabled:  # MoE auxiliary losses are scaled as each micro-batch's loss is
