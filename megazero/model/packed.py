@@ -9,8 +9,10 @@ per-token loss it would get alone.
 
 The batch carries ``document_ids [b, s]`` (how many documents ended before each token) and
 ``doc_position_ids [b, s]``, computed on the whole sequence before any context-parallel split.
-Attention masks ``key <= query`` (by global position) and ``same document``: SDPA with a boolean
-mask (every query sees itself, so no row is empty). Under context parallelism the keys and
+Attention masks ``key <= query`` (by global position) and ``same document``: on CUDA in
+fp16/bf16 with flash-attn installed (and no context parallelism), flash-attn's variable-length
+kernel over the documents as separate sequences; elsewhere SDPA with a boolean mask (every
+query sees itself, so no row is empty). Under context parallelism the keys and
 values of the whole sequence are all-gathered over the CP group whatever ``--cp-comm-type``
 says (their gradients reduce-scattered back), with the document ids and global positions of
 every share, so documents cut by the zigzag split are handled exactly.
@@ -55,6 +57,11 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: to
     """``[s, b, heads, d]`` q and ``[s, b, groups, d]`` k, v of this rank (its CP share) ->
     ``[s, b, heads * d]``; ``docs [b, s]`` the local tokens' document ids."""
     s, b, n, d = q.shape
+    if parallel.cp_size == 1 and parallel.attention_backend in ("auto", "flash"):
+        from megazero.model.attention import flash_usable
+
+        if flash_usable(q):
+            return _flash_varlen(q, k, v, docs)
     q_pos = torch.arange(s, device=q.device)
     k_pos, k_docs = q_pos, docs
     if parallel.cp_size > 1:
@@ -76,3 +83,28 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: to
         vb = vb.repeat_interleave(n // vb.shape[1], dim=1)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def document_starts(docs: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` (int32) of the documents of ``docs [b, s]`` laid end to end, batch-major:
+    a document starts where the id changes or a row begins."""
+    b, s = docs.shape
+    new = torch.ones(b, s, dtype=torch.bool, device=docs.device)
+    new[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    starts = new.reshape(-1).nonzero().flatten()
+    end = torch.tensor([b * s], device=docs.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor
+                  ) -> torch.Tensor:
+    """Each document its own causal sequence in flash-attn's variable-length kernel."""
+    from flash_attn import flash_attn_varlen_func
+
+    s, b, n, d = q.shape
+    cu = document_starts(docs)
+    longest = int((cu[1:] - cu[:-1]).max())  # one host sync a layer
+    qf, kf, vf = (t.transpose(0, 1).reshape(b * s, t.shape[2], t.shape[3]) for t in (q, k, v))
+    extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
+    out = flash_attn_varlen_func(qf, kf, vf, cu, cu, longest, longest, causal=True, **extra)
+    return out.reshape(b, s, n * d).transpose(0, 1)
