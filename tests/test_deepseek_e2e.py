@@ -71,6 +71,6 @@ def test_mtp_loss_reaches_the_gradients():
         loss.backward()
         values.append(float(loss.detach()))
         grads.append(model.decoder.layers["0"].self_attention.linear_proj.weight.grad.clone())
-        assert model.mtp.tracked[1] == 1.0 and model.mtp.tracked[0] > 0
+        assert len(model.mtp.tracked) == 1 and float(model.mtp.tracked[0][0]) > 0
     assert values[0] == values[1]
     assert not torch.allclose(grads[0], grads[1])

@@ -88,9 +88,9 @@ class MultiTokenPrediction(nn.Module):
             str(k): scope(MTPLayer(config, k, parallel), f"layers.{k}")
             for k in range(config.mtp_num_layers)})
         self.pending: list[torch.Tensor] | None = None  # per-token losses [b, s] per depth
-        # the log interval's sums: each depth's loss, then the micro-batches counted (host
-        # floats: a tensor would be built on the meta device with the model)
-        self.tracked = [0.0] * (config.mtp_num_layers + 1)
+        # the log interval's micro-batches: each one's depth losses, detached on the device
+        # (no host sync per micro-batch; summed when the interval is logged)
+        self.tracked: list[torch.Tensor] = []
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor,
                 embed: Callable[[torch.Tensor], torch.Tensor],
@@ -160,8 +160,7 @@ def add_mtp_loss(loss: torch.Tensor, chunk: nn.Module, batch: dict[str, Any],
     cp_group = topo.cp_group if topo.cp_size > 1 else None
     per_depth = [_masked_mean(p, masks[..., k], cp_group) for k, p in enumerate(pending)]
     if torch.is_grad_enabled():
-        for k, v in enumerate([*(float(v.detach()) for v in per_depth), 1.0]):
-            mtp.tracked[k] += v
+        mtp.tracked.append(torch.stack([v.detach().double() for v in per_depth]))
     factor = chunk.config.mtp_loss_scaling_factor / len(per_depth)
     extra = torch.stack(per_depth).sum() * (factor * scale)
     return loss + (extra - extra.detach())
@@ -174,9 +173,10 @@ def collect(chunks: list[nn.Module], topo: ParallelTopology, depths: int) -> dic
     for c in chunks:
         mtp = getattr(c, "mtp", None)
         if mtp is not None:
-            if topo.tp_rank == 0 and topo.cp_rank == 0:
-                table += torch.tensor(mtp.tracked, dtype=torch.float64)
-            mtp.tracked = [0.0] * len(mtp.tracked)
+            if mtp.tracked and topo.tp_rank == 0 and topo.cp_rank == 0:
+                table[:depths] += torch.stack(mtp.tracked).sum(dim=0).cpu()
+                table[depths] += len(mtp.tracked)
+            mtp.tracked = []
     if dist.is_available() and dist.is_initialized() and topo.world_size > 1:
         device = next(chunks[0].parameters()).device
         on = table.to(device)
