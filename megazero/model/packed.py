@@ -27,6 +27,16 @@ import torch.nn.functional as F
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+try:  # optional dependency
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_varlen_func = None
+
+
+def _flash_varlen_usable(x: torch.Tensor) -> bool:
+    return (flash_attn_varlen_func is not None and x.is_cuda
+            and x.dtype in (torch.float16, torch.bfloat16))
+
 
 def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """``[b, s]``: the number of end-of-document tokens strictly before each token."""
@@ -57,11 +67,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: to
     """``[s, b, heads, d]`` q and ``[s, b, groups, d]`` k, v of this rank (its CP share) ->
     ``[s, b, heads * d]``; ``docs [b, s]`` the local tokens' document ids."""
     s, b, n, d = q.shape
-    if parallel.cp_size == 1 and parallel.attention_backend in ("auto", "flash"):
-        from megazero.model.attention import flash_usable
-
-        if flash_usable(q):
-            return _flash_varlen(q, k, v, docs)
+    if (parallel.cp_size == 1 and parallel.attention_backend in ("auto", "flash")
+            and _flash_varlen_usable(q)):
+        return _flash_varlen(q, k, v, docs)
     q_pos = torch.arange(s, device=q.device)
     k_pos, k_docs = q_pos, docs
     if parallel.cp_size > 1:
@@ -99,8 +107,7 @@ def document_starts(docs: torch.Tensor) -> torch.Tensor:
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor
                   ) -> torch.Tensor:
     """Each document its own causal sequence in flash-attn's variable-length kernel."""
-    from flash_attn import flash_attn_varlen_func
-
+    assert flash_attn_varlen_func is not None
     s, b, n, d = q.shape
     cu = document_starts(docs)
     longest = int((cu[1:] - cu[:-1]).max())  # one host sync a layer
