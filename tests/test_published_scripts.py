@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from megazero.config import ConfigError, load_config
+from megazero.config import load_config
 from megazero.data.indexed_dataset import IndexedDatasetBuilder
 from megazero.testing.launch import check, run_like_deepspeed, run_training
 
@@ -131,13 +131,10 @@ def test_megatron_lm_llama3_8b(tmp_path):
     _trained(out, 3)
     assert "embedding and output layer from 0.0005 to 4.5e-05" in out
     assert "note: --profile without --use-pytorch-profiler" in out
-    # the script's FP8 branch: one line that says FP8 is what is missing
-    with pytest.raises(ConfigError) as e:
-        load_config([*args, *LLAMA3["fp8"]], NPROC)
-    assert str(e.value) == (
-        "command line: FP8 training is not in megazero yet, so --fp8-format hybrid, "
-        "--fp8-amax-history-len 1024, --fp8-amax-compute-algo max, --fp8-param-gather cannot "
-        "apply; remove them to train in --bf16 (or fp16/fp32)")
+    # the script's FP8 branch reads as Megatron reads it
+    pr = load_config([*args, *LLAMA3["fp8"]], NPROC).precision
+    assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_amax_history_len, pr.fp8_amax_compute_algo,
+            pr.fp8_param_gather) == ("hybrid", "delayed", 1024, "max", True)
 
 
 def test_megatron_deepspeed_llama2(tmp_path, llama_tokenizer):

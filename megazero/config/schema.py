@@ -132,6 +132,23 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
           f"--num-layers is {cfg.model.num_layers}; give one 0/1 per layer")
 
 
+def check_fp8(cfg: MegazeroConfig) -> None:
+    """FP8 against the model and ZeRO: the bf16 layers fit in the model, FP8 parameter
+    gathers need a ZeRO stage that gathers parameters (1 or 3)."""
+    pr = cfg.precision
+    if pr.fp8_format is None:
+        return
+    n = cfg.model.num_layers
+    if pr.first_last_layers_bf16:
+        start, end = pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16
+        check(start + end <= n, f"--num-layers-at-start-in-bf16 {start} + "
+              f"--num-layers-at-end-in-bf16 {end} exceed --num-layers {n}; keep their sum "
+              f"<= {n}")
+    check(not pr.fp8_param_gather or cfg.zero.stage in (1, 3),
+          f"--fp8-param-gather with --zero-stage {cfg.zero.stage}: only ZeRO stages 1 and 3 "
+          "all-gather parameters; use --zero-stage 1 or 3, or drop --fp8-param-gather")
+
+
 def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -139,6 +156,7 @@ def validate(cfg: MegazeroConfig) -> None:
     check_tensor_parallel_split(m, tp, p.sequence_parallel, p.world_size, pp * p.cp)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
+    check_fp8(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
     if per_chunk is not None:

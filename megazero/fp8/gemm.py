@@ -31,6 +31,7 @@ from megazero.fp8.quantize import (
     quantize_tensorwise,
     quantize_weight_blocks,
 )
+from megazero.tensor_parallel.layers import Gemm
 
 #: ``torch._scaled_mm`` for tensorwise operands; tests switch it off to compare both paths.
 USE_SCALED_MM = True
@@ -50,7 +51,7 @@ def scaled_matmul(a: Scaled, a_t: bool, b: Scaled, b_t: bool) -> torch.Tensor:
     return (da.t() if a_t else da) @ (db.t() if b_t else db)
 
 
-class FP8Gemm:
+class FP8Gemm(Gemm):
     """The FP8 GEMMs of one linear and how its operands are laid out over the ranks.
 
     ``x_groups`` / ``dy_groups`` / ``w_groups``: the groups a whole-tensor amax is max-reduced

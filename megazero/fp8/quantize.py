@@ -103,7 +103,8 @@ def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, groups: Sequence[Gr
                         ) -> tuple[Scaled, torch.Tensor]:
     """One scale for the whole tensor: from its global amax now (current scaling), or
     ``scale`` when given (delayed scaling). Returns the scaled tensor and the global amax."""
-    amax = reduce_amax(x.detach().abs().amax().float(), groups)
+    local = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+    amax = reduce_amax(local, groups)
     if scale is None:
         scale = scale_from_amax(amax, dtype, margin)
     return Scaled(cast(x, scale, dtype), scale), amax

@@ -34,6 +34,7 @@ from megazero.training.banner import describe_run
 from megazero.training.builders import (
     Batching,
     build_datasets,
+    build_fp8,
     build_model_and_optimizer,
     build_tokenizer_and_data_path,
 )
@@ -94,6 +95,7 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
         engine.comms.set_timers(timers)
     run = Run(cfg, env, topo, batching, chunks, engine, scheduler, monitor, timers, train_ds,
               valid_ds, TrainState(), watchdog)
+    run.fp8 = build_fp8(cfg, topo, chunks, env.device)
     for line in notes:
         monitor.info(line)
     describe_run(run)

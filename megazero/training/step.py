@@ -172,6 +172,8 @@ def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
                                  divide_grads_by=1 if per_token else None)
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
+    if run.fp8 is not None:  # delayed scaling: this step's amaxes join the history
+        run.fp8.finish_step()
     with t.region("scheduler"):
         if result.updated:  # the tokens consumed once this iteration's batch is counted
             consumed = run.state.consumed_samples + run.batching.global_batch_at(

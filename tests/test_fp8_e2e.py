@@ -1,0 +1,81 @@
+"""``pretrain_gpt.py`` with FP8 GEMMs trains the same model at every layout: each run's
+losses, grad norms and validation loss equal the one-process FP8 run of its recipe.
+
+Every scale is taken from the whole tensor (or the whole tile) whatever slice a rank holds, so
+tp 2 + SP, pp 2, cp 2, ZeRO 1 and 3 and expert parallel 2 quantise the same values as one
+process; what is left is fp32 accumulation order, which can flip an FP8 rounding now and then.
+Cases share worlds: tensorwise at pp 2 x cp 2 with ZeRO 1 (the CP max-reduce), blockwise at
+tp 2 + SP x dp 2 with ZeRO 3 (128-wide tiles of a 32-wide row split between TP ranks), and an
+MoE model at expert parallel 2 (experts scaled per token row)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megazero.testing.launch import TINY, check, read_metrics, run_training
+from megazero.testing.moe_runs import MOE
+
+FP8 = ["--fp8-format", "hybrid", "--train-iters", "4", "--eval-interval", "4"]
+# fp8 GEMMs on fp32 operands: the layouts agree to fp32 rounding of differently ordered sums,
+# which passes through an FP8 rounding only where a value sits on a rounding boundary
+FP8_RTOL = 2e-5
+
+CASES = {
+    "tensorwise-pp2-cp2-z1": ("tensorwise", False, 4, [
+        "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+        "--zero-stage", "1"]),
+    "blockwise-tp2sp-dp2-z3": ("blockwise", False, 4, [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "3",
+        "--deepspeed_config", "SHARDED"]),
+    "moe-tensorwise-ep2-a2a-z1": ("tensorwise", True, 2, [
+        "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+        "--moe-grouped-gemm", "--zero-stage", "1"]),
+}
+
+
+def _validation(path) -> float:
+    recs = [json.loads(x) for x in open(path, encoding="utf-8")]
+    return [r for r in recs if "lm loss validation" in r][-1]["lm loss validation"]
+
+
+def _args(recipe: str, moe: bool) -> list[str]:
+    return [*TINY, *(MOE if moe else []), *FP8, "--fp8-recipe", recipe]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fp8")
+    refs = {}
+    for recipe, moe in {(r, m) for r, m, _, _ in CASES.values()}:
+        path = d / f"{recipe}-{moe}.jsonl"
+        out = check(run_training([*_args(recipe, moe), "--log-json", str(path)]))
+        refs[recipe, moe] = path, out
+    # FP8 is not the fp32 run: the quantisation shows in the losses (a no-op would pass the
+    # layout comparisons)
+    plain = d / "fp32.jsonl"
+    check(run_training([*TINY, "--train-iters", "4", "--eval-interval", "4", "--log-json",
+                        str(plain)]))
+    fp32, fp8 = read_metrics(plain), read_metrics(refs["tensorwise", False][0])
+    assert all(abs(fp8[i]["lm loss"] / fp32[i]["lm loss"] - 1) > 1e-5 for i in (2, 3, 4))
+    return refs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_layout_trains_the_one_process_fp8_model(references, tmp_path, case):
+    recipe, moe, nproc, layout = CASES[case]
+    ref, ref_out = references[recipe, moe]
+    assert "> fp8: hybrid format, " + recipe in ref_out
+    sharded = tmp_path / "sharded.json"  # every ZeRO-3 unit partitioned
+    sharded.write_text(json.dumps({"zero_optimization": {
+        "stage3_param_persistence_threshold": 0}}))
+    layout = [str(sharded) if x == "SHARDED" else x for x in layout]
+    got = tmp_path / "got.jsonl"
+    check(run_training([*_args(recipe, moe), *layout, "--log-json", str(got)], nproc=nproc))
+    a, b = read_metrics(ref), read_metrics(got)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for it in a:
+        assert b[it]["lm loss"] == pytest.approx(a[it]["lm loss"], rel=FP8_RTOL), it
+        assert b[it]["grad-norm"] == pytest.approx(a[it]["grad-norm"], rel=1e-4), it
+    assert _validation(got) == pytest.approx(_validation(ref), rel=FP8_RTOL)
