@@ -79,3 +79,41 @@ def test_fp8_layout_trains_the_one_process_fp8_model(references, tmp_path, case)
         assert b[it]["lm loss"] == pytest.approx(a[it]["lm loss"], rel=FP8_RTOL), it
         assert b[it]["grad-norm"] == pytest.approx(a[it]["grad-norm"], rel=1e-4), it
     assert _validation(got) == pytest.approx(_validation(ref), rel=FP8_RTOL)
+
+
+DELAYED = [*TINY, *FP8, "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
+           "--fp8-amax-compute-algo", "max", "--fp8-margin", "1", "--lr-decay-iters", "4"]
+
+
+def test_delayed_scaling_resumes_bitwise_and_at_another_layout(tmp_path):
+    """The amax history is in the checkpoint under each tensor's global name: a resume at
+    iteration 2 continues the straight run bitwise, and at tp 2 + SP x dp 2 (another layout,
+    its own pipeline of reductions) to rounding."""
+    save = tmp_path / "ck"
+    straight = tmp_path / "straight.jsonl"
+    check(run_training([*DELAYED, "--save", str(save), "--save-interval", "2", "--log-json",
+                        str(straight)]))
+    (save / "latest_checkpointed_iteration.txt").write_text("2")
+    import torch
+
+    hist = torch.load(save / "iter_0000002" / "extra_state.pt", weights_only=True)
+    hist = hist["fp8_amax_history"]
+    name = "decoder.layers.3.mlp.linear_fc2.dy"
+    assert len(hist) == 4 * 4 * 3 and hist[name].shape == (4,)
+    assert (hist[name][:2] > 0).all() and (hist[name][2:] == 0).all()  # two steps recorded
+    a = read_metrics(straight)
+    for nproc, layout, exact in ((1, [], True), (4, ["--tensor-model-parallel-size", "2",
+                                                     "--sequence-parallel", "--zero-stage",
+                                                     "1"], False)):
+        got = tmp_path / f"resumed{nproc}.jsonl"
+        out = check(run_training([*DELAYED, *layout, "--load", str(save), "--log-json",
+                                  str(got)], nproc=nproc))
+        assert "loaded checkpoint" in out and "no FP8 amax history" not in out
+        b = read_metrics(got)
+        assert sorted(b) == [3, 4]
+        for it in (3, 4):
+            if exact:
+                assert b[it]["lm loss"] == a[it]["lm loss"], it
+                assert b[it]["grad-norm"] == a[it]["grad-norm"], it
+            else:
+                assert b[it]["lm loss"] == pytest.approx(a[it]["lm loss"], rel=FP8_RTOL), it

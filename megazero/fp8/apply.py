@@ -67,10 +67,31 @@ class FP8Layers:
         """The amax histories by tensor name: layout-free (already reduced over the ranks)."""
         return {name: h.history.detach().cpu().clone() for name, h in self.histories()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Load the histories saved for this rank's tensors; returns the names it found none
+        for (they start from an empty history)."""
+        missing = []
         for name, h in self.histories():
             if name in state:
                 h.load(state[name])
+            else:
+                missing.append(name)
+        return missing
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective over the world: every stage's histories, by global tensor name (each
+        stage's ranks hold the same ones), for rank 0 to save."""
+        import torch.distributed as dist
+
+        mine = self.state_dict()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part or {})
+        return dict(sorted(merged.items()))
 
 
 def _shard(group: Group, stride: int = 1) -> Shard | None:
