@@ -173,3 +173,39 @@ def test_mxfp8_is_refused_on_this_machine_in_one_line():
         check_device_supports(FP8Recipe(recipe="mxfp8"), torch.device("cpu"))
     with pytest.raises(ConfigError, match="--fp8-format e5m2"):
         FP8Recipe(fp8_format="e5m2")
+
+
+def test_apply_fp8_puts_fp8_gemms_in_the_chosen_layers_only():
+    """The transform gives every linear of the FP8 layers an FP8 GEMM and leaves the
+    embedding, output layer and the --first-last-layers-bf16 layers alone; the model's loss
+    then moves by the quantisation (a transform that did nothing would pass every layout
+    comparison)."""
+    from megazero.distributed.topology import ParallelTopology
+    from megazero.fp8.apply import apply_fp8, bf16_layer_indices
+    from megazero.model.gpt import GPTModel
+    from megazero.tensor_parallel.layers import DEFAULT_GEMM
+    from megazero.testing.tiny_gpt import batch, tiny_config
+
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config("gpt2", num_layers=3), ParallelTopology.single())
+    tokens, labels = batch()
+    plain = model(tokens, labels).mean()
+    bf16 = bf16_layer_indices(3, True, 1, 0)
+    assert bf16 == {0}
+    fp8 = apply_fp8([model], FP8Recipe("hybrid", "delayed"), bf16_layers=bf16, cp_group=None,
+                    step_groups=(), device=torch.device("cpu"))
+    assert (fp8.fp8_layers, fp8.bf16_layers) == ([1, 2], [0])
+    names = {n for n, m in model.named_modules() if isinstance(getattr(m, "gemm", None),
+                                                               FP8Gemm)}
+    assert names == {f"decoder.layers.{i}.{lin}" for i in (1, 2) for lin in (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+        "mlp.linear_fc2")}
+    assert model.decoder.layers["0"].mlp.linear_fc1.gemm is DEFAULT_GEMM
+    assert len(fp8.weights) == 8 and len(list(fp8.histories())) == 8 * 3
+    quantised = model(tokens, labels).mean()
+    assert abs(float(quantised.detach()) / float(plain.detach()) - 1) > 1e-6
+    quantised.backward()
+    fp8.finish_step()
+    state = fp8.state_dict()
+    assert sorted(state)[0] == "decoder.layers.1.mlp.linear_fc1.dy"
+    assert all(float(h[0]) > 0 for h in state.values())  # every operand recorded an amax

@@ -72,12 +72,14 @@ def test_transformer_engine_is_a_note_not_an_error():
 
 def test_fp8_flags_read_as_megatron_reads_them():
     pr = _load(["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
-                "--fp8-amax-compute-algo", "max", "--fp8-param-gather", "--zero-stage",
-                "1", "--bf16", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16",
-                "0"]).precision
+                "--fp8-amax-compute-algo", "max", "--fp8-margin", "1", "--bf16",
+                "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"]).precision
     assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_amax_history_len, pr.fp8_amax_compute_algo,
-            pr.fp8_param_gather, pr.first_last_layers_bf16, pr.num_layers_at_start_in_bf16,
-            pr.num_layers_at_end_in_bf16) == ("hybrid", "delayed", 1024, "max", True, True, 1, 0)
+            pr.fp8_margin, pr.first_last_layers_bf16, pr.num_layers_at_start_in_bf16,
+            pr.num_layers_at_end_in_bf16) == ("hybrid", "delayed", 1024, "max", 1, True, 1, 0)
+    pr = _load(["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather",
+                "--zero-stage", "3"]).precision
+    assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_param_gather) == ("e4m3", "tensorwise", True)
 
 
 @pytest.mark.parametrize("argv, part", [
@@ -88,6 +90,9 @@ def test_fp8_flags_read_as_megatron_reads_them():
     (["--fp8-format", "hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"],
      "--num-layers-at-start-in-bf16 1 + --num-layers-at-end-in-bf16 2 exceed --num-layers 2"),
     (["--fp8-format", "hybrid", "--fp8-param-gather"], "--fp8-param-gather with --zero-stage 0"),
+    (["--fp8-format", "hybrid", "--fp8-param-gather", "--zero-stage", "3"],
+     "--fp8-param-gather with --fp8-recipe delayed: FP8 parameter gathers take one current "
+     "scale per weight; use --fp8-recipe tensorwise"),
     (["--fp8-format", "hybrid", "--fp8-margin", "-1"], "--fp8-margin -1: expected an integer"),
 ])
 def test_bad_fp8_settings_are_one_line_naming_the_flag(argv, part):

@@ -144,9 +144,15 @@ def check_fp8(cfg: MegazeroConfig) -> None:
         check(start + end <= n, f"--num-layers-at-start-in-bf16 {start} + "
               f"--num-layers-at-end-in-bf16 {end} exceed --num-layers {n}; keep their sum "
               f"<= {n}")
-    check(not pr.fp8_param_gather or cfg.zero.stage in (1, 3),
-          f"--fp8-param-gather with --zero-stage {cfg.zero.stage}: only ZeRO stages 1 and 3 "
-          "all-gather parameters; use --zero-stage 1 or 3, or drop --fp8-param-gather")
+    if pr.fp8_param_gather:
+        check(cfg.zero.stage == 3,
+              f"--fp8-param-gather with --zero-stage {cfg.zero.stage}: megazero gathers FP8 "
+              "parameters at ZeRO stage 3 only (stage 1's gather of whole buckets is not done "
+              "in FP8 yet); use --zero-stage 3, or drop --fp8-param-gather")
+        check(pr.fp8_recipe == "tensorwise",
+              f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe}: FP8 parameter gathers "
+              "take one current scale per weight; use --fp8-recipe tensorwise, or drop "
+              "--fp8-param-gather")
 
 
 def validate(cfg: MegazeroConfig) -> None:

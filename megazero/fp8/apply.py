@@ -51,6 +51,8 @@ class FP8Layers:
     fp8_layers: list[int] = field(default_factory=list)
     bf16_layers: list[int] = field(default_factory=list)
     step_groups: tuple[Group, ...] = ()
+    #: each FP8 GEMM's weight and the groups that shard it (--fp8-param-gather)
+    weights: list[tuple[nn.Parameter, tuple[Group, ...]]] = field(default_factory=list)
 
     def histories(self) -> Iterator[tuple[str, AmaxHistory]]:
         for name, gemm in sorted(self.gemms.items()):
@@ -156,10 +158,16 @@ def apply_fp8(chunks: Iterable[nn.Module], recipe: FP8Recipe, *, bf16_layers: se
                 if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                     gemm = _dense_gemm(module, recipe, cp_group, mname, device)
                     module.gemm = out.gemms[mname] = gemm
+                    out.weights.append((module.weight, gemm.w_groups))
                 elif isinstance(module, Experts):
                     fc1, fc2 = _expert_gemms(module, recipe, mname)
                     module.gemms = (fc1, fc2)
                     out.gemms[f"{mname}.fc1"], out.gemms[f"{mname}.fc2"] = fc1, fc2
+                    for e in module.local_experts.values():
+                        for linear, g in (("linear_fc1", fc1), ("linear_fc2", fc2)):
+                            weight = e.get_submodule(linear).weight
+                            assert isinstance(weight, nn.Parameter)
+                            out.weights.append((weight, g.w_groups))
     out.fp8_layers.sort()
     out.bf16_layers.sort()
     return out

@@ -47,6 +47,9 @@ class FP8Recipe:
     amax_compute_algo: str = "most_recent"
     margin: int = 0
     block: int = BLOCK
+    # weight scales rounded down to powers of two (--fp8-param-gather: see
+    # megazero.fp8.param_gather for why that makes an FP8-gathered weight lossless)
+    pow2_weight_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.fp8_format not in FORMATS:

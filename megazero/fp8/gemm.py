@@ -86,7 +86,8 @@ class FP8Gemm(Gemm):
             q, amax = quantize_tensorwise(t, dtype, scale=history.scale)
             history.record(amax)
         else:
-            q, amax = quantize_tensorwise(t, dtype, groups)
+            pow2 = role == "w" and self.recipe.pow2_weight_scales
+            q, amax = quantize_tensorwise(t, dtype, groups, pow2=pow2)
         self.last_amax[role] = amax
         return q
 

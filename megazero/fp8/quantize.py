@@ -54,12 +54,18 @@ def reduce_amax(amax: torch.Tensor, groups: Sequence[Group]) -> torch.Tensor:
     return amax
 
 
-def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-    """``max_fp8 / amax / 2**margin`` in fp32; 1 where the amax is 0 (or not finite)."""
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0,
+                    pow2: bool = False) -> torch.Tensor:
+    """``max_fp8 / amax / 2**margin`` in fp32; 1 where the amax is 0 (or not finite). With
+    ``pow2`` rounded down to a power of two (then dequantising is exact in any float type)."""
     amax = amax.float()
     ok = (amax > 0) & torch.isfinite(amax)
     scale = torch.where(ok, fp8_max(dtype) / torch.where(ok, amax, 1.0), 1.0)
-    return scale / (2.0 ** margin)
+    scale = scale / (2.0 ** margin)
+    if pow2:
+        _, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    return scale
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,14 +105,15 @@ class Scaled:
 
 
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, groups: Sequence[Group] = (),
-                        margin: int = 0, scale: torch.Tensor | None = None
-                        ) -> tuple[Scaled, torch.Tensor]:
-    """One scale for the whole tensor: from its global amax now (current scaling), or
-    ``scale`` when given (delayed scaling). Returns the scaled tensor and the global amax."""
+                        margin: int = 0, scale: torch.Tensor | None = None,
+                        pow2: bool = False) -> tuple[Scaled, torch.Tensor]:
+    """One scale for the whole tensor: from its global amax now (current scaling; a power of
+    two with ``pow2``), or ``scale`` when given (delayed scaling). Returns the scaled tensor
+    and the global amax."""
     local = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
     amax = reduce_amax(local, groups)
     if scale is None:
-        scale = scale_from_amax(amax, dtype, margin)
+        scale = scale_from_amax(amax, dtype, margin, pow2)
     return Scaled(cast(x, scale, dtype), scale), amax
 
 
