@@ -50,7 +50,7 @@ GOLDEN_FLAGS = """
 --accumulate-allreduce-grads-in-fp32
 --fp8-format --fp8-recipe --fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin
 --first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
---fp8-param-gather
+--fp8-param-gather --log-fp8-amax
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --overlap-grad-reduce --no-overlap-grad-reduce --overlap-param-gather --no-overlap-param-gather
 --ddp-bucket-size

@@ -85,7 +85,7 @@ def test_delayed_scaling_resumes_bitwise_and_at_another_layout(tmp_path):
     save = tmp_path / "ck"
     straight = tmp_path / "straight.jsonl"
     check(run_training([*DELAYED, "--save", str(save), "--save-interval", "2", "--log-json",
-                        str(straight)]))
+                        str(straight), "--log-fp8-amax", "decoder.layers.3.mlp.*"]))
     (save / "latest_checkpointed_iteration.txt").write_text("2")
     import torch
 
@@ -95,6 +95,11 @@ def test_delayed_scaling_resumes_bitwise_and_at_another_layout(tmp_path):
     assert len(hist) == 4 * 4 * 3 and hist[name].shape == (4,)
     assert (hist[name][:2] > 0).all() and (hist[name][2:] == 0).all()  # two steps recorded
     a = read_metrics(straight)
+    # --log-fp8-amax: the chosen tensors' newest amax, the history's head at that iteration
+    logged = {k for k in a[2] if k.startswith("fp8-amax/")}
+    assert logged == {f"fp8-amax/decoder.layers.3.mlp.linear_fc{i}.{r}" for i in (1, 2)
+                      for r in ("x", "w", "dy")}
+    assert a[2][f"fp8-amax/{name}"] == pytest.approx(float(hist[name][0]), rel=1e-7)
     for nproc, layout, exact in ((1, [], True), (4, ["--tensor-model-parallel-size", "2",
                                                      "--sequence-parallel", "--zero-stage",
                                                      "1"], False)):

@@ -209,3 +209,21 @@ def test_apply_fp8_puts_fp8_gemms_in_the_chosen_layers_only():
     state = fp8.state_dict()
     assert sorted(state)[0] == "decoder.layers.1.mlp.linear_fc1.dy"
     assert all(float(h[0]) > 0 for h in state.values())  # every operand recorded an amax
+
+
+def test_a_saturated_delayed_scale_is_counted_and_warned_once():
+    from megazero.fp8.apply import FP8Layers
+
+    rec = FP8Recipe("hybrid", "delayed")
+    h = AmaxHistory(1, "most_recent", E4M3, 0)
+    gemm = FP8Gemm(rec, histories={"x": h})
+    layers = FP8Layers(rec, gemms={"decoder.layers.0.mlp.linear_fc1": gemm})
+    for amax in (1.0, 1.0, 600.0, 10.0, 1e4):  # scale 448 from step 2: 600 overflows
+        h.record(torch.tensor(amax))
+        lines = layers.finish_step()
+        if amax == 600.0:
+            assert lines == [lines[0]] and "FP8 overflow: decoder.layers.0.mlp.linear_fc1.x" \
+                "'s amax 600 exceeded the FP8 maximum" in lines[0]
+        else:
+            assert lines == []  # the first step has no history; later ones warned already
+    assert (h.overflows, h.underflows) == (2, 0)  # 600 at scale 448, 1e4 at scale 44.8

@@ -244,6 +244,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--num-layers-at-start-in-bf16", "precision.num_layers_at_start_in_bf16", **_I),
     _f("--num-layers-at-end-in-bf16", "precision.num_layers_at_end_in_bf16", **_I),
     _f("--fp8-param-gather", "precision.fp8_param_gather", **_ON),
+    _f("--log-fp8-amax", "logging.log_fp8_amax", tuple, nargs="+"),
     # ZeRO and the DeepSpeed config
     _f("--zero-stage", "zero.stage", type=int,
        help="ZeRO stage; the same as zero_optimization.stage in the JSON"),

@@ -228,6 +228,8 @@ HELP = {
     "--first-last-layers-bf16": "keep the first and last layers' GEMMs in bf16 under FP8",
     "--num-layers-at-start-in-bf16": "with --first-last-layers-bf16: layers at the start",
     "--num-layers-at-end-in-bf16": "with --first-last-layers-bf16: layers at the end",
+    "--log-fp8-amax": "FP8 tensors whose amax the log line and TensorBoard carry: patterns "
+                      "over <module>.<x|w|dy>, e.g. 'decoder.layers.1.*.x'",
     "--fp8-param-gather": "ZeRO all-gathers FP8 parameters (with their scales): half bf16's "
                           "bytes",
     "--loss-scale": "static loss scale (0: dynamic)",

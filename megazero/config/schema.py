@@ -136,6 +136,9 @@ def check_fp8(cfg: MegazeroConfig) -> None:
     """FP8 against the model and ZeRO: the bf16 layers fit in the model, FP8 parameter
     gathers need a ZeRO stage that gathers parameters (1 or 3)."""
     pr = cfg.precision
+    check(pr.fp8_format is not None or not cfg.logging.log_fp8_amax,
+          "--log-fp8-amax without --fp8-format: no tensor runs FP8; add --fp8-format hybrid "
+          "(or e4m3), or drop --log-fp8-amax")
     if pr.fp8_format is None:
         return
     n = cfg.model.num_layers

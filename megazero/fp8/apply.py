@@ -23,7 +23,8 @@ For the same reason delayed scaling covers the dense linears only; experts use c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import fnmatch
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,10 +61,40 @@ class FP8Layers:
                 if role in gemm.histories:
                     yield f"{name}.{role}", gemm.histories[role]
 
-    def finish_step(self) -> None:
-        """Delayed scaling: push this step's amaxes (max over every rank of the stage)."""
-        if self.recipe.recipe == "delayed":
-            finish_step((h for _, h in self.histories()), self.step_groups)
+    def finish_step(self) -> list[str]:
+        """Delayed scaling: push this step's amaxes (max over every rank of the stage).
+        Returns a line for each tensor whose scale saturated for the first time (the counts
+        go on in :attr:`AmaxHistory.overflows` / ``underflows``)."""
+        if self.recipe.recipe != "delayed":
+            return []
+        named = list(self.histories())
+        out = []
+        for (name, h), status in zip(named, finish_step((h for _, h in named),
+                                                        self.step_groups), strict=True):
+            if status is not None and h.overflows + h.underflows == 1:
+                what = ("exceeded the FP8 maximum (values clipped)" if status == "overflow"
+                        else "fell below the smallest normal FP8 value")
+                out.append(f"FP8 {status}: {name}'s amax {float(h.history[0]):.4g} {what} "
+                           f"under its delayed scale; raise --fp8-margin / "
+                           f"--fp8-amax-history-len or use --fp8-recipe tensorwise (warned "
+                           f"once per tensor, counted after)")
+        return out
+
+    def amaxes(self, patterns: Sequence[str]) -> dict[str, float]:
+        """The newest amax of the operands whose ``<module>.<role>`` name matches: the
+        step's reduced one under delayed scaling, the last use's otherwise."""
+        out = {}
+        for name, gemm in self.gemms.items():
+            for role in ROLES:
+                key = f"{name}.{role}"
+                if not any(fnmatch.fnmatchcase(key, p) for p in patterns):
+                    continue
+                h = gemm.histories.get(role)
+                if h is not None:
+                    out[key] = float(h.history[0])
+                elif role in gemm.last_amax:
+                    out[key] = float(gemm.last_amax[role])
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The amax histories by tensor name: layout-free (already reduced over the ranks)."""

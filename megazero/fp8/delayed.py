@@ -32,15 +32,32 @@ class AmaxHistory:
         self.history = torch.zeros(length, dtype=torch.float32, device=device)
         self.current = torch.zeros((), dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
+        # steps whose amax left the range the step's scale covered: above the FP8 maximum
+        # (values clipped) or, for a nonzero tensor, below the smallest normal (all subnormal)
+        self.overflows = 0
+        self.underflows = 0
 
     def record(self, amax: torch.Tensor) -> None:
         self.current = torch.maximum(self.current, amax.detach().float().to(self.current.device))
 
-    def push(self, amax: torch.Tensor) -> None:
-        """End of a step: ``amax`` (already reduced over the ranks) joins the history."""
+    def push(self, amax: torch.Tensor) -> str | None:
+        """End of a step: ``amax`` (already reduced over the ranks) joins the history.
+        Returns ``"overflow"`` / ``"underflow"`` when the step's scale did not cover it."""
+        info = torch.finfo(self.dtype)
+        scaled = float(amax) * float(self.scale)
+        status = None
+        if not bool((self.history > 0).any()):
+            pass  # no history yet: the first step's scale (1) says nothing about the tensor
+        elif scaled > info.max:
+            self.overflows += 1
+            status = "overflow"
+        elif 0 < scaled < info.tiny:
+            self.underflows += 1
+            status = "underflow"
         self.history = torch.cat([amax.reshape(1).float(), self.history[:-1]])
         self.current = torch.zeros_like(self.current)
         self.update_scale()
+        return status
 
     def update_scale(self) -> None:
         window = self.history[:1] if self.algo == "most_recent" else self.history
@@ -56,11 +73,11 @@ class AmaxHistory:
         self.update_scale()
 
 
-def finish_step(histories: Iterable[AmaxHistory], groups: Sequence[Group]) -> None:
-    """Reduce every history's step amax over ``groups`` in one collective and push it."""
+def finish_step(histories: Iterable[AmaxHistory], groups: Sequence[Group]) -> list[str | None]:
+    """Reduce every history's step amax over ``groups`` in one collective and push it;
+    returns each one's :meth:`AmaxHistory.push` status."""
     hs = list(histories)
     if not hs:
-        return
+        return []
     amaxes = reduce_amax(torch.stack([h.current for h in hs]), groups)
-    for h, a in zip(hs, amaxes, strict=True):
-        h.push(a)
+    return [h.push(a) for h, a in zip(hs, amaxes, strict=True)]
