@@ -22,7 +22,8 @@ def _q64(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     """Reference quantise-dequantise of ``t`` with ``amax`` broadcast to it: the scale in fp32
     (the recipe's arithmetic), the FP8 rounding by torch's cast, the rest in float64."""
     amax = amax.float()
-    scale = torch.where(amax > 0, MAX[dtype] / torch.where(amax > 0, amax, 1.0), 1.0)
+    quotient = torch.full_like(amax, MAX[dtype]).double() / amax.double()  # one rounding:
+    scale = torch.where(amax > 0, quotient.float(), 1.0)  # float64 then float32 is exact here
     q = (t.float() * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
     return q.double() / scale.double()
 
@@ -227,3 +228,26 @@ def test_a_saturated_delayed_scale_is_counted_and_warned_once():
         else:
             assert lines == []  # the first step has no history; later ones warned already
     assert (h.overflows, h.underflows) == (2, 0)  # 600 at scale 448, 1e4 at scale 44.8
+
+
+def test_scales_and_casts_are_torchaos():
+    """torchao's float8 building blocks (amax_to_scale, to_fp8_saturated), an independent
+    implementation of the same formulas, give bitwise the scales and FP8 values of ours, power
+    of two rounding included (torchao divides in float64 and rounds once to float32, which
+    for one division is the float32 quotient)."""
+    float8_utils = pytest.importorskip("torchao.float8.float8_utils")
+    from megazero.fp8.quantize import cast, scale_from_amax
+
+    g = torch.Generator().manual_seed(5)
+    for dtype in (E4M3, E5M2):
+        for _ in range(200):
+            x = torch.randn(64, generator=g) * 10.0 ** float(torch.randint(-8, 8, (1,),
+                                                                          generator=g))
+            amax = x.abs().amax()
+            for pow2 in (False, True):
+                ours = scale_from_amax(amax, dtype, pow2=pow2)
+                theirs = float8_utils.amax_to_scale(amax, dtype, round_scales_to_power_of_2=pow2)
+                assert torch.equal(ours, theirs), (dtype, pow2, float(amax))
+                assert torch.equal(cast(x, ours, dtype).view(torch.uint8),
+                                   float8_utils.to_fp8_saturated(x * theirs, dtype)
+                                   .view(torch.uint8))

@@ -60,7 +60,10 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0,
     ``pow2`` rounded down to a power of two (then dequantising is exact in any float type)."""
     amax = amax.float()
     ok = (amax > 0) & torch.isfinite(amax)
-    scale = torch.where(ok, fp8_max(dtype) / torch.where(ok, amax, 1.0), 1.0)
+    # a tensor divided by a tensor: ``float / tensor`` multiplies by the reciprocal, two
+    # roundings, and the scale would not be the correctly rounded quotient torchao computes
+    top = torch.full_like(amax, fp8_max(dtype))
+    scale = torch.where(ok, top / torch.where(ok, amax, 1.0), 1.0)
     scale = scale / (2.0 ** margin)
     if pow2:
         _, exponent = torch.frexp(scale)
