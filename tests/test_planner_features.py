@@ -185,3 +185,20 @@ def test_features_are_checked_with_the_name_and_the_fix():
     with pytest.raises(ConfigError, match="needs sliding_window"):
         Features(sliding_window_share=0.5)
     assert dataclasses.replace(FP8, fp8=None) == Features()
+
+
+def test_the_estimator_counts_the_fp8_cast_buffers():
+    """One GEMM's FP8 copies at a time, of the largest one: fc2's input (B S x F) and the MLP's
+    weight (F x H), each written row- and column-wise, a byte per element; at tp 2 + SP the
+    gathered input of QKV (B S x H) is the largest then."""
+    from megazero.planner.estimate import FP8_CAST_ITEM, rank_memory
+
+    plain = rank_memory(cfg(), 0, 1, device_is_cpu=True)
+    fp8 = rank_memory(cfg("--fp8-format hybrid --fp8-recipe tensorwise"), 0, 1,
+                      device_is_cpu=True)
+    assert FP8_CAST_ITEM not in plain.items
+    assert fp8.items[FP8_CAST_ITEM] == 2 * (B * S * F + F * H)
+    assert fp8.device_total - plain.device_total == pytest.approx(2 * (B * S * F + F * H))
+    tp2 = rank_memory(cfg("--fp8-format hybrid --tensor-model-parallel-size 2 "
+                          "--sequence-parallel", world=2), 0, 1, device_is_cpu=True)
+    assert tp2.items[FP8_CAST_ITEM] == 2 * (B * S * max(H, F / 2) + F * H / 2)

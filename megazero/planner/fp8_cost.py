@@ -60,3 +60,20 @@ def dense_cast_bytes(cfg: MegazeroConfig, moe_layer: bool, recipe: str = "tensor
     if ffn:  # fc1 input h (gathered), fc2 input f / tp; gradients: fc1 out glu f / tp, fc2 h
         elems += h / split + ffn / tp + glu * ffn / tp + h / split
     return elems * cast_bytes_per_element(cfg.precision.params_dtype.itemsize, recipe)
+
+
+def cast_buffer_bytes(cfg: MegazeroConfig) -> float:
+    """Device bytes the FP8 copies of one GEMM's operands hold while it runs, at the largest
+    GEMM of a layer: its input (gathered under SP) and its weight, each cast once row-wise and
+    once column-wise (the weight-gradient GEMM's transposed copy), one byte per element.
+    Transient: megazero.fp8 saves the 16-bit tensors for backward and casts again there."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tp
+    tokens = cfg.train.micro_batch_size * m.seq_length / p.cp
+    h, kv, q = m.hidden_size, m.query_groups * m.head_dim, m.num_attention_heads * m.head_dim
+    ffn = m.moe.moe_ffn_hidden_size if m.moe.enabled and m.moe.moe_ffn_hidden_size else \
+        m.ffn_size
+    glu = 2 if m.swiglu else 1
+    inputs = tokens * max(h, q / tp, ffn / tp)
+    weights = max(h * (q + 2 * kv), h * glu * ffn, h * q) / tp
+    return 2.0 * (inputs + weights)
