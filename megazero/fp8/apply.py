@@ -82,9 +82,12 @@ class FP8Layers:
 
     def amaxes(self, patterns: Sequence[str]) -> dict[str, float]:
         """The newest amax of the operands whose ``<module>.<role>`` name matches: the
-        step's reduced one under delayed scaling, the last use's otherwise."""
+        step's reduced one under delayed scaling, the last use's otherwise. The experts have
+        no one amax per operand (rows and experts scaled apart) and are not listed."""
         out = {}
         for name, gemm in self.gemms.items():
+            if gemm.rowwise:  # experts: a scale per token row, and per expert weight
+                continue
             for role in ROLES:
                 key = f"{name}.{role}"
                 if not any(fnmatch.fnmatchcase(key, p) for p in patterns):
