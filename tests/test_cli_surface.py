@@ -48,6 +48,9 @@ GOLDEN_FLAGS = """
 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
 --accumulate-allreduce-grads-in-fp32
+--fp8-format --fp8-recipe --fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin
+--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
+--fp8-param-gather --log-fp8-amax
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --overlap-grad-reduce --no-overlap-grad-reduce --overlap-param-gather --no-overlap-param-gather
 --ddp-bucket-size
@@ -85,6 +88,9 @@ CHOICES = {
     "--lr-decay-style": ("constant", "linear", "cosine"),
     "--model-preset": ("gpt2", "llama"),
     "--zero-stage": (0, 1, 2, 3),
+    "--fp8-format": ("e4m3", "hybrid"),
+    "--fp8-recipe": ("tensorwise", "delayed", "blockwise", "mxfp8"),
+    "--fp8-amax-compute-algo": ("most_recent", "max"),
 }
 
 
@@ -168,8 +174,9 @@ def test_explicit_parse_holds_only_typed_flags():
     (["--lr-decay-style", "step"], "invalid choice: 'step'"),
     (["--micro"], "unknown argument '--micro'"),  # abbreviations are not accepted
     (["--model-parallel-size", "2"], "use --tensor-model-parallel-size"),
-    (["--fp8-format", "hybrid", "--fp8-param-gather"], "FP8 training is not in megazero yet, so "
-     "--fp8-format hybrid, --fp8-param-gather cannot apply; remove them"),
+    (["--fp4-format", "nvfp4"], "FP4 training is not in megazero yet, so "
+     "--fp4-format nvfp4 cannot apply; remove it"),
+    (["--fp8-format", "e5m2"], "argument --fp8-format: invalid choice: 'e5m2'"),
     (["--data-impl", "lazy"], "--data-impl lazy: megazero takes mmap or infer"),
 ])
 def test_bad_command_lines(argv, part):

@@ -234,6 +234,17 @@ FLAGS: tuple[Flag, ...] = (
     _f("--hysteresis", "precision.hysteresis", **_I),
     _f("--accumulate-allreduce-grads-in-fp32", "precision.grad_accum_dtype", lambda v: "fp32",
        **_ON),
+    # FP8 (megazero.fp8)
+    _f("--fp8-format", "precision.fp8_format"),
+    _f("--fp8-recipe", "precision.fp8_recipe"),
+    _f("--fp8-amax-history-len", "precision.fp8_amax_history_len", **_I),
+    _f("--fp8-amax-compute-algo", "precision.fp8_amax_compute_algo"),
+    _f("--fp8-margin", "precision.fp8_margin", **_I),
+    _f("--first-last-layers-bf16", "precision.first_last_layers_bf16", **_ON),
+    _f("--num-layers-at-start-in-bf16", "precision.num_layers_at_start_in_bf16", **_I),
+    _f("--num-layers-at-end-in-bf16", "precision.num_layers_at_end_in_bf16", **_I),
+    _f("--fp8-param-gather", "precision.fp8_param_gather", **_ON),
+    _f("--log-fp8-amax", "logging.log_fp8_amax", tuple, nargs="+"),
     # ZeRO and the DeepSpeed config
     _f("--zero-stage", "zero.stage", type=int,
        help="ZeRO stage; the same as zero_optimization.stage in the JSON"),

@@ -132,6 +132,32 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
           f"--num-layers is {cfg.model.num_layers}; give one 0/1 per layer")
 
 
+def check_fp8(cfg: MegazeroConfig) -> None:
+    """FP8 against the model and ZeRO: the bf16 layers fit in the model, FP8 parameter
+    gathers need a ZeRO stage that gathers parameters (1 or 3)."""
+    pr = cfg.precision
+    check(pr.fp8_format is not None or not cfg.logging.log_fp8_amax,
+          "--log-fp8-amax without --fp8-format: no tensor runs FP8; add --fp8-format hybrid "
+          "(or e4m3), or drop --log-fp8-amax")
+    if pr.fp8_format is None:
+        return
+    n = cfg.model.num_layers
+    if pr.first_last_layers_bf16:
+        start, end = pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16
+        check(start + end <= n, f"--num-layers-at-start-in-bf16 {start} + "
+              f"--num-layers-at-end-in-bf16 {end} exceed --num-layers {n}; keep their sum "
+              f"<= {n}")
+    if pr.fp8_param_gather:
+        check(cfg.zero.stage == 3,
+              f"--fp8-param-gather with --zero-stage {cfg.zero.stage}: megazero gathers FP8 "
+              "parameters at ZeRO stage 3 only (stage 1's gather of whole buckets is not done "
+              "in FP8 yet); use --zero-stage 3, or drop --fp8-param-gather")
+        check(pr.fp8_recipe == "tensorwise",
+              f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe}: FP8 parameter gathers "
+              "take one current scale per weight; use --fp8-recipe tensorwise, or drop "
+              "--fp8-param-gather")
+
+
 def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -139,6 +165,7 @@ def validate(cfg: MegazeroConfig) -> None:
     check_tensor_parallel_split(m, tp, p.sequence_parallel, p.world_size, pp * p.cp)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
+    check_fp8(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     pipeline_chunks(m.num_layers, pp, per_chunk)
     if per_chunk is not None:

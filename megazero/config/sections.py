@@ -220,6 +220,9 @@ class LoggingConfig:
     log_memory_phases: bool = False  # memory after forward / backward / step, per logged iteration
     # --log-straggler: each rank's busy time per log interval (megazero.observability.stragglers)
     log_straggler: bool = False
+    # --log-fp8-amax: FP8 operands whose amax the log line and TensorBoard carry, as fnmatch
+    # patterns over "<module>.<x|w|dy>" (decoder.layers.1.mlp.linear_fc1.x)
+    log_fp8_amax: tuple[str, ...] = ()
     straggler_minmax_count: int = 1  # slowest and fastest ranks listed
     straggler_factor: float = 3.0  # busy time over this many times the median is slow
     straggler_patience: int = 3  # log intervals in a row before a rank is named in a warning

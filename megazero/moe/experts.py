@@ -27,7 +27,11 @@ from megazero.distributed.collectives import Group
 from megazero.errors import ConfigError
 from megazero.model.init import declare_linear, scope
 from megazero.moe.expert_tp import add_once
-from megazero.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megazero.tensor_parallel.layers import (
+    Gemm,
+    LinearSavingWeight,
+    set_tensor_model_parallel_attributes,
+)
 
 
 class ExpertMLP(nn.Module):
@@ -160,15 +164,26 @@ class Experts(nn.Module):
         self.local_experts = nn.ModuleDict({
             str(e): scope(ExpertMLP(config, self.ffn, dtype, etp_rank, etp_size), str(e))
             for e in range(first, first + count)})
+        # fc1's and fc2's GEMMs when a precision transform (megazero.fp8) replaces them: each
+        # expert then runs through them one by one (the grouped GEMM's dense fallback)
+        self.gemms: tuple[Gemm, Gemm] | None = None
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         experts = [cast(ExpertMLP, e) for e in self.local_experts.values()]
-        if self.grouped_gemm:
+        if self.grouped_gemm and self.gemms is None:
             return self._grouped(x, counts, experts)
         outs = []
         for expert, (a, b) in zip(experts, _segments(counts), strict=True):
-            h = activation(expert.linear_fc1(x[a:b]), self.config)
-            y = F.linear(h, expert.linear_fc2.weight)
+            if self.gemms is None:
+                h = activation(expert.linear_fc1(x[a:b]), self.config)
+                y = F.linear(h, expert.linear_fc2.weight)
+            else:
+                fc1 = expert.linear_fc1
+                h = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+                    x[a:b], fc1.weight, self.gemms[0])
+                h = activation(h if fc1.bias is None else h + fc1.bias, self.config)
+                y = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+                    h, expert.linear_fc2.weight, self.gemms[1])
             if expert.linear_fc2.bias is not None:
                 y = add_once(y, expert.linear_fc2.bias, self.etp_group)
             outs.append(y)

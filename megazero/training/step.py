@@ -87,6 +87,23 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
     return [x / scale for x in losses]
 
 
+def fp8_metrics(run: Run) -> dict[str, float] | None:
+    """``--log-fp8-amax``: the chosen FP8 operands' amaxes, from every pipeline stage
+    (collective over the world when more than one rank: every rank calls it)."""
+    patterns = run.cfg.logging.log_fp8_amax
+    if run.fp8 is None or not patterns:
+        return None
+    mine = run.fp8.amaxes(patterns)
+    if run.topo.world_size > 1:
+        import torch.distributed as dist
+
+        parts: list[dict[str, float] | None] = [None] * run.topo.world_size
+        dist.all_gather_object(parts, mine)
+        for part in parts:
+            mine.update(part or {})
+    return {f"fp8-amax/{k}": v for k, v in sorted(mine.items())}
+
+
 def moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
     """The routers' scalars of the log interval (collective: every rank calls it)."""
     moe = run.cfg.model.moe
@@ -172,6 +189,9 @@ def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
                                  divide_grads_by=1 if per_token else None)
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
+    if run.fp8 is not None:  # delayed scaling: this step's amaxes join the history
+        for line in run.fp8.finish_step():
+            run.monitor.info(f"warning: iteration {it}: {line}")
     with t.region("scheduler"):
         if result.updated:  # the tokens consumed once this iteration's batch is counted
             consumed = run.state.consumed_samples + run.batching.global_batch_at(
