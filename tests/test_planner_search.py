@@ -56,7 +56,8 @@ def test_every_axis_is_searched_and_named():
     assert {s.tp for s in found} == {1, 2, 4} and {s.cp for s in found} == {1, 2, 4}
     assert {s.pp for s in found} == {1, 2, 4} and {s.ep for s in found} == {1, 2, 4}
     assert {s.etp for s in found} == {1, 2, 4}
-    assert {s.schedule.name for s in found} == {"1f1b", "interleaved"}
+    assert {s.schedule.name for s in found} == {"1f1b", "interleaved", "zb-h1", "zbv",
+                                              "dualpipev"}
     assert all(s.sp for s in found if s.tp > 1)  # MoE with TP needs SP
     # a short sequence is not split; a dense model has no expert axes
     dense = load_config([*SMALL[:SMALL.index("--num-experts")], "--seq-length", "2048"], 8)

@@ -40,6 +40,7 @@ from megazero.tensor_parallel.utils import (
     gather_from_tensor_parallel_output,
     shard_tensor,
 )
+from megazero.tensor_parallel.weight_grad import run_or_defer
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -147,10 +148,14 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
                 else all_reduce(grad_x, group)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            total = all_gather_dim0(x, group) if ctx.sequence_parallel else x
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = ctx.gemm.wgrad(g2, total.reshape(-1, total.shape[-1]))
-            grad_w = grad_w.to(weight.dtype)
+            sp, wdtype, gemm = ctx.sequence_parallel, weight.dtype, ctx.gemm
+
+            def weight_grad() -> torch.Tensor:
+                total = all_gather_dim0(x, group) if sp else x
+                g2 = grad.reshape(-1, grad.shape[-1])
+                return gemm.wgrad(g2, total.reshape(-1, total.shape[-1])).to(wdtype)
+
+            grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None
@@ -178,8 +183,13 @@ class LinearSavingWeight(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = ctx.gemm.dgrad(grad, weight).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = ctx.gemm.wgrad(g2, x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            wdtype, gemm = weight.dtype, ctx.gemm
+
+            def weight_grad() -> torch.Tensor:
+                g2 = grad.reshape(-1, grad.shape[-1])
+                return gemm.wgrad(g2, x.reshape(-1, x.shape[-1])).to(wdtype)
+
+            grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
         return grad_x, grad_w, None
 
 

@@ -267,7 +267,9 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     ``device`` and initialised there, one at a time (``GPTModel.materialize``): the host never
     holds the rank's shard. At stage 3 the parameters stay on the meta device for the engine,
     which materialises only this rank's partition of each unit."""
+    from megazero.config.schema import layer_counts
     from megazero.pipeline.partition import build_model_chunks
+    from megazero.pipeline.zero_bubble import placement_of
     from megazero.tensor_parallel.context import ParallelContext
 
     parallel = ParallelContext.from_topology(topo,
@@ -276,7 +278,9 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     with torch.device("meta"):
         chunks = build_model_chunks(
             cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
-            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed)
+            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed,
+            placement=placement_of(cfg.parallel.pipeline_schedule),
+            layer_counts=layer_counts(cfg))
     if cfg.zero.stage == 3:
         for c in chunks:
             c.materialize_buffers(device)

@@ -83,7 +83,9 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=_timed_get_batch(run),
         grad_sync=None if forward_only else run.engine, activation_meter=activation_meter,
-        microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage)
+        microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage,
+        schedule=run.cfg.parallel.pipeline_schedule,
+        delay_wgrad=run.cfg.parallel.delay_wgrad_compute)
     return [x / scale for x in losses]
 
 
@@ -219,7 +221,7 @@ def _token_sums(sums: list[tuple[float, float]], topo: ParallelTopology
     """``--calculate-per-token-loss``: this rank's (loss sum, token count) of the global batch.
     The last pipeline stage's TP rank 0 of each replica holds them (every CP rank its share of
     the tokens); summed over every rank they are the global batch's."""
-    owner = topo.tp_rank == 0 and topo.is_last_stage
+    owner = topo.tp_rank == 0 and bool(sums)  # the rank holding the loss (rank 0 in a V)
     return (sum(a for a, _ in sums), sum(b for _, b in sums)) if owner else (0.0, 0.0)
 
 
