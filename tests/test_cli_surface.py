@@ -24,7 +24,11 @@ from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES
 
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
---microbatch-group-size-per-virtual-pipeline-stage --context-parallel-size --cp-comm-type
+--microbatch-group-size-per-virtual-pipeline-stage --pipeline-schedule --delay-wgrad-compute
+--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+--pipeline-model-parallel-layout
+--context-parallel-size --cp-comm-type
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
 --distribute-saved-activations
 --distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
@@ -48,6 +52,9 @@ GOLDEN_FLAGS = """
 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
 --accumulate-allreduce-grads-in-fp32
+--fp8-format --fp8-recipe --fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin
+--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
+--fp8-param-gather --log-fp8-amax
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --overlap-grad-reduce --no-overlap-grad-reduce --overlap-param-gather --no-overlap-param-gather
 --ddp-bucket-size
@@ -89,6 +96,9 @@ CHOICES = {
     "--lr-decay-style": ("constant", "linear", "cosine"),
     "--model-preset": ("gpt2", "llama"),
     "--zero-stage": (0, 1, 2, 3),
+    "--fp8-format": ("e4m3", "hybrid"),
+    "--fp8-recipe": ("tensorwise", "delayed", "blockwise", "mxfp8"),
+    "--fp8-amax-compute-algo": ("most_recent", "max"),
 }
 
 
@@ -172,8 +182,9 @@ def test_explicit_parse_holds_only_typed_flags():
     (["--lr-decay-style", "step"], "invalid choice: 'step'"),
     (["--micro"], "unknown argument '--micro'"),  # abbreviations are not accepted
     (["--model-parallel-size", "2"], "use --tensor-model-parallel-size"),
-    (["--fp8-format", "hybrid", "--fp8-param-gather"], "FP8 training is not in megazero yet, so "
-     "--fp8-format hybrid, --fp8-param-gather cannot apply; remove them"),
+    (["--fp4-format", "nvfp4"], "FP4 training is not in megazero yet, so "
+     "--fp4-format nvfp4 cannot apply; remove it"),
+    (["--fp8-format", "e5m2"], "argument --fp8-format: invalid choice: 'e5m2'"),
     (["--data-impl", "lazy"], "--data-impl lazy: megazero takes mmap or infer"),
 ])
 def test_bad_command_lines(argv, part):
@@ -184,6 +195,8 @@ def test_bad_command_lines(argv, part):
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]
 VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+ZBV2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble",
+        "--num-layers", "4", "--untie-embeddings-and-output-weights"]
 
 
 def error(argv, world_size) -> str:
@@ -227,6 +240,31 @@ def error(argv, world_size) -> str:
     (VPP2 + ["--global-batch-size", "7", "--microbatch-group-size-per-virtual-pipeline-stage",
              "3"], 2, ["leave a last group of 1", "(--microbatch-group-size-per-virtual-"
                        "pipeline-stage 3)", "one of 4, 5, 7,", "(e.g. 6 or 9)"]),
+    (["--pipeline-schedule", "zbv"], 1, ["--pipeline-schedule zbv needs "
+                                         "--pipeline-model-parallel-size > 1 (got 1)"]),
+    (ZBV2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     ["--pipeline-schedule zbv places its own two chunks", "drop "
+      "--num-layers-per-virtual-pipeline-stage 1"]),
+    (ZBV2 + ["--num-layers", "6"], 2, ["--num-layers 6 into 2 x pp = 4 equal chunks",
+                                       "multiple of 4 layers"]),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "DualPipeV",
+      "--untie-embeddings-and-output-weights", "--num-layers", "4", "--global-batch-size", "3"],
+     2, ["--pipeline-schedule dualpipev needs at least 2 x pp = 4 micro-batches", "gives 3"]),
+    (VPP2 + ["--delay-wgrad-compute", "--global-batch-size", "4"], 2,
+     ["--delay-wgrad-compute runs 1F1B", "drop it with interleaving"]),
+    (VPP2 + ["--pipeline-schedule", "1f1b", "--global-batch-size", "4"], 2,
+     ["write --pipeline-schedule interleaved"]),
+    (["--pipeline-schedule", "zb-h2"], 1, ["--pipeline-schedule", "zb-h2", "zbv"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+      "--pipeline-model-parallel-layout", "E|t*3|t*2L", "--num-layers-per-virtual-pipeline-"
+      "stage", "1"], 2, ["with an uneven split give the chunks with "
+                         "--pipeline-model-parallel-layout"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+      "--pipeline-model-parallel-layout", "E|t*3|t*2L", "--pipeline-schedule", "zbv",
+      "--untie-embeddings-and-output-weights"], 2, ["gives 3 stages; give 4"]),
+    (["--pipeline-model-parallel-size", "3", "--num-layers", "5",
+      "--decoder-last-pipeline-num-layers", "2"], 3,
+     ["--decoder-last-pipeline-num-layers 2 leave 3 of --num-layers 5 layers for 2 other"]),
     (["--recompute-granularity", "full"], 1, ["--recompute-method uniform or block"]),
     (["--group-query-attention"], 1, ["--num-query-groups"]),
     (["--initial-loss-scale", "1000"], 1, ["--initial-loss-scale 1000", "power of two"]),

@@ -233,3 +233,37 @@ def test_estimate_gathers_only_the_units_at_or_above_the_persistence_threshold()
     per_unit = mb * 2 * AG[0] * 1e-6  # a gather in forward and in backward per micro-batch
     assert latency(threshold) - latency(10**12) == pytest.approx(gathered * per_unit, rel=1e-9)
     assert latency(0) - latency(10**12) == pytest.approx(len(sizes) * per_unit, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule, idle", [("zb-h1", 1 / 3), ("zbv", 1 / 6),
+                                            ("dualpipev", 1 / 6)])
+def test_zero_bubble_schedules_are_priced_by_their_simulated_bubble(schedule, idle):
+    """pp 2, m 8, F = B = W: 1F1B idles one micro-batch of a stage; ZB-H1 a third of it, ZBV
+    and DualPipeV a sixth (the checker's simulation of the schedules megazero runs)."""
+    base = terms(["--pipeline-model-parallel-size=2"])
+    t = terms(["--pipeline-model-parallel-size=2", f"--pipeline-schedule={schedule}",
+               "--untie-embeddings-and-output-weights"])
+    assert base["pipeline bubble"] / base["compute"] == pytest.approx(1 / 8, rel=1e-12)
+    assert t["pipeline bubble"] / t["compute"] == pytest.approx(idle / 8, rel=1e-3)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--pipeline-model-parallel-layout=E|t*3|t*2|L", "--pipeline-schedule=zbv"],
+    ["--decoder-first-pipeline-num-layers=3"],
+    ["--pipeline-model-parallel-layout=E|t*3|t*2|L"],
+    ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+     "--num-layers=6"]])
+def test_each_stage_is_charged_its_own_layers_embedding_and_loss(flags):
+    """Uneven splits and the V: the parameters the estimator counts per pipeline rank are
+    those of the chunks the run builds."""
+    from megazero.planner.layer_params import stage_numel
+    from megazero.planner.shapes import meta_chunks, shape_topology
+
+    base = [*BASE, "--num-layers=5", "--untie-embeddings-and-output-weights"]
+    cfg = _config(base, ["--pipeline-model-parallel-size=2", *flags], 2)
+    counts = []
+    for r in range(2):
+        chunks = meta_chunks(cfg, shape_topology(cfg.layout(), r))
+        counts.append(sum(p.numel() for c in chunks for p in c.parameters()))
+        assert stage_numel(cfg, r) == counts[-1]
+    assert counts[0] != counts[1]

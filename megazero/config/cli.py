@@ -26,6 +26,7 @@ from megazero.config.script_flags import (
     SCRIPT_FLAG_GROUPS,
     SCRIPT_FLAGS,
     normalization_name,
+    pipeline_schedule_name,
     split_proportions,
 )
 from megazero.config.sections import TOKENIZER_TYPES
@@ -90,6 +91,30 @@ FLAGS: tuple[Flag, ...] = (
        "parallel.num_layers_per_virtual_pipeline_stage", **_I),
     _f("--microbatch-group-size-per-virtual-pipeline-stage",
        "parallel.microbatch_group_size_per_vp_stage", **_I),
+    _f("--pipeline-schedule", "parallel.pipeline_schedule", type=pipeline_schedule_name,
+       help="the pipeline schedule: 1f1b, interleaved (with virtual stages), zb-h1 (1F1B with "
+            "the weight gradients filling the bubble: a third of 1F1B's at its memory), zbv "
+            "(two chunks per rank in a V, near-zero bubble at 1F1B's memory), dualpipev "
+            "(DeepSeek's V, F of one micro-batch with B of another; needs 2 x pp "
+            "micro-batches); torchtitan's 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV "
+            "accepted. Default: 1f1b, or interleaved with "
+            "--num-layers-per-virtual-pipeline-stage"),
+    _f("--delay-wgrad-compute", "parallel.delay_wgrad_compute", **_ON,
+       help="1F1B with each backward's weight gradients computed after its exchange"),
+    _f("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers",
+       **_I, help="transformer layers of the first (virtual) pipeline stage; the others split "
+                  "the rest evenly"),
+    _f("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers",
+       **_I, help="transformer layers of the last (virtual) pipeline stage"),
+    _f("--account-for-embedding-in-pipeline-split",
+       "parallel.account_for_embedding_in_pipeline_split", **_ON,
+       help="count the embedding as one layer of the first stage when splitting"),
+    _f("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",
+       **_ON, help="count the output layer and loss as one layer of the last stage"),
+    _f("--pipeline-model-parallel-layout", "parallel.pipeline_model_parallel_layout",
+       help="every virtual stage's layers, Megatron's string: stages separated by |, E the "
+            "embedding, t a transformer layer, L the loss, e.g. 'Et*3|t*4|t*3L' or "
+            "'E|(t*2|)*4L'"),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
     _f("--context-parallel-size", "parallel.context_parallel_size", **_I,
        help="ranks that split each sequence (CP); weights are replicated over them"),
@@ -260,6 +285,17 @@ FLAGS: tuple[Flag, ...] = (
     _f("--hysteresis", "precision.hysteresis", **_I),
     _f("--accumulate-allreduce-grads-in-fp32", "precision.grad_accum_dtype", lambda v: "fp32",
        **_ON),
+    # FP8 (megazero.fp8)
+    _f("--fp8-format", "precision.fp8_format"),
+    _f("--fp8-recipe", "precision.fp8_recipe"),
+    _f("--fp8-amax-history-len", "precision.fp8_amax_history_len", **_I),
+    _f("--fp8-amax-compute-algo", "precision.fp8_amax_compute_algo"),
+    _f("--fp8-margin", "precision.fp8_margin", **_I),
+    _f("--first-last-layers-bf16", "precision.first_last_layers_bf16", **_ON),
+    _f("--num-layers-at-start-in-bf16", "precision.num_layers_at_start_in_bf16", **_I),
+    _f("--num-layers-at-end-in-bf16", "precision.num_layers_at_end_in_bf16", **_I),
+    _f("--fp8-param-gather", "precision.fp8_param_gather", **_ON),
+    _f("--log-fp8-amax", "logging.log_fp8_amax", tuple, nargs="+"),
     # ZeRO and the DeepSpeed config
     _f("--zero-stage", "zero.stage", type=int,
        help="ZeRO stage; the same as zero_optimization.stage in the JSON"),

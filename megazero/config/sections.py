@@ -73,6 +73,16 @@ class ParallelConfig:
     # Interleaved schedule: micro-batches pass each model chunk in groups of this many
     # (Megatron's --microbatch-group-size-per-virtual-pipeline-stage); None means pp.
     microbatch_group_size_per_vp_stage: int | None = None
+    # --pipeline-schedule (None: 1f1b, or interleaved with virtual stages) and Megatron's
+    # --delay-wgrad-compute (1F1B with each backward's weight gradients after its exchange)
+    pipeline_schedule: Literal["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"] | None = None
+    delay_wgrad_compute: bool = False
+    # Uneven layer splits (Megatron's flags): see megazero.config.rules.stage_layer_counts
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    pipeline_model_parallel_layout: str | None = None
     sequence_parallel: bool = False
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
@@ -124,6 +134,15 @@ class ParallelConfig:
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
+
+    @property
+    def uneven_split(self) -> bool:
+        """Any of Megatron's uneven pipeline-split flags is given."""
+        return (self.decoder_first_pipeline_num_layers is not None
+                or self.decoder_last_pipeline_num_layers is not None
+                or self.account_for_embedding_in_pipeline_split
+                or self.account_for_loss_in_pipeline_split
+                or self.pipeline_model_parallel_layout is not None)
 
     @property
     def sequence_parallel_active(self) -> bool:
@@ -224,6 +243,9 @@ class LoggingConfig:
     log_memory_phases: bool = False  # memory after forward / backward / step, per logged iteration
     # --log-straggler: each rank's busy time per log interval (megazero.observability.stragglers)
     log_straggler: bool = False
+    # --log-fp8-amax: FP8 operands whose amax the log line and TensorBoard carry, as fnmatch
+    # patterns over "<module>.<x|w|dy>" (decoder.layers.1.mlp.linear_fc1.x)
+    log_fp8_amax: tuple[str, ...] = ()
     straggler_minmax_count: int = 1  # slowest and fastest ranks listed
     straggler_factor: float = 3.0  # busy time over this many times the median is slow
     straggler_patience: int = 3  # log intervals in a row before a rank is named in a warning

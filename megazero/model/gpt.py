@@ -57,8 +57,9 @@ def validate(config: ModelConfig, tp: int, sequence_parallel: bool,
     :class:`ModelConfig` invariant); every message names the numbers."""
     check_tensor_parallel_split(config, tp, sequence_parallel)
     start, end = layer_range
-    if not 0 <= start < end <= config.num_layers:
-        raise ConfigError(f"layer_range {layer_range} is not a non-empty range within "
+    # empty: a pipeline stage holding only the embedding or the loss (an uneven split)
+    if not 0 <= start <= end <= config.num_layers:
+        raise ConfigError(f"layer_range {layer_range} is not a range within "
                           f"[0, --num-layers {config.num_layers})")
 
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from megazero.config import MegazeroConfig
 from megazero.config.rules import sequence_parallel_active
 from megazero.observability.flops import model_flops_per_iteration
+from megazero.pipeline.zero_bubble import ZERO_BUBBLE, bubble_units
 from megazero.planner.activations import recomputed_share
 from megazero.planner.cluster import Cluster
 from megazero.planner.features import Features, features_from_config
@@ -192,7 +193,12 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         exposed_per_mb += sum(traffic.values())
     if pp > 1:  # the slowest stage sets the pace; (p-1)/(v m) of its time is idle, and the
         # ranks that work meanwhile run ``solo_speedup`` times faster
-        out.terms["pipeline bubble"] = ((per_mb + exposed_per_mb) * (pp - 1) / vpp
+        idle = (pp - 1) / vpp  # 1F1B, interleaved: in micro-batches of the slowest stage
+        if p.pipeline_schedule in ZERO_BUBBLE or p.delay_wgrad_compute:
+            # the schedule megazero runs, simulated with F = B = W (a backward split evenly
+            # into its input and weight gradients)
+            idle = bubble_units(p.pipeline_schedule or "1f1b", pp, mb, p.delay_wgrad_compute)
+        out.terms["pipeline bubble"] = ((per_mb + exposed_per_mb) * idle
                                         / cluster.solo_speedup)
         cross = tp * dp >= node and layout.world_size > node
         act = e * s * b * h / (tp if sequence_parallel_active(p.sequence_parallel, tp) else 1)

@@ -40,6 +40,7 @@ from megazero.tensor_parallel.utils import (
     gather_from_tensor_parallel_output,
     shard_tensor,
 )
+from megazero.tensor_parallel.weight_grad import run_or_defer
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -91,6 +92,27 @@ def _init_shard(param: nn.Parameter, full_shape: tuple[int, ...], init: InitMeth
         param.copy_(shard)
 
 
+class Gemm:
+    """The three GEMMs of a linear: ``fprop(x, w, bias)`` (``x @ w^T + bias``), ``dgrad(dy,
+    w)`` (``dy @ w``) and ``wgrad(dy2, x2)`` (``dy2^T @ x2``, both 2-D). The linears call
+    them through their ``gemm`` attribute, so a precision transform (:mod:`megazero.fp8`)
+    swaps one object per module and the communication around the GEMMs stays here. This
+    default is the plain matmul in the operands' dtype."""
+
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        return F.linear(x, w, bias)
+
+    def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return dy.matmul(w.to(dy.dtype))
+
+    def wgrad(self, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return dy2.t().matmul(x2.to(dy2.dtype))
+
+
+DEFAULT_GEMM = Gemm()
+
+
 class LinearWithTensorParallelInput(torch.autograd.Function):
     """``y = x_full @ W^T + b`` for a column-parallel weight.
 
@@ -105,13 +127,13 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+    def forward(ctx, x, weight, bias, group, sequence_parallel, gemm):
+        ctx.group, ctx.sequence_parallel, ctx.gemm = group, sequence_parallel, gemm
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(x, weight)
         total = all_gather_dim0(x, group) if sequence_parallel else x
-        return F.linear(total, weight, bias)
+        return gemm.fprop(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -121,18 +143,22 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
         # Casts keep backward valid when forward ran under autocast (saved x / weight in
         # their storage dtype, grad in the autocast dtype); they are no-ops otherwise.
         if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight.to(grad.dtype))
+            grad_x = ctx.gemm.dgrad(grad, weight)
             grad_x = reduce_scatter_dim0(grad_x, group) if ctx.sequence_parallel \
                 else all_reduce(grad_x, group)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            total = all_gather_dim0(x, group) if ctx.sequence_parallel else x
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]).to(grad.dtype))
-            grad_w = grad_w.to(weight.dtype)
+            sp, wdtype, gemm = ctx.sequence_parallel, weight.dtype, ctx.gemm
+
+            def weight_grad() -> torch.Tensor:
+                total = all_gather_dim0(x, group) if sp else x
+                g2 = grad.reshape(-1, grad.shape[-1])
+                return gemm.wgrad(g2, total.reshape(-1, total.shape[-1])).to(wdtype)
+
+            grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class LinearSavingWeight(torch.autograd.Function):
@@ -145,25 +171,32 @@ class LinearSavingWeight(torch.autograd.Function):
     ``LinearFunctionForZeroStage3``)."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, gemm):
         ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
+        ctx.gemm = gemm
+        return gemm.fprop(x, weight, None)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight.to(grad.dtype)).to(x.dtype)
+            grad_x = ctx.gemm.dgrad(grad, weight).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
-        return grad_x, grad_w
+            wdtype, gemm = weight.dtype, ctx.gemm
+
+            def weight_grad() -> torch.Tensor:
+                g2 = grad.reshape(-1, grad.shape[-1])
+                return gemm.wgrad(g2, x.reshape(-1, x.shape[-1])).to(wdtype)
+
+            grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
+        return grad_x, grad_w, None
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group: Group, sequence_parallel: bool = False) -> torch.Tensor:
-    return LinearWithTensorParallelInput.apply(x, weight, bias, group, sequence_parallel)
+                           group: Group, sequence_parallel: bool = False,
+                           gemm: Gemm = DEFAULT_GEMM) -> torch.Tensor:
+    return LinearWithTensorParallelInput.apply(x, weight, bias, group, sequence_parallel, gemm)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -185,6 +218,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = parallel.sequence_parallel
         self.input_size, self.output_size = input_size, output_size
+        self.gemm: Gemm = DEFAULT_GEMM
         local = divide(output_size, parallel.tp_size)
         self.weight = nn.Parameter(torch.empty(local, input_size, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, 0, partition_stride)
@@ -201,7 +235,8 @@ class ColumnParallelLinear(nn.Module):
         holds the gathered bias (a caller adding ``self.bias`` afterwards would find it
         released)."""
         bias = None if epilogue is not None else self.bias
-        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel)
+        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel,
+                                   self.gemm)
         if epilogue is not None:
             if self.gather_output:
                 raise ValueError("an epilogue needs gather_output=False (it acts on this "
@@ -232,6 +267,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
         self.input_size, self.output_size = input_size, output_size
+        self.gemm: Gemm = DEFAULT_GEMM
         local = divide(input_size, parallel.tp_size)
         self.weight = nn.Parameter(torch.empty(output_size, local, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, 1)
@@ -249,7 +285,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y = LinearSavingWeight.apply(x, self.weight)
+        y = LinearSavingWeight.apply(x, self.weight, self.gemm)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

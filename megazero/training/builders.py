@@ -286,7 +286,9 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     ``device`` and initialised there, one at a time (``GPTModel.materialize``): the host never
     holds the rank's shard. At stage 3 the parameters stay on the meta device for the engine,
     which materialises only this rank's partition of each unit."""
+    from megazero.config.schema import layer_counts
     from megazero.pipeline.partition import build_model_chunks
+    from megazero.pipeline.zero_bubble import placement_of
     from megazero.tensor_parallel.context import ParallelContext
 
     parallel = ParallelContext.from_topology(topo,
@@ -295,7 +297,9 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     with torch.device("meta"):
         chunks = build_model_chunks(
             cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
-            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed)
+            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed,
+            placement=placement_of(cfg.parallel.pipeline_schedule),
+            layer_counts=layer_counts(cfg))
     if cfg.zero.stage == 3:
         for c in chunks:
             c.materialize_buffers(device)
@@ -318,6 +322,36 @@ def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
                                   sequence_parallel=cfg.parallel.sequence_parallel_active,
                                   param_init=param_init)
     return chunks, engine
+
+
+def build_fp8(cfg: MegazeroConfig, topo: ParallelTopology, chunks: list[torch.nn.Module],
+              device: torch.device) -> Any:
+    """``--fp8-format``: FP8 GEMMs in the chunks' transformer layers (a
+    :class:`megazero.fp8.apply.FP8Layers`), or None without it. A delayed-scaling step's
+    amaxes are reduced over the stage's tp, cp and dp ranks (every rank holding its layers)."""
+    pr = cfg.precision
+    if pr.fp8_format is None:
+        return None
+    from megazero.fp8 import FP8Recipe
+    from megazero.fp8.apply import apply_fp8, bf16_layer_indices
+
+    recipe = FP8Recipe(pr.fp8_format, pr.fp8_recipe, pr.fp8_amax_history_len,
+                       pr.fp8_amax_compute_algo, pr.fp8_margin,
+                       pow2_weight_scales=pr.fp8_param_gather)
+    bf16 = bf16_layer_indices(cfg.model.num_layers, pr.first_last_layers_bf16,
+                              pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16)
+    return apply_fp8(chunks, recipe, bf16_layers=bf16, cp_group=topo.cp_group,
+                     step_groups=(topo.tp_group, topo.cp_group, topo.dp_group), device=device)
+
+
+def gather_fp8_params(fp8: Any, engine: Any) -> int:
+    """``--fp8-param-gather``: the ZeRO-3 units holding one FP8 GEMM weight are gathered as
+    e4m3 bytes (:mod:`megazero.fp8.param_gather`); returns how many units are."""
+    from megazero.fp8.param_gather import FP8ParamCodec
+
+    codecs = {id(w): FP8ParamCodec(groups) for w, groups in fp8.weights}
+    return sum(store.gather_with(codecs) for store in engine.stores
+               if hasattr(store, "gather_with"))
 
 
 class ChunkTrackers:

@@ -72,6 +72,7 @@ class Run:
     comms_logger: CommsLogger | None = None  # DeepSpeed's "comms_logger", while installed
     saver: AsyncSaver | None = None  # --async-save: the saves written in the background
     stragglers: StragglerWatch | None = None  # --log-straggler, while installed
+    fp8: Any = None  # --fp8-format: the megazero.fp8.apply.FP8Layers of this rank's chunks
 
     def close(self) -> None:
         """Put torch.distributed's collectives back, close the log sinks, and give the

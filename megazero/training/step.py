@@ -94,8 +94,27 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
         sequence_parallel=run.sp, dtype=run.cfg.precision.params_dtype, loss_fn=loss_fn,
         get_batch=_timed_get_batch(run),
         grad_sync=None if forward_only else run.engine, activation_meter=activation_meter,
-        microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage)
+        microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage,
+        schedule=run.cfg.parallel.pipeline_schedule,
+        delay_wgrad=run.cfg.parallel.delay_wgrad_compute)
     return [x / scale for x in losses]
+
+
+def fp8_metrics(run: Run) -> dict[str, float] | None:
+    """``--log-fp8-amax``: the chosen FP8 operands' amaxes, from every pipeline stage
+    (collective over the world when more than one rank: every rank calls it)."""
+    patterns = run.cfg.logging.log_fp8_amax
+    if run.fp8 is None or not patterns:
+        return None
+    mine = run.fp8.amaxes(patterns)
+    if run.topo.world_size > 1:
+        import torch.distributed as dist
+
+        parts: list[dict[str, float] | None] = [None] * run.topo.world_size
+        dist.all_gather_object(parts, mine)
+        for part in parts:
+            mine.update(part or {})
+    return {f"fp8-amax/{k}": v for k, v in sorted(mine.items())}
 
 
 def moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
@@ -193,6 +212,9 @@ def train_step(run: Run, data_iter: Iterator[dict[str, Any]],
                                  divide_grads_by=1 if per_token else None)
     if mem is not None:
         run.monitor.record_memory(mem.after_step())
+    if run.fp8 is not None:  # delayed scaling: this step's amaxes join the history
+        for line in run.fp8.finish_step():
+            run.monitor.info(f"warning: iteration {it}: {line}")
     with t.region("scheduler"):
         if result.updated:  # the tokens consumed once this iteration's batch is counted
             consumed = run.state.consumed_samples + run.batching.global_batch_at(
@@ -220,7 +242,7 @@ def _token_sums(sums: list[tuple[float, float]], topo: ParallelTopology
     """``--calculate-per-token-loss``: this rank's (loss sum, token count) of the global batch.
     The last pipeline stage's TP rank 0 of each replica holds them (every CP rank its share of
     the tokens); summed over every rank they are the global batch's."""
-    owner = topo.tp_rank == 0 and topo.is_last_stage
+    owner = topo.tp_rank == 0 and bool(sums)  # the rank holding the loss (rank 0 in a V)
     return (sum(a for a, _ in sums), sum(b for _, b in sums)) if owner else (0.0, 0.0)
 
 
