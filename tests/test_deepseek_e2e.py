@@ -74,3 +74,15 @@ def test_mtp_loss_reaches_the_gradients():
         assert len(model.mtp.tracked) == 1 and float(model.mtp.tracked[0][0]) > 0
     assert values[0] == values[1]
     assert not torch.allclose(grads[0], grads[1])
+
+
+def test_deepseek_shape_under_the_v_schedule_keeps_mtp_on_rank_0(tmp_path):
+    """Under ZBV the output layer, the loss and the MTP depth live on rank 0's second chunk
+    (virtual stage 2p-1): the same ``lm loss``, ``mtp_1 loss`` and grad norms as one
+    process."""
+    four = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]"]
+    ref, got = tmp_path / "ref.jsonl", tmp_path / "zbv.jsonl"
+    check(run_training([*TINY, *DEEPSEEK, *four, "--log-json", str(ref)]))
+    check(run_training([*TINY, *DEEPSEEK, *four, "--pipeline-model-parallel-size", "2",
+                        "--pipeline-schedule", "zbv", "--log-json", str(got)], nproc=2))
+    _compare(read_metrics(ref), read_metrics(got), [1, 2, 3, 4], "pp2-zbv")

@@ -44,7 +44,9 @@ from megazero.model.positional import apply_rotary, yarn_mscale
 from megazero.model.qk_norm import mark_tp_partial_grad
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.layers import (
+    DEFAULT_GEMM,
     DEFERRED_INIT,
+    Gemm,
     LinearSavingWeight,
     RowParallelLinear,
     set_tensor_model_parallel_attributes,
@@ -64,11 +66,13 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_size, in_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_size, dtype=dtype)) if bias else None
+        self.gemm: Gemm = DEFAULT_GEMM
         declare_linear(self)
         mark_tp_partial_grad(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = LinearSavingWeight.apply(x, self.weight)  # type: ignore[no-untyped-call]
+        y: torch.Tensor = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+            x, self.weight, self.gemm)
         return y if self.bias is None else y + self.bias
 
 
@@ -81,10 +85,12 @@ class HeadsLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(divide(out_size, tp_size), in_size, dtype=dtype))
         set_tensor_model_parallel_attributes(self.weight, 0)
+        self.gemm: Gemm = DEFAULT_GEMM
         declare_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = LinearSavingWeight.apply(x, self.weight)  # type: ignore[no-untyped-call]
+        y: torch.Tensor = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+            x, self.weight, self.gemm)
         return y
 
 
