@@ -1,6 +1,9 @@
 from setuptools import find_packages, setup
 
 HF = ["transformers>=4.40", "safetensors", "tokenizers>=0.19", "protobuf"]
+# fp8: torchao's float8 utilities, the tests' independent reference for megazero.fp8's scales
+# and casts (megazero.fp8 itself is pure PyTorch and runs without it)
+FP8 = ["torchao>=0.10"]
 
 setup(
     name="megazero",
@@ -19,7 +22,8 @@ setup(
     # (protobuf reads SentencePiece models' settings for the tokenizer export)
     extras_require={
         "hf": HF,
-        "dev": ["pytest>=7", "ruff", "mypy", *HF],
+        "fp8": FP8,
+        "dev": ["pytest>=7", "ruff", "mypy", *HF, *FP8],
     },
     license="Apache-2.0",
 )

@@ -5,6 +5,7 @@ PyTorch (eager and ``torch.compile``) training the same model in the same run.
     python bench/gpu_step.py --preset gpt --micro-batch-size 8 --stages 0
     python bench/gpu_step.py --tiny --device cpu     # a smoke run of every path on the CPU
     python bench/gpu_step.py --preset gpt --stages 0 --unfused   # the fusions on and off
+    python bench/gpu_step.py --preset llama --stages 1 --fp8       # FP8 (tensorwise) vs bf16
 
 The models (the issue's measurement): GPT 1.3B = 24 layers, h 2048, 16 heads, seq 2048, vocab
 50304, GELU MLP 4h, learned positions, tied head; Llama 1.5B = 16 layers, h 2048, 32 heads in 8
@@ -222,6 +223,11 @@ NO_FUSIONS = ["--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dro
               "--no-rope-fusion"]
 
 
+def fp8_flags(recipe: str) -> list[str]:
+    """Megatron's FP8 flags for one recipe: e4m3 inputs and weights, e5m2 gradients."""
+    return ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
+
+
 def time_megazero(m: ModelConfig, name: str, args: argparse.Namespace, stage: int,
                   profile: bool = False, extra: list[str] | None = None) -> dict[str, Any]:
     """``profile``: also profile the last iteration (``--profile --use-pytorch-profiler``) and
@@ -244,10 +250,12 @@ def time_megazero(m: ModelConfig, name: str, args: argparse.Namespace, stage: in
     peak = [r["memory_mb"] for r in its if r.get("memory_mb") is not None]
     banner = [line for line in proc.stdout.splitlines() if line.startswith("> attention")]
     fusions = [line for line in proc.stdout.splitlines() if line.startswith("> fusions")]
+    fp8 = [line for line in proc.stdout.splitlines() if line.startswith("> fp8")]
     out: dict[str, Any] = {"seconds": [r["iteration-time"] for r in its],
                            "peak_mb": max(peak) if peak else None,
                            "attention": banner[0][2:] if banner else None,
-                           "fusions": fusions[0][2:] if fusions else None}
+                           "fusions": fusions[0][2:] if fusions else None,
+                           "fp8": fp8[0][2:] if fp8 else None}
     if profile:
         start = proc.stdout.find("profile of iterations")
         out["profile"] = proc.stdout[start:] if start >= 0 else None
@@ -296,6 +304,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--unfused", action="store_true",
                     help="also time the first megazero stage with every elementwise fusion off "
                          "(" + " ".join(NO_FUSIONS) + "): what the fusions gain")
+    ap.add_argument("--fp8", nargs="?", const="tensorwise", default=None,
+                    choices=("tensorwise", "delayed", "blockwise"),
+                    help="also time each ZeRO stage with FP8 GEMMs (--fp8-format hybrid and "
+                         "this --fp8-recipe), beside the bf16 case: FP8 vs bf16 tokens/s")
     ap.add_argument("--seq-length", type=int, default=None,
                     help="sequence length instead of the presets' 2048 (a long-context run)")
     args = ap.parse_args(argv)
@@ -329,6 +341,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             cases.append((f"megazero ZeRO-{stage}",
                           lambda m=m, stage=stage, name=name, i=i: time_megazero(
                               m, name, args, stage, profile=args.profile and i == 0)))
+            if args.fp8:
+                cases.append((f"megazero ZeRO-{stage} fp8 {args.fp8}",
+                              lambda m=m, stage=stage, name=name: time_megazero(
+                                  m, name, args, stage, extra=fp8_flags(args.fp8))))
             if args.unfused and i == 0:
                 cases.append((f"megazero ZeRO-{stage} unfused",
                               lambda m=m, stage=stage, name=name: time_megazero(
@@ -345,7 +361,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 _write(out, env, args, peak, rows)
                 continue
             row = summarise(case, name, res, flops, tokens, peak)
-            for key in ("attention", "fusions", "profile"):
+            for key in ("attention", "fusions", "fp8", "profile"):
                 if res.get(key):
                     row[key] = res[key]
             rows.append(row)

@@ -54,6 +54,9 @@ GOLDEN_FLAGS = """
 --adam-beta2 --adam-eps --clip-grad
 --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
 --accumulate-allreduce-grads-in-fp32
+--fp8-format --fp8-recipe --fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin
+--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
+--fp8-param-gather --log-fp8-amax
 --zero-stage --deepspeed_config --deepspeed-config --deepspeed --data-path --split --mock-data
 --overlap-grad-reduce --no-overlap-grad-reduce --overlap-param-gather --no-overlap-param-gather
 --ddp-bucket-size
@@ -73,7 +76,11 @@ GOLDEN_FLAGS = """
 --moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
 --moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
 --moe-shared-expert-overlap
---moe-token-dispatcher-type --moe-per-layer-logging
+--moe-token-dispatcher-type --moe-per-layer-logging --moe-router-num-groups
+--moe-router-group-topk --moe-router-dtype --multi-latent-attention --q-lora-rank --kv-lora-rank
+--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale-all-dim
+--original-max-position-embeddings --mtp-num-layers --mtp-loss-scaling-factor
+--reset-position-ids --reset-attention-mask
 --async-save --exit-on-save-failure --max-spike-steps --log-straggler --straggler-minmax-count
 --straggler-factor --straggler-patience
 --train-tokens --lr-warmup-tokens --lr-decay-tokens --tensorboard-queue-size
@@ -92,6 +99,9 @@ CHOICES = {
     "--lr-decay-style": ("constant", "linear", "cosine"),
     "--model-preset": ("gpt2", "llama"),
     "--zero-stage": (0, 1, 2, 3),
+    "--fp8-format": ("e4m3", "hybrid"),
+    "--fp8-recipe": ("tensorwise", "delayed", "blockwise", "mxfp8"),
+    "--fp8-amax-compute-algo": ("most_recent", "max"),
 }
 
 
@@ -175,8 +185,9 @@ def test_explicit_parse_holds_only_typed_flags():
     (["--lr-decay-style", "step"], "invalid choice: 'step'"),
     (["--micro"], "unknown argument '--micro'"),  # abbreviations are not accepted
     (["--model-parallel-size", "2"], "use --tensor-model-parallel-size"),
-    (["--fp8-format", "hybrid", "--fp8-param-gather"], "FP8 training is not in megazero yet, so "
-     "--fp8-format hybrid, --fp8-param-gather cannot apply; remove them"),
+    (["--fp4-format", "nvfp4"], "FP4 training is not in megazero yet, so "
+     "--fp4-format nvfp4 cannot apply; remove it"),
+    (["--fp8-format", "e5m2"], "argument --fp8-format: invalid choice: 'e5m2'"),
     (["--data-impl", "lazy"], "--data-impl lazy: megazero takes mmap or infer"),
 ])
 def test_bad_command_lines(argv, part):

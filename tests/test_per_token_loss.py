@@ -28,33 +28,35 @@ def corpus(tmp_path_factory):
     return ["--data-path", prefix, "--split", "100,0,0"]
 
 
-def _losses(rank, world, args):
+def _losses(rank, world, runs):
+    """(losses, grad norms) of 3 iterations for each command line of ``runs``, in one world."""
     from megazero.testing.training_runs import train_in_rank
 
-    _, run = train_in_rank(rank, world, args, keep_run=True)
-    return [h["loss"] for h in run.state.history], [h["grad_norm"] for h in run.state.history]
-
-
-def _run(args, world=1):
-    """(losses, grad norms) of 3 iterations."""
-    return run_distributed(_losses, world, args)[0]
+    out = []
+    for args in runs:
+        _, run = train_in_rank(rank, world, args, keep_run=True)
+        out.append(([h["loss"] for h in run.state.history],
+                    [h["grad_norm"] for h in run.state.history]))
+    return out
 
 
 def test_per_token_loss_is_the_global_token_mean_at_any_cut(corpus):
     masked = [*ARGS, *corpus, "--eod-mask-loss"]
     per_token = [*masked, "--calculate-per-token-loss"]
-    a = _run([*per_token, "--micro-batch-size", "2"])
-    b = _run([*per_token, "--micro-batch-size", "1"])
-    c = _run([*per_token, "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2",
-              "--zero-stage", "1"], world=4)  # dp 2 x pp 2: the counts cross both
-    for run in (b, c):  # losses and the grad norm of the token mean
-        assert run[0] == pytest.approx(a[0], rel=1e-5) and run[1] == pytest.approx(a[1], rel=1e-4)
-    # the mean of micro-batch means moves with the cut
-    d, e = _run([*masked, "--micro-batch-size", "2"]), _run([*masked, "--micro-batch-size", "1"])
-    assert abs(d[0][0] - e[0][0]) > 1e-4
     # without a mask every micro-batch has as many tokens: the same training as the default
     # (plain SGD without clipping: the update is the gradient itself, not a normalised one)
     plain = [*ARGS, *corpus, "--optimizer", "sgd", "--clip-grad", "0", "--lr", "0.5"]
-    f, g = _run([*plain, "--calculate-per-token-loss"]), _run(plain)
+    a, b, d, e, f, g = run_distributed(_losses, 1, [
+        [*per_token, "--micro-batch-size", "2"], [*per_token, "--micro-batch-size", "1"],
+        [*masked, "--micro-batch-size", "2"], [*masked, "--micro-batch-size", "1"],
+        [*plain, "--calculate-per-token-loss"], plain])[0]
+    # dp 2 x pp 2: the token counts cross both
+    c, = run_distributed(_losses, 4, [[*per_token, "--micro-batch-size", "1",
+                                       "--pipeline-model-parallel-size", "2",
+                                       "--zero-stage", "1"]])[0]
+    for run in (b, c):  # losses and the grad norm of the token mean
+        assert run[0] == pytest.approx(a[0], rel=1e-5) and run[1] == pytest.approx(a[1], rel=1e-4)
+    # the mean of micro-batch means moves with the cut
+    assert abs(d[0][0] - e[0][0]) > 1e-4
     assert f[0] == pytest.approx(g[0], rel=1e-5) and f[1] == pytest.approx(g[1], rel=1e-5)
     assert f[0][2] < f[0][0] - 0.01  # it trains

@@ -141,6 +141,32 @@ def test_embedding_and_loss_slots_set_the_slowest_stage(vocab):
     assert (2 * layer > layer + logits) == (vocab == V)  # both cases are exercised
 
 
+def test_the_run_flags_set_the_fp8_features_and_what_they_cost():
+    """--fp8-format / --fp8-recipe / --first-last-layers-bf16 / --fp8-param-gather are what
+    the planner prices: the run's flags reach it through features_from_config alone."""
+    cl = cluster()
+    bf16 = step_time(cfg(), cl, 1, 0).terms
+    tw = step_time(cfg("--fp8-format hybrid --fp8-recipe tensorwise"), cl, 1, 0).terms
+    fp8 = step_time(cfg(), cl, 1, 0, features=FP8).terms
+    assert tw == fp8  # the flags give what Features(fp8="tensorwise") gives
+    # delayed and blockwise cast in one pass: 4 bytes per element instead of 6
+    for recipe in ("delayed", "blockwise"):
+        t = step_time(cfg(f"--fp8-format hybrid --fp8-recipe {recipe}"), cl, 1, 0).terms
+        assert t["FP8 casts"] == pytest.approx(tw["FP8 casts"] * 4 / 6, rel=1e-12)
+        assert t["compute"] == tw["compute"]
+    # the first and last layer stay 16-bit: half the layers' linears at each rate
+    half = step_time(cfg("--fp8-format hybrid --fp8-recipe tensorwise "
+                         "--first-last-layers-bf16"), cl, 1, 0).terms
+    assert half["FP8 casts"] == pytest.approx(tw["FP8 casts"] / 2, rel=1e-12)
+    saved = TOKENS * L * 3 * LINEAR * (1 / RATE16 - 1 / RATE8)
+    assert bf16["compute"] - half["compute"] == pytest.approx(saved / 2, rel=1e-9)
+    z3 = "--zero-stage 3 --no-overlap-grad-reduce"
+    gathered = step_time(cfg(f"{z3} --fp8-format hybrid --fp8-recipe tensorwise "
+                             "--fp8-param-gather", world=4), cl, 1, 10**6).terms
+    assert gathered == step_time(cfg(z3, world=4), cl, 1, 10**6, features=Features(
+        fp8="tensorwise", fp8_param_gather=True)).terms
+
+
 def test_fp8_parameter_gathers_move_a_byte_per_parameter():
     c = cfg("--zero-stage 3 --no-overlap-grad-reduce", world=4)
     cl = cluster(comm_overlaps_compute=False)
@@ -154,8 +180,25 @@ def test_fp8_parameter_gathers_move_a_byte_per_parameter():
 def test_features_are_checked_with_the_name_and_the_fix():
     from megazero.config import ConfigError
 
-    with pytest.raises(ConfigError, match="fp8='delayed'"):
-        Features(fp8="delayed")
+    with pytest.raises(ConfigError, match="fp8='mxfp8'"):
+        Features(fp8="mxfp8")
     with pytest.raises(ConfigError, match="needs sliding_window"):
         Features(sliding_window_share=0.5)
     assert dataclasses.replace(FP8, fp8=None) == Features()
+
+
+def test_the_estimator_counts_the_fp8_cast_buffers():
+    """One GEMM's FP8 copies at a time, of the largest one: fc2's input (B S x F) and the MLP's
+    weight (F x H), each written row- and column-wise, a byte per element; at tp 2 + SP the
+    gathered input of QKV (B S x H) is the largest then."""
+    from megazero.planner.estimate import FP8_CAST_ITEM, rank_memory
+
+    plain = rank_memory(cfg(), 0, 1, device_is_cpu=True)
+    fp8 = rank_memory(cfg("--fp8-format hybrid --fp8-recipe tensorwise"), 0, 1,
+                      device_is_cpu=True)
+    assert FP8_CAST_ITEM not in plain.items
+    assert fp8.items[FP8_CAST_ITEM] == 2 * (B * S * F + F * H)
+    assert fp8.device_total - plain.device_total == pytest.approx(2 * (B * S * F + F * H))
+    tp2 = rank_memory(cfg("--fp8-format hybrid --tensor-model-parallel-size 2 "
+                          "--sequence-parallel", world=2), 0, 1, device_is_cpu=True)
+    assert tp2.items[FP8_CAST_ITEM] == 2 * (B * S * max(H, F / 2) + F * H / 2)

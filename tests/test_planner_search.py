@@ -93,8 +93,9 @@ def test_pruning_keeps_the_exhaustive_winner():
                         every.append((est.time.seconds, est.worst.device_total, layout))
     for memory_gb in (0.12, 0.06):
         res = search(SMALL, world, _cluster(memory_gb), gbs, keep=3)
-        best = min((t, layout) for t, need, layout in every if need <= memory_gb * 1e9)
-        assert res.fits[0].est.time.seconds == pytest.approx(best[0], rel=1e-12), memory_gb
+        # layouts may tie (a schedule that prices as another): compare the times
+        best = min(t for t, need, _ in every if need <= memory_gb * 1e9)
+        assert res.fits[0].est.time.seconds == pytest.approx(best, rel=1e-12), memory_gb
         assert res.checked + res.pruned < res.timed  # not every layout needed a memory pass
     # at 0.06 GB only layouts with the optimizer offloaded fit
     assert "+off" in res.fits[0].label

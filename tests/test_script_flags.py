@@ -70,28 +70,49 @@ def test_transformer_engine_is_a_note_not_an_error():
         load_config([*BASE, "--transformer-impl", "local"], 1)
 
 
-def test_fp8_flags_say_fp8_is_missing_in_one_line():
-    msg = _error(["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
-                  "--fp8-amax-compute-algo", "max", "--fp8-param-gather"])
-    assert "\n" not in msg and "unknown argument" not in msg, msg
-    assert msg.startswith("command line: FP8 training is not in megazero yet, so --fp8-format "
-                          "hybrid, --fp8-amax-history-len 1024, --fp8-amax-compute-algo max, "
-                          "--fp8-param-gather cannot apply"), msg
+def test_fp8_flags_read_as_megatron_reads_them():
+    pr = _load(["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+                "--fp8-amax-compute-algo", "max", "--fp8-margin", "1", "--bf16",
+                "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"]).precision
+    assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_amax_history_len, pr.fp8_amax_compute_algo,
+            pr.fp8_margin, pr.first_last_layers_bf16, pr.num_layers_at_start_in_bf16,
+            pr.num_layers_at_end_in_bf16) == ("hybrid", "delayed", 1024, "max", 1, True, 1, 0)
+    pr = _load(["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather",
+                "--zero-stage", "3"]).precision
+    assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_param_gather) == ("e4m3", "tensorwise", True)
+
+
+@pytest.mark.parametrize("argv, part", [
+    (["--fp8-recipe", "tensorwise"], "--fp8-recipe without --fp8-format: FP8 is off; add "
+     "--fp8-format hybrid (or e4m3), or drop them"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-margin", "1"],
+     "--fp8-margin set delayed scaling, and --fp8-recipe is blockwise"),
+    (["--fp8-format", "hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"],
+     "--num-layers-at-start-in-bf16 1 + --num-layers-at-end-in-bf16 2 exceed --num-layers 2"),
+    (["--fp8-format", "hybrid", "--fp8-param-gather"], "--fp8-param-gather with --zero-stage 0"),
+    (["--fp8-format", "hybrid", "--fp8-param-gather", "--zero-stage", "3"],
+     "--fp8-param-gather with --fp8-recipe delayed: FP8 parameter gathers take one current "
+     "scale per weight; use --fp8-recipe tensorwise"),
+    (["--fp8-format", "hybrid", "--fp8-margin", "-1"], "--fp8-margin -1: expected an integer"),
+])
+def test_bad_fp8_settings_are_one_line_naming_the_flag(argv, part):
+    msg = _error(argv)
+    assert part in msg and "\n" not in msg, msg
 
 
 def test_every_problem_in_one_message(tmp_path):
-    """Unknown flags, invalid choices, bad numbers, a FP8 flag and conflicts with the JSON: one
+    """Unknown flags, invalid choices, bad numbers, an FP4 flag and conflicts with the JSON: one
     launch names them all (a fixed one would otherwise reveal the next)."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": False,
                               "gradient_clipping": 1.0, "fp16": {"enabled": True}}))
     msg = _error(["--deepspeed_config", str(ds), "--micro-batch-size", "4", "--clip-grad", "0.5",
-                  "--lr-decay-style", "step", "--hidden-size", "big", "--fp8-format", "e4m3",
+                  "--lr-decay-style", "step", "--hidden-size", "big", "--fp4-format", "e2m1",
                   "--seq-lenght", "8", "--log-timers-to-tensorboard", "--fp16"])
     assert msg.startswith("6 problems, all listed here: (1) "), msg
     for part in ("argument --lr-decay-style: invalid choice: 'step'",
                  "argument --hidden-size: invalid int value: 'big'",
-                 "FP8 training is not in megazero yet, so --fp8-format e4m3",
+                 "FP4 training is not in megazero yet, so --fp4-format e2m1",
                  "unknown argument '--seq-lenght'; did you mean --seq-length?",
                  "--micro-batch-size 4 on the command line conflicts with "
                  "train_micro_batch_size_per_gpu: 2",

@@ -26,12 +26,12 @@ def _pp(pp, *extra):
     return ["--pipeline-model-parallel-size", str(pp), *extra]
 
 
-def _compare(got, ref, what, weights=True):
+def _compare(got, ref, what, weights=True, rtol=2e-6):
     assert len(got["losses"]) == len(ref["losses"]) == 2, what
     for a, b in zip(got["losses"], ref["losses"]):
-        assert abs(a - b) <= 2e-6 * abs(b), f"{what}: loss {a} vs {b}"
+        assert abs(a - b) <= rtol * abs(b), f"{what}: loss {a} vs {b}"
     for a, b in zip(got["norms"], ref["norms"]):
-        assert abs(a - b) <= 2e-5 * abs(b), f"{what}: grad norm {a} vs {b}"
+        assert abs(a - b) <= 10 * rtol * abs(b), f"{what}: grad norm {a} vs {b}"
     if weights:
         # a pipeline's copy of the tied embedding (the output layer's) is the embedding
         word = next((k for k in ref["weights"] if "word_embeddings" in k), None)
@@ -55,13 +55,14 @@ def _merge(ranks):
     return out
 
 
-def _family(base, layouts, nproc, ref_world=1):
+def _family(base, layouts, nproc, ref_world=1, rtol=2e-6):
     """The one-process run of ``base``, then every layout in one world of ``nproc``."""
     (ref,) = _merge(run_distributed(runs_world, ref_world, [base], timeout=300))
     got = _merge(run_distributed(runs_world, nproc, [base + a for _, a in layouts],
                                  timeout=600))
     for (what, args), g in zip(layouts, got):
-        _compare(g, ref, what, weights="--zero-stage" not in args or "3" not in args)
+        _compare(g, ref, what, rtol=rtol,
+                 weights=rtol <= 2e-6 and ("--zero-stage" not in args or "3" not in args))
     return ref, got
 
 
@@ -152,3 +153,13 @@ def test_zero_bubble_schedules_with_tied_embeddings():
         ("pp2 zb-h1 tied zero2", _pp(2, "--pipeline-schedule", "zb-h1", "--zero-stage", "2")),
     ]
     _family(tied, layouts, 2)
+
+
+def test_zero_bubble_schedules_with_fp16_loss_scaling():
+    """fp16 with dynamic loss scaling (the overflow check and unscaling after the last W):
+    ZBV and ZB-H1 at pp 2 give the one-process fp16 run's losses and grad norms to fp16
+    rounding of the summation order (1e-3)."""
+    layouts = [("pp2 zbv fp16", _pp(2, "--pipeline-schedule", "zbv")),
+               ("pp2 zb-h1 fp16 zero1", _pp(2, "--pipeline-schedule", "zb-h1",
+                                            "--zero-stage", "1"))]
+    _family([*DENSE, "--fp16"], layouts, 2, rtol=1e-3)

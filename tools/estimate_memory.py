@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = est.as_dict()
+    from dataclasses import asdict
+
+    from megazero.planner.param_counts import describe, parameter_counts
+
+    out["parameters"] = asdict(parameter_counts(cfg.model))
     if args.deepspeed_compat:
         from dataclasses import replace
 
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
           + f", vpp {cfg.vpp or 1}, ZeRO "
           f"{cfg.zero.stage}, {cfg.precision.params_dtype}".replace("torch.", ""))
     print(assumptions(cfg, note))
+    print(f"model: {describe(cfg.model)}")
     print(f"parameters on the worst rank (pp stage {w.pp_rank}): {w.numel:,}")
     print("  model states (held throughout; they add up):")
     for name, v in w.items.items():

@@ -164,14 +164,15 @@ class AsyncSaver:
               optimizer: Any, scheduler: Any, consumed_samples: int, config: Any,
               zero_stage: int = 0, rng_tracker: Any = None, run_id: str | None = None,
               writer: Writer | None = None, saved_before: int | None = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, extra_state: Any = None) -> None:
         """Begin a save of the state as it is now. Collective as far as the synchronous save is
         before its first write (the step count over dp); the caller has waited for a save in
-        flight first (:meth:`wait`)."""
+        flight first (:meth:`wait`). ``extra_state`` as :func:`save_checkpoint`'s."""
         assert self.in_flight is None, "one asynchronous save at a time: wait() first"
         t0 = time.perf_counter()
         plan = prepare_save(root, iteration, topo, models=models, optimizer=optimizer,
-                            rng_tracker=rng_tracker, bucket_bytes=bucket_bytes)
+                            rng_tracker=rng_tracker, bucket_bytes=bucket_bytes,
+                            extra_state=extra_state)
         small: list[tuple[Any, str]] = []
         try:
             mark_in_progress(plan.directory, run_id)

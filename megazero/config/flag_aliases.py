@@ -7,7 +7,7 @@ Two tables, because the two cases need different answers:
   only tune a kernel megazero does not have (fusions) map to nothing and are accepted.
 * :data:`RENAMED_FLAGS`: no flag of the same meaning; the error names what to write instead
   (``--cpu-offload`` is the JSON's ``zero_optimization.offload_optimizer``).
-* :data:`NOT_YET`: flags of a feature megazero does not have yet (FP8): one message says which
+* :data:`NOT_YET`: flags of a feature megazero does not have yet (FP4): one message says which
   feature is missing, instead of one "unknown argument" per flag.
 
 An unknown flag in neither table gets the closest spelling, but only when the two names share
@@ -81,9 +81,7 @@ EQUIVALENT_WITH_ARG: dict[str, tuple[str, ...]] = {
 
 #: flag prefix or name -> the feature megazero does not have yet.
 NOT_YET: dict[str, str] = {
-    "--fp8": "FP8 training", "--fp4": "FP4 training",
-    "--first-last-layers-bf16": "FP8 training", "--num-layers-at-start-in-bf16": "FP8 training",
-    "--num-layers-at-end-in-bf16": "FP8 training",
+    "--fp4": "FP4 training",
 }
 
 #: flag -> what to write instead (the flag itself is rejected).

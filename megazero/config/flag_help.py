@@ -43,6 +43,9 @@ GROUP_OF_FLAG = {
     "--moe-shared-expert-overlap": "mixture of experts",
     "--moe-token-dispatcher-type": "mixture of experts",
     "--moe-per-layer-logging": "mixture of experts",
+    "--moe-router-num-groups": "mixture of experts",
+    "--moe-router-group-topk": "mixture of experts",
+    "--moe-router-dtype": "mixture of experts",
     "--lr": "learning rate", "--min-lr": "learning rate", "--lr-decay-style": "learning rate",
     "--lr-warmup-iters": "learning rate", "--lr-decay-iters": "learning rate",
     "--lr-warmup-fraction": "learning rate", "--lr-warmup-samples": "learning rate",
@@ -98,6 +101,12 @@ HELP = {
         "width of a dense shared expert every token passes",
     "--moe-shared-expert-gate":
         "scale the shared expert's output by sigmoid(x g) per token",
+    "--moe-router-num-groups":
+        "split the experts into this many equal groups (nodes) for group-limited routing",
+    "--moe-router-group-topk":
+        "groups each token may route to: its top-k comes from its best groups",
+    "--moe-router-dtype":
+        "precision of the router's logits and choice (fp32, or fp64)",
     "--moe-token-dispatcher-type":
         "how tokens reach their experts' ranks: all-gather or all-to-all",
     "--moe-per-layer-logging":
@@ -219,6 +228,20 @@ HELP = {
     # mixed precision
     "--fp16": "fp16 mixed precision with dynamic loss scaling (fp32 master weights)",
     "--bf16": "bf16 mixed precision (fp32 master weights)",
+    "--fp8-format": "FP8 GEMMs in the transformer layers' linears: e4m3 everywhere, or hybrid "
+                    "(e5m2 output gradients)",
+    "--fp8-recipe": "FP8 scaling: tensorwise (current), delayed (amax history), blockwise "
+                    "(1x128 / 128x128, DeepSeek-V3), mxfp8 (Blackwell only)",
+    "--fp8-amax-history-len": "delayed scaling: steps of amax history",
+    "--fp8-amax-compute-algo": "delayed scaling: most_recent or max of the history",
+    "--fp8-margin": "delayed scaling: binades of headroom below the FP8 maximum",
+    "--first-last-layers-bf16": "keep the first and last layers' GEMMs in bf16 under FP8",
+    "--num-layers-at-start-in-bf16": "with --first-last-layers-bf16: layers at the start",
+    "--num-layers-at-end-in-bf16": "with --first-last-layers-bf16: layers at the end",
+    "--log-fp8-amax": "FP8 tensors whose amax the log line and TensorBoard carry: patterns "
+                      "over <module>.<x|w|dy>, e.g. 'decoder.layers.1.*.x'",
+    "--fp8-param-gather": "ZeRO all-gathers FP8 parameters (with their scales): half bf16's "
+                          "bytes",
     "--loss-scale": "static loss scale (0: dynamic)",
     "--initial-loss-scale": "initial dynamic loss scale, a power of two (default 65536 = 2**16)",
     "--min-loss-scale": "smallest dynamic loss scale; overflowing there stops the run",

@@ -125,8 +125,20 @@ class PrecisionConfig:
     # DeepSpeed's data_types.grad_accum_dtype; Megatron's --accumulate-allreduce-grads-in-fp32
     # sets "fp32". None: fp32 for bf16 (Megatron's default), the params' dtype otherwise.
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    # FP8 GEMMs in the transformer layers' linears (megazero.fp8), Megatron's flags; off while
+    # fp8_format is None
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    fp8_recipe: Literal["tensorwise", "delayed", "blockwise", "mxfp8"] = "delayed"
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
+    fp8_margin: int = 0
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    fp8_param_gather: bool = False
 
     def __post_init__(self) -> None:
+        self._check_fp8()
         _check(not (self.fp16 and self.bf16),
                "fp16.enabled and bf16.enabled are both true; enable at most one of them")
         _check(self.loss_scale >= 0, f"fp16.loss_scale (--loss-scale): got {self.loss_scale}, "
@@ -145,6 +157,38 @@ class PrecisionConfig:
                f"data_types.grad_accum_dtype {self.grad_accum_dtype!r} and "
                f"communication_data_type {self.communication_data_type!r} differ: megazero "
                f"accumulates and reduces gradients in one dtype; set them equal or drop one")
+
+    def _check_fp8(self) -> None:
+        _check(self.fp8_format in (None, "e4m3", "hybrid"),
+               f"--fp8-format {self.fp8_format}: expected e4m3 or hybrid (e5m2 gradients)")
+        _check(self.fp8_recipe in ("tensorwise", "delayed", "blockwise", "mxfp8"),
+               f"--fp8-recipe {self.fp8_recipe}: expected tensorwise, delayed, blockwise or mxfp8")
+        _check(self.fp8_amax_compute_algo in ("most_recent", "max"),
+               f"--fp8-amax-compute-algo {self.fp8_amax_compute_algo}: expected most_recent or "
+               "max")
+        for flag, v in (("--fp8-amax-history-len", self.fp8_amax_history_len),
+                        ("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),
+                        ("--num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16)):
+            _check(isinstance(v, int) and v >= (1 if "history" in flag else 0),
+                   f"{flag} {v}: expected an integer >= {1 if 'history' in flag else 0}")
+        _check(isinstance(self.fp8_margin, int) and self.fp8_margin >= 0,
+               f"--fp8-margin {self.fp8_margin}: expected an integer >= 0 (binades of headroom)")
+        if self.fp8_format is None:
+            given = [flag for flag, on in (
+                ("--fp8-recipe", self.fp8_recipe != "delayed"),
+                ("--fp8-amax-history-len", self.fp8_amax_history_len != 1),
+                ("--fp8-amax-compute-algo", self.fp8_amax_compute_algo != "most_recent"),
+                ("--fp8-margin", self.fp8_margin != 0),
+                ("--first-last-layers-bf16", self.first_last_layers_bf16),
+                ("--fp8-param-gather", self.fp8_param_gather)) if on]
+            _check(not given, f"{', '.join(given)} without --fp8-format: FP8 is off; add "
+                   "--fp8-format hybrid (or e4m3), or drop them")
+        elif self.fp8_recipe != "delayed":
+            _check(self.fp8_amax_history_len == 1 and self.fp8_amax_compute_algo ==
+                   "most_recent" and self.fp8_margin == 0,
+                   f"--fp8-amax-history-len, --fp8-amax-compute-algo and --fp8-margin set "
+                   f"delayed scaling, and --fp8-recipe is {self.fp8_recipe}; use --fp8-recipe "
+                   "delayed or drop them")
 
     @property
     def grad_dtype_name(self) -> str:

@@ -2,7 +2,7 @@
 
 An unknown flag names its equivalent (:mod:`megazero.config.flag_aliases`) or the closest
 spelling; a value its flag refuses is noted and the rest parsed on; the flags of a feature
-megazero does not have yet (FP8) share one message. :func:`raise_problems` turns the list into
+megazero does not have yet (FP4) share one message. :func:`raise_problems` turns the list into
 one :class:`~megazero.errors.ConfigError`, so one launch tells the user everything to fix.
 """
 
@@ -80,10 +80,10 @@ def _without(argv: list[str], names: Sequence[str]) -> list[str]:
 
 def _unknown_problems(unknown: Sequence[str]) -> list[str]:
     """One message per unknown flag; the values that follow an unknown flag belong to it. The
-    flags of a feature megazero does not have yet (FP8) share one message."""
+    flags of a feature megazero does not have yet (FP4) share one message."""
     known = [n for flag in FLAGS for n in flag.names]
     problems: list[str] = []
-    not_yet: list[str] = []  # "--fp8-format hybrid", ...
+    not_yet: list[str] = []  # "--fp4-format nvfp4", ...
     last: list[str] | None = None  # where the flag the next value belongs to went
     for token in unknown:
         if token.startswith("-") and not _is_number(token):

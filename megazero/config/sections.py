@@ -192,6 +192,10 @@ class DataConfig:
     merge_file: str | None = None
     data_cache_path: str | None = None
     eod_mask_loss: bool = False  # Megatron: no loss on the token that follows an end-of-document
+    # packed documents kept apart (megazero.model.packed): positions restart after each
+    # end-of-document token, and attention stays inside each document
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     # Megatron's --train/valid/test-data-path: each split its own corpus ("[W] PREFIX ...")
     train_data_path: tuple[str, ...] = ()
     valid_data_path: tuple[str, ...] = ()
@@ -253,6 +257,9 @@ class LoggingConfig:
     log_memory_phases: bool = False  # memory after forward / backward / step, per logged iteration
     # --log-straggler: each rank's busy time per log interval (megazero.observability.stragglers)
     log_straggler: bool = False
+    # --log-fp8-amax: FP8 operands whose amax the log line and TensorBoard carry, as fnmatch
+    # patterns over "<module>.<x|w|dy>" (decoder.layers.1.mlp.linear_fc1.x)
+    log_fp8_amax: tuple[str, ...] = ()
     straggler_minmax_count: int = 1  # slowest and fastest ranks listed
     straggler_factor: float = 3.0  # busy time over this many times the median is slow
     straggler_patience: int = 3  # log intervals in a row before a rank is named in a warning

@@ -28,7 +28,12 @@ from megazero.distributed.collectives import Group
 from megazero.errors import ConfigError
 from megazero.model.init import declare_linear, scope
 from megazero.moe.expert_tp import add_once
-from megazero.tensor_parallel.layers import LinearSavingWeight, set_tensor_model_parallel_attributes
+from megazero.tensor_parallel.layers import (
+    DEFAULT_GEMM,
+    Gemm,
+    LinearSavingWeight,
+    set_tensor_model_parallel_attributes,
+)
 from megazero.tensor_parallel.weight_grad import run_or_defer_group
 
 
@@ -176,18 +181,23 @@ class Experts(nn.Module):
         self.local_experts = nn.ModuleDict({
             str(e): scope(ExpertMLP(config, self.ffn, dtype, etp_rank, etp_size), str(e))
             for e in range(first, first + count)})
+        # fc1's and fc2's GEMMs when a precision transform (megazero.fp8) replaces them: each
+        # expert then runs through them one by one (the grouped GEMM's dense fallback)
+        self.gemms: tuple[Gemm, Gemm] | None = None
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         experts = [cast(ExpertMLP, e) for e in self.local_experts.values()]
-        if self.grouped_gemm:
+        if self.grouped_gemm and self.gemms is None:
             return self._grouped(x, counts, experts)
         outs = []
         for expert, (a, b) in zip(experts, _segments(counts), strict=True):
             fc1 = expert.linear_fc1
-            h = LinearSavingWeight.apply(x[a:b], fc1.weight)  # type: ignore[no-untyped-call]
+            gemm1, gemm2 = self.gemms or (DEFAULT_GEMM, DEFAULT_GEMM)
+            h = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+                x[a:b], fc1.weight, gemm1)
             h = activation(h if fc1.bias is None else h + fc1.bias, self.config)
             y = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
-                h, expert.linear_fc2.weight)
+                h, expert.linear_fc2.weight, gemm2)
             if expert.linear_fc2.bias is not None:
                 y = add_once(y, expert.linear_fc2.bias, self.etp_group)
             outs.append(y)

@@ -191,7 +191,8 @@ class Monitor:
                peak_flops: float | None = None,
                overlapped: dict[str, float] | None = None,
                num_zeros: float | None = None,
-               moe: dict[str, float] | None = None) -> None:
+               moe: dict[str, float] | None = None,
+               fp8: dict[str, float] | None = None) -> None:
         """Print the interval's log line and write every scalar sink; reset the interval.
 
         With ``wall_clock_breakdown`` the iterations' regions (:class:`Timers`) are printed on
@@ -216,10 +217,15 @@ class Monitor:
         line = format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
                                global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
                                tokens, tflops, mem, None, mfu, num_zeros)
-        if moe:  # MoE routers' scalars (megazero.moe.metrics)
+        mtp = {k: v for k, v in (moe or {}).items() if k.startswith("mtp_")}
+        routers = {k: v for k, v in (moe or {}).items() if k not in mtp}
+        if routers:  # MoE routers' scalars (megazero.moe.metrics)
             from megazero.moe.metrics import log_line_part
 
-            line += log_line_part(moe)
+            line += log_line_part(routers)
+        line += "".join(f" {k}: {v:.6E} |" for k, v in mtp.items())  # multi-token prediction
+        for name, value in (fp8 or {}).items():  # --log-fp8-amax
+            line += f" {name.replace('-', ' ', 1)}: {value:.4E} |"
         print(line, flush=True)
         if breakdown_ms and self.config.wall_clock_breakdown:
             print(format_breakdown(breakdown_ms, loop_ms, overlapped_ms), flush=True)
@@ -234,6 +240,7 @@ class Monitor:
         if num_zeros is not None:
             scalars["num-zeros"] = num_zeros
         scalars.update(moe or {})
+        scalars.update(fp8 or {})
         scalars.update(self.memory_phases)
         scalars.update(breakdown_scalars(breakdown_ms, loop_ms, overlapped_ms))
         self.memory_phases = {}

@@ -106,7 +106,10 @@ def _stage(cfg: MegazeroConfig, cluster: Cluster, features: Features, flash: boo
     attn_passes = (3.5 if skip else 3.0) + rerun
     rate16 = cluster.gemm_rate(sixteen)
     rate_lin = cluster.gemm_rate(sixteen, bool(features.fp8))
-    linear = tokens * work.linear * passes / tp / rate_lin
+    fp8_share = features.fp8_layer_share if features.fp8 else 0.0
+    # the layers --first-last-layers-bf16 keeps run their linears at the 16-bit rate
+    linear = tokens * work.linear * passes / tp * (
+        fp8_share / rate_lin + (1 - fp8_share) / rate16 if features.fp8 else 1 / rate_lin)
     other = tokens * (work.router * passes + work.attention * attn_passes) / tp / rate16
     out = MicrobatchCompute(layers=layers, linear_per_layer=linear)
     out.attention = layers * tokens * work.attention * attn_passes / tp / rate16
@@ -126,9 +129,10 @@ def _stage(cfg: MegazeroConfig, cluster: Cluster, features: Features, flash: boo
         if features.fp8:
             from megazero.planner.fp8_cost import dense_cast_bytes
 
-            casts = (work.moe_share * dense_cast_bytes(cfg, True)
-                     + (1 - work.moe_share) * dense_cast_bytes(cfg, False))
-            out.terms["FP8 casts"] = tokens * layers * casts / hbm
+            recipe = features.fp8
+            casts = (work.moe_share * dense_cast_bytes(cfg, True, recipe)
+                     + (1 - work.moe_share) * dense_cast_bytes(cfg, False, recipe))
+            out.terms["FP8 casts"] = tokens * layers * fp8_share * casts / hbm
         if work.moe_share:
             from megazero.planner.moe_compute import routed_row_bytes
 

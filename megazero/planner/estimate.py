@@ -37,6 +37,8 @@ ASYNC_STAGING_ITEM = "async save staging (host)"
 STATE_ITEMS = ("weights", "gradients", "fp32 masters + Adam moments", GRAD_STAGING_ITEM,
                *ONEBIT_ITEMS)
 FRAGMENTATION_ITEM = "fragmentation allowance (5%)"
+#: --fp8-format: the FP8 copies of the largest GEMM's input and weight (megazero.planner.fp8_cost)
+FP8_CAST_ITEM = "FP8 cast buffers"
 
 
 @dataclass
@@ -150,6 +152,10 @@ def rank_memory(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
     sdpa_math = not flash and uses_sdpa_math(cfg, device_is_cpu)
     out.items["activations"] = _peak_activation_bytes(cfg, pp_rank, num_microbatches, flash,
                                                       sdpa_math)
+    if cfg.precision.fp8_format is not None:  # one GEMM's FP8 operand copies, while it runs
+        from megazero.planner.fp8_cost import cast_buffer_bytes
+
+        out.items[FP8_CAST_ITEM] = cast_buffer_bytes(cfg)
     beside_loss = loss_transient_bytes(cfg, cfg.train.micro_batch_size, p.tp)
     if pp_rank == p.pp - 1 and beside_loss:
         out.items["16-bit logits beside the loss's fp32 buffer"] = beside_loss

@@ -10,8 +10,10 @@ numbers (the FP8 peak and efficiency in ``clusters/*.json``), never from a per-r
 
 When the training code gains a feature, its flag is read into these fields, in one place,
 :func:`features_from_config`, so the planner's view of a run and the run itself cannot drift.
-It reads ``--tp-comm-overlap`` and ``--moe-shared-expert-overlap``, which megazero runs; the
-other fields stay what the caller (a published run's description) sets.
+It reads the FP8 flags (``--fp8-format``, ``--fp8-recipe``, ``--fp8-param-gather``,
+``--first-last-layers-bf16``) and the overlaps megazero runs (``--tp-comm-overlap``,
+``--moe-shared-expert-overlap``); the other fields stay what the caller (a published
+run's description) sets.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from megazero.config import MegazeroConfig
 from megazero.errors import ConfigError
 
-FP8_RECIPES = ("tensorwise",)
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Features:
 
     fp8: str | None = None
     fp8_param_gather: bool = False
+    # the share of the transformer layers whose linears run FP8 (--first-last-layers-bf16
+    # keeps the rest in 16 bits)
+    fp8_layer_share: float = 1.0
     tp_comm_overlap: bool = False
     moe_ep_overlap: bool = False
     moe_shared_expert_overlap: bool = False
@@ -68,6 +73,9 @@ class Features:
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"planner feature fp8={self.fp8!r}: the step-time model prices "
                               f"the recipes {FP8_RECIPES}; use one of them or None")
+        if not 0.0 <= self.fp8_layer_share <= 1.0:
+            raise ConfigError(f"planner feature fp8_layer_share={self.fp8_layer_share}: "
+                              "expected a share between 0 and 1")
         if not 0.0 <= self.sliding_window_share <= 1.0:
             raise ConfigError(f"planner feature sliding_window_share="
                               f"{self.sliding_window_share}: expected a share between 0 and 1")
@@ -77,9 +85,18 @@ class Features:
 
 
 def features_from_config(cfg: MegazeroConfig) -> Features:
-    """The features a run's own config turns on: the TP and shared-expert overlaps."""
-    return Features(tp_comm_overlap=cfg.parallel.tp_comm_overlap,
+    """The features a run's own config turns on: FP8 GEMMs (recipe, the share of layers that
+    run them), FP8 parameter gathers, and the TP and shared-expert overlaps."""
+    overlaps = dict(tp_comm_overlap=cfg.parallel.tp_comm_overlap,
                     moe_shared_expert_overlap=cfg.model.moe.moe_shared_expert_overlap)
+    pr = cfg.precision
+    if pr.fp8_format is None or pr.fp8_recipe not in FP8_RECIPES:
+        return Features(**overlaps)
+    n = cfg.model.num_layers
+    kept = (pr.num_layers_at_start_in_bf16 + pr.num_layers_at_end_in_bf16
+            if pr.first_last_layers_bf16 else 0)
+    return Features(fp8=pr.fp8_recipe, fp8_param_gather=pr.fp8_param_gather,
+                    fp8_layer_share=(n - min(kept, n)) / n, **overlaps)
 
 
 def transformer_layers(cfg: MegazeroConfig, features: Features) -> int:

@@ -105,7 +105,7 @@ def routed_row_bytes(cfg: MegazeroConfig, features: Features, passes_fwd: float)
     if features.fp8:
         from megazero.planner.fp8_cost import cast_bytes_per_element
 
-        total += rows * (h + f + glu * f + h) * cast_bytes_per_element(e)
+        total += rows * (h + f + glu * f + h) * cast_bytes_per_element(e, features.fp8)
     return total
 
 

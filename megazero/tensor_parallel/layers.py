@@ -93,6 +93,27 @@ def _init_shard(param: nn.Parameter, full_shape: tuple[int, ...], init: InitMeth
         param.copy_(shard)
 
 
+class Gemm:
+    """The three GEMMs of a linear: ``fprop(x, w, bias)`` (``x @ w^T + bias``), ``dgrad(dy,
+    w)`` (``dy @ w``) and ``wgrad(dy2, x2)`` (``dy2^T @ x2``, both 2-D). The linears call
+    them through their ``gemm`` attribute, so a precision transform (:mod:`megazero.fp8`)
+    swaps one object per module and the communication around the GEMMs stays here. This
+    default is the plain matmul in the operands' dtype."""
+
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        return F.linear(x, w, bias)
+
+    def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return dy.matmul(w.to(dy.dtype))
+
+    def wgrad(self, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return dy2.t().matmul(x2.to(dy2.dtype))
+
+
+DEFAULT_GEMM = Gemm()
+
+
 class LinearWithTensorParallelInput(torch.autograd.Function):
     """``y = x_full @ W^T + b`` for a column-parallel weight.
 
@@ -107,13 +128,13 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+    def forward(ctx, x, weight, bias, group, sequence_parallel, gemm):
+        ctx.group, ctx.sequence_parallel, ctx.gemm = group, sequence_parallel, gemm
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(x, weight)
         total = all_gather_dim0(x, group) if sequence_parallel else x
-        return F.linear(total, weight, bias)
+        return gemm.fprop(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,22 +144,22 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
         # Casts keep backward valid when forward ran under autocast (saved x / weight in
         # their storage dtype, grad in the autocast dtype); they are no-ops otherwise.
         if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight.to(grad.dtype))
+            grad_x = ctx.gemm.dgrad(grad, weight)
             grad_x = reduce_scatter_dim0(grad_x, group) if ctx.sequence_parallel \
                 else all_reduce(grad_x, group)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            sp, wdtype = ctx.sequence_parallel, weight.dtype
+            sp, wdtype, gemm = ctx.sequence_parallel, weight.dtype, ctx.gemm
 
             def weight_grad() -> torch.Tensor:
                 total = all_gather_dim0(x, group) if sp else x
                 g2 = grad.reshape(-1, grad.shape[-1])
-                return g2.t().matmul(total.reshape(-1, total.shape[-1]).to(grad.dtype)).to(wdtype)
+                return gemm.wgrad(g2, total.reshape(-1, total.shape[-1])).to(wdtype)
 
             grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class LinearSavingWeight(torch.autograd.Function):
@@ -151,30 +172,32 @@ class LinearSavingWeight(torch.autograd.Function):
     ``LinearFunctionForZeroStage3``)."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, gemm):
         ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
+        ctx.gemm = gemm
+        return gemm.fprop(x, weight, None)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight.to(grad.dtype)).to(x.dtype)
+            grad_x = ctx.gemm.dgrad(grad, weight).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            wdtype = weight.dtype
+            wdtype, gemm = weight.dtype, ctx.gemm
 
             def weight_grad() -> torch.Tensor:
                 g2 = grad.reshape(-1, grad.shape[-1])
-                return g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(wdtype)
+                return gemm.wgrad(g2, x.reshape(-1, x.shape[-1])).to(wdtype)
 
             grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group: Group, sequence_parallel: bool = False) -> torch.Tensor:
-    return LinearWithTensorParallelInput.apply(x, weight, bias, group, sequence_parallel)
+                           group: Group, sequence_parallel: bool = False,
+                           gemm: Gemm = DEFAULT_GEMM) -> torch.Tensor:
+    return LinearWithTensorParallelInput.apply(x, weight, bias, group, sequence_parallel, gemm)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -197,6 +220,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = parallel.sequence_parallel
         self.overlap = parallel.overlap
         self.input_size, self.output_size = input_size, output_size
+        self.gemm: Gemm = DEFAULT_GEMM
         local = divide(output_size, parallel.tp_size)
         self.weight = nn.Parameter(torch.empty(local, input_size, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, 0, partition_stride)
@@ -216,7 +240,8 @@ class ColumnParallelLinear(nn.Module):
         if self.overlap is not None:
             y = all_gather_linear(x, self.weight, bias, self.group, self.overlap)
         else:
-            y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel)
+            y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel,
+                                       self.gemm)
         if epilogue is not None:
             if self.gather_output:
                 raise ValueError("an epilogue needs gather_output=False (it acts on this "
@@ -248,6 +273,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
         self.overlap = parallel.overlap
         self.input_size, self.output_size = input_size, output_size
+        self.gemm: Gemm = DEFAULT_GEMM
         local = divide(input_size, parallel.tp_size)
         self.weight = nn.Parameter(torch.empty(output_size, local, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, 1)
@@ -269,10 +295,10 @@ class RowParallelLinear(nn.Module):
             y = linear_reduce_scatter(x, self.weight, self.group, self.overlap)
         elif self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(
-                LinearSavingWeight.apply(x, self.weight), self.group)
+                LinearSavingWeight.apply(x, self.weight, self.gemm), self.group)
         else:
-            y = reduce_from_tensor_parallel_region(LinearSavingWeight.apply(x, self.weight),
-                                                   self.group)
+            y = reduce_from_tensor_parallel_region(
+                LinearSavingWeight.apply(x, self.weight, self.gemm), self.group)
         if self.epilogue is not None:
             return self.epilogue(y, self.bias)
         return y if self.bias is None else y + self.bias

@@ -93,6 +93,28 @@ def schedule_line(o: Any, train_iters: int) -> str:
     return line
 
 
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for i in layers:
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def fp8_line(fp8: Any, num_layers: int, precision: str) -> str:
+    """The banner's FP8 line: format, recipe, and which layers (global, 0-based) run FP8 GEMMs
+    (this rank's pipeline stage; the bf16 ones are what --first-last-layers-bf16 kept)."""
+    bf16 = sorted(set(range(num_layers)) - set(fp8.fp8_layers) - set(fp8.bf16_layers))
+    kept = f"; bf16 GEMMs in layers {_ranges(fp8.bf16_layers)}" if fp8.bf16_layers else ""
+    other = f" (layers {_ranges(bf16)} on other pipeline stages)" if bf16 else ""
+    return (f"> fp8: {fp8.recipe.describe()}; FP8 GEMMs in the linears of layers "
+            f"{_ranges(fp8.fp8_layers) or 'none'}{kept}{other}; embedding, output layer, "
+            f"router, norms and attention in {precision}")
+
+
 def describe_run(run: Any) -> None:
     """Print the run's start-up banner (rank 0): layout, model size, batch, attention kernel,
     MoE, offload, data, sinks. Collective: every rank counts its parameter share."""
@@ -143,6 +165,8 @@ def describe_run(run: Any) -> None:
             max(1, m.num_attention_heads // topo.tp_size), max(1, m.query_groups // topo.tp_size),
             m.head_dim, m.attention_dropout))
     lines.append("> fusions: " + describe_fusions(cfg.model, run.env.device))
+    if run.fp8 is not None:
+        lines.append(fp8_line(run.fp8, cfg.model.num_layers, precision))
     if moe.enabled:
         lines.append(f"> moe: {moe.num_experts} experts, top-{moe.moe_router_topk} "
                      f"({moe.moe_router_load_balancing_type}), expert parallel "

@@ -231,7 +231,8 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
 
 
 def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | None = None,
-              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1)
+              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1),
+              mtp_layers: int = 0, documents: tuple[int | None, bool, bool] = (None, False, False)
               ) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
     ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
@@ -243,7 +244,11 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     non-blocking copy, so the transfer overlaps the work already queued on the GPU.
 
     ``cp``: ``(cp_rank, cp_size)``; with context parallelism the rank keeps its share of the
-    sequence (:func:`megazero.context_parallel.batch.split_batch`).
+    sequence (:func:`megazero.context_parallel.batch.split_batch`). ``mtp_layers``: also the
+    multi-token-prediction depths' masks, ``mtp_loss_mask [b, s, N]``
+    (:func:`megazero.model.mtp.mtp_loss_masks`), built before the split. ``documents``:
+    ``(end-of-document id, --reset-position-ids, --reset-attention-mask)``: also
+    ``doc_position_ids`` / ``document_ids`` (:mod:`megazero.model.packed`), before the split.
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
@@ -251,6 +256,20 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eod_mask is not None:
         batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    eod, reset_positions, reset_mask = documents
+    if eod is not None and (reset_positions or reset_mask):
+        from megazero.model.packed import document_ids, document_positions
+
+        docs = document_ids(batch["tokens"], eod)
+        if reset_positions:
+            batch["doc_position_ids"] = document_positions(docs)
+        if reset_mask:
+            batch["document_ids"] = docs
+    if mtp_layers:
+        from megazero.model.mtp import mtp_loss_masks
+
+        batch["mtp_loss_mask"] = mtp_loss_masks(batch.get("loss_mask"), batch["tokens"],
+                                                mtp_layers)
     if cp[1] > 1:
         from megazero.context_parallel.batch import split_batch
 
@@ -305,6 +324,36 @@ def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
                                   sequence_parallel=cfg.parallel.sequence_parallel_active,
                                   param_init=param_init)
     return chunks, engine
+
+
+def build_fp8(cfg: MegazeroConfig, topo: ParallelTopology, chunks: list[torch.nn.Module],
+              device: torch.device) -> Any:
+    """``--fp8-format``: FP8 GEMMs in the chunks' transformer layers (a
+    :class:`megazero.fp8.apply.FP8Layers`), or None without it. A delayed-scaling step's
+    amaxes are reduced over the stage's tp, cp and dp ranks (every rank holding its layers)."""
+    pr = cfg.precision
+    if pr.fp8_format is None:
+        return None
+    from megazero.fp8 import FP8Recipe
+    from megazero.fp8.apply import apply_fp8, bf16_layer_indices
+
+    recipe = FP8Recipe(pr.fp8_format, pr.fp8_recipe, pr.fp8_amax_history_len,
+                       pr.fp8_amax_compute_algo, pr.fp8_margin,
+                       pow2_weight_scales=pr.fp8_param_gather)
+    bf16 = bf16_layer_indices(cfg.model.num_layers, pr.first_last_layers_bf16,
+                              pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16)
+    return apply_fp8(chunks, recipe, bf16_layers=bf16, cp_group=topo.cp_group,
+                     step_groups=(topo.tp_group, topo.cp_group, topo.dp_group), device=device)
+
+
+def gather_fp8_params(fp8: Any, engine: Any) -> int:
+    """``--fp8-param-gather``: the ZeRO-3 units holding one FP8 GEMM weight are gathered as
+    e4m3 bytes (:mod:`megazero.fp8.param_gather`); returns how many units are."""
+    from megazero.fp8.param_gather import FP8ParamCodec
+
+    codecs = {id(w): FP8ParamCodec(groups) for w, groups in fp8.weights}
+    return sum(store.gather_with(codecs) for store in engine.stores
+               if hasattr(store, "gather_with"))
 
 
 class ChunkTrackers:

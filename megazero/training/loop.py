@@ -35,7 +35,7 @@ from megazero.training.divergence import (
 from megazero.training.exit_conditions import ExitFlags, exit_decision, exit_votes
 from megazero.training.run import Run, TrainState
 from megazero.training.save_policy import discard_save, save_if_sound, settle
-from megazero.training.step import evaluate, moe_metrics, train_step
+from megazero.training.step import evaluate, fp8_metrics, moe_metrics, train_step
 
 
 def train(run: Run) -> TrainState:
@@ -107,6 +107,7 @@ def train(run: Run) -> TrainState:
                     # 1-bit optimizers: the bytes the step's compressed exchange sent
                     run.monitor.memory_phases.update(exchange_scalars(run.engine))
                     moe = moe_metrics(run, log_interval)
+                    fp8 = fp8_metrics(run)
                     if cfg.logging.log_optimizer_states_to_tensorboard:  # collective
                         run.monitor.memory_phases.update(optimizer_state_stats(run.engine,
                                                                                run.topo))
@@ -116,7 +117,7 @@ def train(run: Run) -> TrainState:
                                        gpt_flops_per_iteration(cfg.model, gbs, vocab),
                                        run.topo.world_size, peak,
                                        overlapped=t.pop_overlapped(),
-                                       num_zeros=result.num_zeros, moe=moe)
+                                       num_zeros=result.num_zeros, moe=moe, fp8=fp8)
                     if run.stragglers is not None:
                         run.stragglers.report()
             spiked = st.spikes.observe(st.iteration, loss, result.grad_norm)

@@ -67,10 +67,12 @@ class Run:
     watchdog: Watchdog | None = None
     checkpoint_writer: Any = None  # a megazero.checkpoint.files.Writer; None = the default
     owner: RunOwner | None = None  # rank 0: the run holding the --save directory's lock
+    eod_id: int | None = None  # the end-of-document id (packed documents kept apart)
     eod_mask: int | None = None  # --eod-mask-loss: the end-of-document id whose next is masked
     comms_logger: CommsLogger | None = None  # DeepSpeed's "comms_logger", while installed
     saver: AsyncSaver | None = None  # --async-save: the saves written in the background
     stragglers: StragglerWatch | None = None  # --log-straggler, while installed
+    fp8: Any = None  # --fp8-format: the megazero.fp8.apply.FP8Layers of this rank's chunks
 
     def close(self) -> None:
         """Put torch.distributed's collectives back, close the log sinks, and give the

@@ -9,6 +9,7 @@ The checkpoint format itself (what a save writes, how a load reads it at any lay
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.checkpoint.async_save import Outcome
@@ -23,6 +24,31 @@ from megazero.training.divergence import (
     spike_kept_from_save,
 )
 from megazero.training.run import Run
+
+FP8_HISTORY_KEY = "fp8_amax_history"
+
+
+def fp8_extra_state(run: Run) -> dict[str, Any] | None:
+    """Collective: delayed scaling's amax histories, by global tensor name (layout-free), as
+    the checkpoint's extra state; None when the run keeps none."""
+    if run.fp8 is None or run.fp8.recipe.recipe != "delayed":
+        return None
+    return {FP8_HISTORY_KEY: run.fp8.gather_state_dict()}
+
+
+def load_fp8_state(run: Run, extra: Any) -> None:
+    """Continue the saved amax histories (at any layout: they are keyed by tensor name)."""
+    if run.fp8 is None or run.fp8.recipe.recipe != "delayed":
+        return
+    saved = extra.get(FP8_HISTORY_KEY) if isinstance(extra, dict) else None
+    if saved is None:
+        run.monitor.info("note: the checkpoint holds no FP8 amax history; delayed scaling "
+                         "starts from an empty one")
+        return
+    missing = run.fp8.load_state_dict(saved)
+    if missing:
+        run.monitor.info(f"note: no saved FP8 amax history for {len(missing)} tensors (e.g. "
+                         f"{missing[0]}); they start from an empty one")
 
 
 def save(run: Run, final: bool = False, saved_before: int | None = None) -> None:
@@ -40,13 +66,14 @@ def save(run: Run, final: bool = False, saved_before: int | None = None) -> None
     save_allowed(ck.save, run.owner, run.topo, run.env.device)  # still this run's directory
     run_id = run.owner.run_id if run.owner is not None else None
     bucket = bucket_for(checkpoint_bytes(run.engine))
+    extra = fp8_extra_state(run)
     if run.saver is not None and not final:
         run.saver.start(ck.save, it, run.topo, models=run.chunks, optimizer=run.engine,
                         scheduler=run.scheduler, consumed_samples=run.state.consumed_samples,
                         config=run.cfg, zero_stage=run.cfg.zero.stage,
                         rng_tracker=ChunkTrackers(run.chunks), run_id=run_id,
                         writer=run.checkpoint_writer, saved_before=saved_before,
-                        bucket_bytes=bucket)
+                        bucket_bytes=bucket, extra_state=extra)
         return
     # A write that fails (a full disk, a directory gone or made read-only) is a CheckpointError
     # on every rank; a collective that fails (a peer died mid-save) stays the backend's error.
@@ -54,7 +81,8 @@ def save(run: Run, final: bool = False, saved_before: int | None = None) -> None
                     optimizer=run.engine, scheduler=run.scheduler,
                     consumed_samples=run.state.consumed_samples, config=run.cfg,
                     zero_stage=run.cfg.zero.stage, rng_tracker=ChunkTrackers(run.chunks),
-                    writer=run.checkpoint_writer, run_id=run_id, bucket_bytes=bucket)
+                    writer=run.checkpoint_writer, run_id=run_id, bucket_bytes=bucket,
+                    extra_state=extra)
     run.monitor.info(f"saved checkpoint at iteration {run.state.iteration:7d} to {ck.save} "
                      f"({time.perf_counter() - t0:.2f}s)")
 
@@ -71,6 +99,8 @@ def load(run: Run) -> None:
         run.monitor.info(f"no checkpoint found in {ck.load}; starting from scratch")
         return
     run.state.iteration, run.state.consumed_samples = res.iteration, res.consumed_samples
+    if not ck.finetune:
+        load_fp8_state(run, res.extra_state)
     if ck.no_load_optim and not ck.finetune:
         run.scheduler.load_state_dict({"num_steps": res.iteration})
     for note in res.notes:

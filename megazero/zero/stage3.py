@@ -48,7 +48,7 @@ allocates a fresh buffer: a reused one would be overwritten under tensors autogr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -68,6 +68,17 @@ from megazero.zero.units import Unit, leave_meta, unit_param_groups, unit_values
 if TYPE_CHECKING:
     from megazero.distributed.group_comm import GroupComm
     from megazero.zero.optimizer import Comms
+
+
+class ParamCodec(Protocol):
+    """Gathers a unit's parameter in another encoding (``--fp8-param-gather``:
+    :class:`megazero.fp8.param_gather.FP8ParamCodec`): ``encode`` turns this rank's shard into
+    the bytes to gather (collective over ``zero_group`` and whatever else the scale needs),
+    ``decode`` the gathered bytes into the parameter's dtype."""
+
+    def encode(self, shard: torch.Tensor, zero_group: Any) -> torch.Tensor: ...
+
+    def decode(self, gathered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
 
 class Stage3Params(Stage3Grads):
@@ -122,6 +133,7 @@ class Stage3Params(Stage3Grads):
         self._ran: list[nn.Module] = []
         self.recording = True
         self.live = 0
+        self.codecs: dict[int, ParamCodec] = {}  # unit index -> how it is gathered
         for module in chunk.modules():
             if module is not chunk:
                 module.register_forward_pre_hook(self._pre_forward)
@@ -194,6 +206,15 @@ class Stage3Params(Stage3Grads):
             self.swap.give_back(buf)
         else:
             src = to_device(u.shard, self.device, non_blocking=True)
+        codec = self.codecs.get(u.index)
+        if codec is not None:  # encoded, gathered and decoded at once (not overlapped)
+            payload = codec.encode(src, u.comm.group)
+            gathered = torch.empty(u.padded, dtype=payload.dtype, device=self.device)
+            u.comm.all_gather(gathered, payload)
+            u.full = codec.decode(gathered, self.dtype)
+            self.live += u.padded
+            u.attach()
+            return
         u.full = torch.empty(u.padded, dtype=self.dtype, device=self.device)
         u.gather_handle = u.comm.all_gather(u.full, src, async_op=async_op)
         self.live += u.padded
@@ -375,6 +396,14 @@ class Stage3Params(Stage3Grads):
 
     def param_shapes(self) -> dict[int, torch.Size]:
         return {id(p): shape for u in self.units for p, shape in zip(u.params, u.shapes)}
+
+    def gather_with(self, codecs: dict[int, ParamCodec]) -> int:
+        """Gather the units that hold exactly one of these parameters (``id(param)`` ->
+        codec), and are not persistent, through its codec; returns how many units do."""
+        for u in self.units:
+            if len(u.params) == 1 and id(u.params[0]) in codecs and not u.persistent:
+                self.codecs[u.index] = codecs[id(u.params[0])]
+        return len(self.codecs)
 
     def gather_all(self) -> None:
         self._held_before = {u.index for u in self.units if u.full is not None}
