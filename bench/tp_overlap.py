@@ -7,7 +7,9 @@ exposed TP-communication share per mode.
 A stack of MLP blocks (column-parallel, GELU, row-parallel) with sequence parallelism, forward
 and backward, on ``--tp`` gloo ranks (one thread each), modes interleaved round by round (see
 :mod:`megazero.testing.tp_overlap_bench` for what "exposed" counts). Prints a table and writes
-``bench/results/tp_overlap.json``.
+``bench/results/tp_overlap.json``, with the machine numbers measured each round (GEMM rate,
+GELU, collective latency and bandwidth of the tensors moved) and the planner's prediction of
+the plain and overlapped modes from them (:func:`megazero.testing.tp_overlap_bench.predict`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.testing import run_distributed  # noqa: E402
-from megazero.testing.tp_overlap_bench import bench_rank, summarize  # noqa: E402
+from megazero.testing.tp_overlap_bench import bench_rank, predict, summarize  # noqa: E402
 
 
 def main() -> None:
@@ -37,15 +39,23 @@ def main() -> None:
         per_rank = run_distributed(bench_rank, tp, args.seq, args.hidden, args.ffn, args.layers,
                                    args.rounds, timeout=1200)
         results[f"tp{tp}"] = summary = summarize(per_rank)
+        summary["predicted"] = predict(vars(args), summary["machine"], tp)
         print(f"\ntp {tp} + SP, seq {args.seq}, hidden {args.hidden}, ffn {args.ffn}, "
               f"{args.layers} layers, {args.rounds} rounds (medians, [min, max])")
         print(f"{'mode':<18} {'step ms':>22} {'exposed ms':>11} {'exposed share':>26}")
         plain = summary["plain"]["exposed_share_median"]
         for name, r in summary.items():
+            if name in ("machine", "predicted"):
+                continue
             print(f"{name:<18} {r['step_ms_median']:>8.1f} [{r['step_ms_min']:.1f}, "
                   f"{r['step_ms_max']:.1f}] {r['exposed_ms_median']:>11.1f} "
                   f"{r['exposed_share_median']:>8.3f} [{r['exposed_share_min']:.3f}, "
                   f"{r['exposed_share_max']:.3f}]  x{r['exposed_share_median'] / plain:.2f}")
+        for name, p in summary["predicted"].items():
+            got = summary[name]["exposed_share_median"]
+            print(f"planner {name:<10} exposed {p['exposed_ms']:.1f} ms of {p['step_ms']:.1f}"
+                  f" ms: share {p['exposed_share']:.3f} (measured {got:.3f}, "
+                  f"{p['exposed_share'] / got - 1:+.0%})")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tp_overlap.json")
     with open(out, "w") as f:
         json.dump({"config": vars(args), "backend": "gloo", "cpus": os.cpu_count(),

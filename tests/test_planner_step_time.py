@@ -153,13 +153,16 @@ def test_tensor_parallel_all_reduces_vs_sequence_parallel_gathers():
     assert plain["compute"] == pytest.approx(mb * (gemm_per_mb(L, tp=2) + 3 * L * LAYER_US * 1e-6
                                                    + MB_US * 1e-6), rel=1e-12)
     sp = terms(["--tensor-model-parallel-size=2", "--sequence-parallel"])
+    # per layer two linear pairs, each all-gathers 3 times (forward input, backward output
+    # gradient, input re-gathered for the weight gradient) and reduce-scatters twice
     assert sp["tensor parallel"] == pytest.approx(
-        L * mb * 4 * (coll(AG, act / 2) + coll(RS, act / 2)), rel=1e-12)
+        L * mb * (6 * coll(AG, act / 2) + 4 * coll(RS, act / 2)), rel=1e-12)
 
 
 def test_full_recompute_repeats_the_forward_collectives():
-    """Recomputing a layer runs its forward again, its TP / SP collectives included: 6 calls
-    of each kind per layer and micro-batch instead of 4 (selective recompute: none)."""
+    """Recomputing a layer runs its forward again, its TP / SP collectives included: 6
+    all-reduces per layer and micro-batch instead of 4, with SP 2 more all-gathers and
+    reduce-scatters (selective recompute: none)."""
     act, mb, full = 4 * S * B * H, 8, ["--recompute-granularity=full",
                                       "--recompute-method=uniform", "--recompute-num-layers=1"]
     plain = terms(["--tensor-model-parallel-size=2", *full])
@@ -167,7 +170,7 @@ def test_full_recompute_repeats_the_forward_collectives():
                                                      rel=1e-12)
     sp = terms(["--tensor-model-parallel-size=2", "--sequence-parallel", *full])
     assert sp["tensor parallel"] == pytest.approx(
-        L * mb * 6 * (coll(AG, act / 2) + coll(RS, act / 2)), rel=1e-12)
+        L * mb * (8 * coll(AG, act / 2) + 6 * coll(RS, act / 2)), rel=1e-12)
     selective = terms(["--tensor-model-parallel-size=2", "--recompute-granularity=selective"])
     assert selective["tensor parallel"] == pytest.approx(L * mb * 4 * coll(AR, 2 * act / 2),
                                                          rel=1e-12)
@@ -279,14 +282,23 @@ def test_each_stage_is_charged_its_own_layers_embedding_and_loss(flags):
 TP2_SP = ["--tensor-model-parallel-size=2", "--sequence-parallel"]
 
 
-def test_tp_comm_overlap_hides_all_but_the_first_ring_step_under_the_linears():
+def test_tp_comm_overlap_exposes_each_calls_latency_and_the_bytes_beyond_its_gemm():
+    """Per linear pair: 3 ring steps (forward all-gather and reduce-scatter, backward output
+    gradient all-gather) of a 1/tp chunk under 1/tp of a GEMM, and the backward's bulk
+    all-gather and reduce-scatter under a whole GEMM; each exposes its latency, and its bytes
+    where they outlast the GEMM (here the slow reduce-scatter's)."""
     act, mb, tp = 4 * S * B * H, 8, 2
-    per = 4 * (coll(AG, act / 2) + coll(RS, act / 2))
-    linear = B * S * 24 * H * H * 3 / tp / RATE  # a layer's linear GEMMs, fwd + bwd
-    plain = terms(TP2_SP)
-    over = terms([*TP2_SP, "--tp-comm-overlap"])
-    assert plain["tensor parallel"] == pytest.approx(L * mb * per, rel=1e-12)
-    want = per / tp + max(0.0, per * (tp - 1) / tp - linear)
+    gemm = B * S * 24 * H * H / 4 / tp / RATE  # one of a pair's GEMMs: 1/4 of the layer's
+    rs = (RS[0], 0.05)  # a reduce-scatter slower than the GEMM it runs under
+    cl = cluster(collectives={"all_gather": list(AG), "reduce_scatter": list(rs),
+                              "all_reduce": list(AR), "send_recv": list(P2P)})
+    plain = terms(TP2_SP, cl=cl)
+    over = terms([*TP2_SP, "--tp-comm-overlap"], cl=cl)
+    ring = P2P[0] * 1e-6 + max(0.0, act / tp / (P2P[1] * 1e9) - gemm / tp)
+    bulk_ag = AG[0] * 1e-6 + max(0.0, act / 2 / (AG[1] * 1e9) - gemm)
+    bulk_rs = rs[0] * 1e-6 + max(0.0, act / 2 / (rs[1] * 1e9) - gemm)
+    assert act / 2 / (rs[1] * 1e9) > gemm > act / 2 / (AG[1] * 1e9)  # both branches
+    want = 2 * (3 * ring + bulk_ag + bulk_rs)
     assert over["tensor parallel"] == pytest.approx(L * mb * want, rel=1e-12)
     assert over["tensor parallel"] < plain["tensor parallel"]
     assert over["compute"] == plain["compute"]

@@ -4,8 +4,10 @@ single-process computation, at tp 2 and 4 in one gloo world of 4: a column-paral
 outputs and every gradient, for every overlap mode, with and without weight-gradient deferral
 (the zero-bubble B/W split); and the in-flight proof: each overlapped collective is in flight
 under a GEMM of its rank, each plain one is not; likewise the expert-parallel dispatch
-all-to-all with the shared expert under it (--moe-shared-expert-overlap)."""
+all-to-all with the shared expert under it (--moe-shared-expert-overlap); and the planner's
+prediction of bench/results/tp_overlap.json's measured exposed share."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -190,3 +192,25 @@ def test_tp_comm_overlap_flags():
                                           "--moe-token-dispatcher-type alltoall"):
         load_config([*TINY, "--num-experts", "4", "--moe-shared-expert-overlap",
                      "--moe-shared-expert-intermediate-size", "32"], 1)
+
+
+def test_the_planner_predicts_the_gloo_bench_within_25_percent():
+    """bench/results/tp_overlap.json records, next to the exposed TP share it measured at
+    tp 2, the machine numbers it measured on the same ranks (GEMM rate, GELU, the latency
+    and bandwidth of its all-gathers, reduce-scatters and ring steps): the step-time model's
+    TP term, priced from those numbers alone, gives the stored prediction, within 25% of the
+    measured share for the plain and the overlapped mode."""
+    import json
+    from pathlib import Path
+
+    from megazero.testing.tp_overlap_bench import predict
+
+    data = json.loads((Path(__file__).parents[1] / "bench" / "results" / "tp_overlap.json")
+                      .read_text())
+    r = data["results"]["tp2"]
+    pred = predict(data["config"], r["machine"], 2)
+    for mode, stored in r["predicted"].items():
+        assert pred[mode] == pytest.approx(stored, rel=1e-9), mode
+    for mode in ("plain", "overlap"):
+        got, want = r[mode]["exposed_share_median"], pred[mode]["exposed_share"]
+        assert abs(want / got - 1) <= 0.25, (mode, want, got)

@@ -19,12 +19,13 @@
   another micro-batch's compute it runs under
   (:func:`megazero.planner.moe_cost.overlapped_traffic`); MFU then counts the active
   parameters' FLOPs (:func:`megazero.observability.flops.gpt_flops_per_iteration`);
-* tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, or with SP
-  4 all-gathers + 4 reduce-scatters (the same bytes, twice the calls), 6 of each with full
-  recompute (the recomputed forward repeats its 2), over NVLink when the TP group fits in a
-  node; with :attr:`~megazero.planner.features.Features.tp_comm_overlap` (collectives split
-  into tp ring steps inside the GEMMs) the first step's ``1/tp`` and what exceeds the layer's
-  linear GEMMs;
+* tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, 6 with full
+  recompute (the recomputed forward repeats its 2); with SP two column + row linear pairs
+  (:mod:`megazero.planner.tp_cost`): per pair an all-gather and a reduce-scatter per forward,
+  and in backward two all-gathers (the output gradient, the input re-gathered for the weight
+  gradient) and a reduce-scatter; over NVLink when the TP group fits in a node; with
+  :attr:`~megazero.planner.features.Features.tp_comm_overlap` the ring steps and bulk
+  collectives inside the GEMMs expose each call's latency and the bytes that outlast its GEMM;
 * data parallel over NVLink inside a node, else over the NICs of the group's ranks on each
   node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather,
   ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind (stage
@@ -165,17 +166,16 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         bw = cluster.intra_node_gbps if tp <= node else cluster.inter_node_gbps
         act = e * s * b * h
         # a recomputed layer runs its forward, collectives included, a second time
-        calls = 2 * (1 + share) + 2
         if sequence_parallel_active(p.sequence_parallel, tp):
-            # 2 all-gathers + 2 reduce-scatters per forward, the same backward
-            per = calls * (collective_seconds(cluster, "all_gather", act, tp, bw)
-                           + collective_seconds(cluster, "reduce_scatter", act, tp, bw))
+            # two column + row pairs (attention, MLP), each GEMM ~1/4 of the layer's linear
+            # FLOPs per pass (:mod:`megazero.planner.tp_cost`)
+            from megazero.planner.tp_cost import linear_pair_tp_seconds
+
+            gemm = work.linear_per_layer / (3.0 + share) / 4
+            per = 2 * linear_pair_tp_seconds(cluster, act, tp, bw, gemm, feats.tp_comm_overlap,
+                                             share)
         else:  # 2 all-reduces per forward (row-parallel outputs), 2 backward (column inputs)
-            per = calls * collective_seconds(cluster, "all_reduce", act, tp, bw)
-        if feats.tp_comm_overlap:
-            # inside the linear layers' GEMMs, split into tp steps around the ring: the first
-            # step's transfer has no GEMM to hide behind, the rest hide behind the GEMMs
-            per = per / tp + max(0.0, per * (tp - 1) / tp - work.linear_per_layer)
+            per = (2 * (1 + share) + 2) * collective_seconds(cluster, "all_reduce", act, tp, bw)
         out.terms["tensor parallel"] = per * stage_layers * mb
         exposed_per_mb += per * stage_layers
     if layout.ep * layout.etp > 1:  # the MoE dispatcher's and the expert tensor group's traffic
