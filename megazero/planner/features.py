@@ -36,9 +36,10 @@ class Features:
     the distributed optimizer.
 
     ``tp_comm_overlap``: the sequence-parallel all-gathers and reduce-scatters run inside the
-    linear layers' GEMMs (Megatron's ``--tp-comm-overlap``, Transformer Engine userbuffers: each
-    collective split into ``tp`` ring steps, each step's transfer under the previous step's
-    GEMM): the first step, and what exceeds those GEMMs' time, is exposed.
+    linear layers' GEMMs (Megatron's ``--tp-comm-overlap``, Transformer Engine userbuffers; as
+    megazero runs it: ring steps of ``1/tp`` chunks under the GEMM chunks, the backward's
+    re-gather and reduce-scatter under whole GEMMs): each call's latency, and the bytes that
+    outlast their GEMM, are exposed (:mod:`megazero.planner.tp_cost`).
     ``moe_shared_expert_overlap``: the shared expert's forward runs while the forward dispatch
     all-to-all is in flight (``--moe-shared-expert-overlap``); the backward's all-to-alls and
     the combine stay exposed.

@@ -117,9 +117,9 @@ of three. Each
             part = x.detach()[:rows].contiguous()
             whole = torch.cat([part] * world)
             recv = torch.empty_like(part)
-            runs = {"all_gather": lambda: all_gather_async(part, group)[1].wait(),
-                    "reduce_scatter": lambda: reduce_scatter_async(whole, group)[1].wait(),
-                    "send_recv": lambda: _ring_step(part, recv, group, "ring").wait()}
+            runs = {"all_gather": lambda p=part: all_gather_async(p, group)[1].wait(),
+                    "reduce_scatter": lambda w=whole: reduce_scatter_async(w, group)[1].wait(),
+                    "send_recv": lambda p=part, r=recv: _ring_step(p, r, group, "ring").wait()}
             for kind, fn in runs.items():  # the median of 3: one late peer is one sample
                 out[kind + tag] = statistics.median(_timed(fn, group, gemm) for _ in range(3))
         out["bytes"] = float(x.numel() * x.element_size() * world)  # the full activation
