@@ -335,10 +335,10 @@ def gather_fp8_params(fp8: Any, engine: Any) -> int:
     1-2 the buckets of them after the step. Returns how many units (ZeRO-3) or weights are."""
     from megazero.fp8.param_gather import FP8BucketCodec, FP8ParamCodec
     from megazero.zero.buffers import GradBuffer
-    from megazero.zero.stage3 import Stage3Params
+    from megazero.zero.stage3 import ParamCodec, Stage3Params
 
     groups = {id(w): g for w, g in fp8.weights}
-    codecs = {key: FP8ParamCodec(g) for key, g in groups.items()}
+    codecs: dict[int, ParamCodec] = {key: FP8ParamCodec(g) for key, g in groups.items()}
 
     def bucket_codec(params: list[torch.nn.Parameter]) -> FP8BucketCodec | None:
         if not all(id(p) in groups for p in params):
