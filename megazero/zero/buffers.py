@@ -49,30 +49,19 @@ buffer of its own) and every rank decodes it into the parameters, its own shard 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from megazero.distributed.group_comm import GroupComm, Handle
+from megazero.zero.encoded_gather import BucketCodec, gather_encoded
 from megazero.zero.pieces import Piece
 
 #: Stage-2 reductions in flight at once (see GradBuffer.in_flight).
 MAX_IN_FLIGHT = 1
-
-
-class BucketCodec(Protocol):
-    """How a bucket's parameters are gathered in another encoding (``--fp8-param-gather``:
-    :class:`megazero.fp8.param_gather.FP8BucketCodec`): ``encode`` turns the part of each
-    parameter this rank owns into wire bytes (collective over ``zero_group`` and whatever else
-    the encoding needs), ``decode`` one parameter's gathered bytes into the compute dtype."""
-
-    def encode(self, parts: Sequence[torch.Tensor], zero_group: Any) -> list[torch.Tensor]: ...
-
-    def decode(self, index: int, gathered: torch.Tensor, dtype: torch.dtype
-               ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -461,31 +450,10 @@ class GradBuffer:
         return count
 
     def _gather_encoded(self, b: Bucket, chunk: int | None, use_broadcast: bool) -> Handle:
-        """Encode this rank's shard of ``b`` into its wire buffer, gather that, and (when the
-        handle is waited for) decode every parameter of ``b`` from it."""
         assert b.codec is not None and b.wire is not None
-        codec, wire = b.codec, b.wire
-        ranges = [(max(s.start, b.own_lo), min(s.start + s.numel, b.own_hi)) for s in b.slots]
-        parts = [b.param_data[lo:hi] if lo < hi else b.param_data[:0] for lo, hi in ranges]
-        wire[b.own_lo:b.own_hi].zero_()  # the padding
-        for (lo, hi), data in zip(ranges, codec.encode(parts, self.dp.group), strict=True):
-            if lo < hi:
-                wire[lo:hi].copy_(data)
-
-        def decode() -> None:
-            for i, s in enumerate(b.slots):
-                b.param_data[s.start:s.start + s.numel].copy_(
-                    codec.decode(i, wire[s.start:s.start + s.numel], b.param_data.dtype))
-
-        if self.dp.size == 1:
-            decode()
-            return Handle()
-        if self.shared_params:
-            h = self.dp.all_gather_in_place(wire, async_op=True)
-        else:
-            h = self.dp.all_gather(wire, wire[b.own_lo:b.own_hi].clone(), async_op=True,
-                                   chunk=chunk, use_broadcast=use_broadcast)
-        return Handle(h, decode)
+        ranges = [(s.start, s.numel) for s in b.slots]
+        return gather_encoded(self.dp, b.codec, b.param_data, b.wire, ranges, b.own_lo, b.own_hi,
+                              self.shared_params, chunk, use_broadcast)
 
     def wait_param_gather(self, buckets: tuple[int, ...] | None = None) -> None:
         """Wait for the all-gather of these buckets (default: all) if one is in flight."""
