@@ -186,11 +186,15 @@ def runs(tmp_path_factory) -> Runs:
     # --fp8-param-gather at ZeRO-3, and at ZeRO 1-2 (against the bf16 gather of ZeRO-1)
     r.add(1, "gather-z3-ref", _gather_base(tmp))
     r.add(2, "gather-z3-dp2", _gather_base(tmp))
+    zsave = str(tmp / "ck-z2")
     for stage, recipe in Z12_GATHERS:
-        r.add(1, f"gather-z{stage}-{recipe}-ref", _gather_z12(tmp, stage, recipe))
+        saves = ["--save", zsave, "--save-interval", "2"] if stage == 2 else []
+        r.add(1, f"gather-z{stage}-{recipe}-ref", [*_gather_z12(tmp, stage, recipe), *saves])
         r.add(2, f"gather-z{stage}-{recipe}-dp2", _gather_z12(tmp, stage, recipe))
     r.add(2, "bf16-gather-z1-dp2", [x for x in _gather_z12(tmp, 1, "tensorwise")
                                     if x != "--fp8-param-gather"])
+    r.add(1, "gather-z2-delayed-resumed", [*_gather_z12(tmp, 2, "delayed"), "--load", zsave],
+          latest=(zsave, 2))
     r.add(1, "gather-moe-ref", GATHER_MOE)
     r.add(2, "gather-moe-ep2", [*GATHER_MOE, "--expert-model-parallel-size", "2",
                                 "--moe-token-dispatcher-type", "alltoall"])
@@ -337,3 +341,20 @@ def test_fp8_param_gather_with_the_distributed_optimizer_and_experts(runs):
         assert ep2[it]["lm loss"] == ref[it]["lm loss"], it
     for it in (3, 4):  # observed <= 2.5e-5 apart
         assert ep2[it]["lm loss"] == pytest.approx(ref[it]["lm loss"], rel=BF16_RTOL), it
+
+
+def test_fp8_param_gather_at_zero_2_resumes_bitwise_saving_only_the_amax_history(runs):
+    """The decoded FP8 weights are a compute copy: the checkpoint holds the fp32 masters and,
+    of FP8 state, only the delayed-scaling history; a resume at iteration 2 decodes the
+    gathered weights from the masters again and continues the straight run bitwise."""
+    import torch
+
+    extra = torch.load(runs.tmp / "ck-z2" / "iter_0000002" / "extra_state.pt",
+                       weights_only=True)
+    assert [k for k in extra if "fp8" in k] == ["fp8_amax_history"]
+    assert len(extra["fp8_amax_history"]) == 4 * 4 * 3
+    assert "loaded checkpoint" in runs.printed("gather-z2-delayed-resumed")
+    a, b = runs.metrics("gather-z2-delayed-ref"), runs.metrics("gather-z2-delayed-resumed")
+    assert sorted(b) == [3, 4]
+    for it in (3, 4):
+        assert (b[it]["lm loss"], b[it]["grad-norm"]) == (a[it]["lm loss"], a[it]["grad-norm"])
