@@ -24,8 +24,14 @@ from megazero.config.deepspeed import DS_CONFIG_KEYS, SCHEDULER_TYPES
 
 GOLDEN_FLAGS = """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
---microbatch-group-size-per-virtual-pipeline-stage --context-parallel-size --cp-comm-type
+--microbatch-group-size-per-virtual-pipeline-stage --pipeline-schedule --delay-wgrad-compute
+--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+--pipeline-model-parallel-layout
+--context-parallel-size --cp-comm-type
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
+--tp-comm-overlap --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs
+--tp-comm-overlap-rs-dgrad --disable-tp-comm-bulk-dgrad --disable-tp-comm-bulk-wgrad
 --distribute-saved-activations
 --distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
 --num-attention-heads
@@ -69,7 +75,12 @@ GOLDEN_FLAGS = """
 --moe-z-loss-coeff --moe-router-enable-expert-bias --moe-router-bias-update-rate
 --moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
 --moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
---moe-token-dispatcher-type --moe-per-layer-logging
+--moe-shared-expert-overlap
+--moe-token-dispatcher-type --moe-per-layer-logging --moe-router-num-groups
+--moe-router-group-topk --moe-router-dtype --multi-latent-attention --q-lora-rank --kv-lora-rank
+--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale-all-dim
+--original-max-position-embeddings --mtp-num-layers --mtp-loss-scaling-factor
+--reset-position-ids --reset-attention-mask
 --async-save --exit-on-save-failure --max-spike-steps --log-straggler --straggler-minmax-count
 --straggler-factor --straggler-patience
 --train-tokens --lr-warmup-tokens --lr-decay-tokens --tensorboard-queue-size
@@ -187,6 +198,8 @@ def test_bad_command_lines(argv, part):
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"]
 VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+ZBV2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble",
+        "--num-layers", "4", "--untie-embeddings-and-output-weights"]
 
 
 def error(argv, world_size) -> str:
@@ -230,6 +243,31 @@ def error(argv, world_size) -> str:
     (VPP2 + ["--global-batch-size", "7", "--microbatch-group-size-per-virtual-pipeline-stage",
              "3"], 2, ["leave a last group of 1", "(--microbatch-group-size-per-virtual-"
                        "pipeline-stage 3)", "one of 4, 5, 7,", "(e.g. 6 or 9)"]),
+    (["--pipeline-schedule", "zbv"], 1, ["--pipeline-schedule zbv needs "
+                                         "--pipeline-model-parallel-size > 1 (got 1)"]),
+    (ZBV2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     ["--pipeline-schedule zbv places its own two chunks", "drop "
+      "--num-layers-per-virtual-pipeline-stage 1"]),
+    (ZBV2 + ["--num-layers", "6"], 2, ["--num-layers 6 into 2 x pp = 4 equal chunks",
+                                       "multiple of 4 layers"]),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "DualPipeV",
+      "--untie-embeddings-and-output-weights", "--num-layers", "4", "--global-batch-size", "3"],
+     2, ["--pipeline-schedule dualpipev needs at least 2 x pp = 4 micro-batches", "gives 3"]),
+    (VPP2 + ["--delay-wgrad-compute", "--global-batch-size", "4"], 2,
+     ["--delay-wgrad-compute runs 1F1B", "drop it with interleaving"]),
+    (VPP2 + ["--pipeline-schedule", "1f1b", "--global-batch-size", "4"], 2,
+     ["write --pipeline-schedule interleaved"]),
+    (["--pipeline-schedule", "zb-h2"], 1, ["--pipeline-schedule", "zb-h2", "zbv"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+      "--pipeline-model-parallel-layout", "E|t*3|t*2L", "--num-layers-per-virtual-pipeline-"
+      "stage", "1"], 2, ["with an uneven split give the chunks with "
+                         "--pipeline-model-parallel-layout"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+      "--pipeline-model-parallel-layout", "E|t*3|t*2L", "--pipeline-schedule", "zbv",
+      "--untie-embeddings-and-output-weights"], 2, ["gives 3 stages; give 4"]),
+    (["--pipeline-model-parallel-size", "3", "--num-layers", "5",
+      "--decoder-last-pipeline-num-layers", "2"], 3,
+     ["--decoder-last-pipeline-num-layers 2 leave 3 of --num-layers 5 layers for 2 other"]),
     (["--recompute-granularity", "full"], 1, ["--recompute-method uniform or block"]),
     (["--group-query-attention"], 1, ["--num-query-groups"]),
     (["--initial-loss-scale", "1000"], 1, ["--initial-loss-scale 1000", "power of two"]),

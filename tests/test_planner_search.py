@@ -56,7 +56,8 @@ def test_every_axis_is_searched_and_named():
     assert {s.tp for s in found} == {1, 2, 4} and {s.cp for s in found} == {1, 2, 4}
     assert {s.pp for s in found} == {1, 2, 4} and {s.ep for s in found} == {1, 2, 4}
     assert {s.etp for s in found} == {1, 2, 4}
-    assert {s.schedule.name for s in found} == {"1f1b", "interleaved"}
+    assert {s.schedule.name for s in found} == {"1f1b", "interleaved", "zb-h1", "zbv",
+                                              "dualpipev"}
     assert all(s.sp for s in found if s.tp > 1)  # MoE with TP needs SP
     # a short sequence is not split; a dense model has no expert axes
     dense = load_config([*SMALL[:SMALL.index("--num-experts")], "--seq-length", "2048"], 8)
@@ -92,8 +93,9 @@ def test_pruning_keeps_the_exhaustive_winner():
                         every.append((est.time.seconds, est.worst.device_total, layout))
     for memory_gb in (0.12, 0.06):
         res = search(SMALL, world, _cluster(memory_gb), gbs, keep=3)
-        best = min((t, layout) for t, need, layout in every if need <= memory_gb * 1e9)
-        assert res.fits[0].est.time.seconds == pytest.approx(best[0], rel=1e-12), memory_gb
+        # layouts may tie (a schedule that prices as another): compare the times
+        best = min(t for t, need, _ in every if need <= memory_gb * 1e9)
+        assert res.fits[0].est.time.seconds == pytest.approx(best, rel=1e-12), memory_gb
         assert res.checked + res.pruned < res.timed  # not every layout needed a memory pass
     # at 0.06 GB only layouts with the optimizer offloaded fit
     assert "+off" in res.fits[0].label

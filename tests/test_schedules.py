@@ -86,7 +86,7 @@ def test_checker_rejects_an_extra_warmup_forward():
     res = check_schedules(extra, 1, 4, memory_bound=False)  # correct and deadlock-free...
     assert res.peak_inflight == [3, 1]
     with pytest.raises(ScheduleError, match="rank 0 holds 3 chunk-micro-batches in flight, more "
-                                            "than 1F1B's bound of 2"):
+                                            "than the schedule's bound of 2"):
         check_schedules(extra, 1, 4)  # ...but holds one micro-batch more than 1F1B may
 
 

@@ -2,12 +2,15 @@
 
     python tools/schedule_grid.py --pp 4 --vpp 2 --microbatches 8
     python tools/schedule_grid.py --pp 4 --vpp 2 --microbatches 10 --group-size 5
+    python tools/schedule_grid.py --pp 4 --microbatches 8 --schedule zbv
 
 ``F3.1`` is the forward of micro-batch 3 through model chunk 1; ``B`` a backward; ``.`` an idle
 slot; ``~`` the continuation of a longer action (backward costs ``--b-time`` units, forward
-``--f-time``). The footer gives each rank's bubble and peak micro-batches in flight, and the
-formula the bubble should match. ``--steps`` also prints each rank's raw step list, with the
-batched sends/receives.
+``--f-time``; a split backward is B and ``W``, ``--w-time`` of it the W). ``--schedule`` takes
+the ``--pipeline-schedule`` names (the V ones place two chunks per rank, chunk 1 at stage
+``2 pp - 1 - rank``; their grid shows chunks as they sit there). The footer gives each rank's
+bubble and peak micro-batches in flight, and the formula the bubble should match. ``--steps``
+also prints each rank's raw step list, with the batched sends/receives.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import sys
 
 from megazero.config import ConfigError
 from megazero.pipeline.checker import ScheduleError, check_schedules, render_grid
-from megazero.pipeline.schedules import build_all
+from megazero.pipeline.zero_bubble import (
+    ZERO_BUBBLE,
+    all_schedule_steps,
+    inflight_limits,
+    placement_of,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,19 +43,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="the evaluation schedule (no backward passes)")
     ap.add_argument("--f-time", type=float, default=1.0, help="time units of one forward")
     ap.add_argument("--b-time", type=float, default=2.0, help="time units of one backward")
+    ap.add_argument("--w-time", type=float, default=None,
+                    help="time units of W in a split backward (default half the backward)")
+    ap.add_argument("--schedule", default=None,
+                    choices=("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
+                    help="--pipeline-schedule (default: 1f1b, or interleaved with --vpp > 1)")
+    ap.add_argument("--delay-wgrad", action="store_true",
+                    help="1F1B with each W after its backward's exchange")
     ap.add_argument("--steps", action="store_true", help="also print every rank's step list")
     args = ap.parse_args(argv)
+    zb = args.schedule in ZERO_BUBBLE
+    vpp = ZERO_BUBBLE[args.schedule][1] if zb else args.vpp
     try:
-        schedules = build_all(args.pp, args.vpp, args.microbatches, args.forward_only,
-                              args.group_size)
-        res = check_schedules(schedules, args.vpp, args.microbatches, args.forward_only,
-                              args.f_time, args.b_time, group_size=args.group_size)
+        schedules = all_schedule_steps(args.pp, vpp, args.microbatches, args.forward_only,
+                                       args.group_size, args.schedule, args.delay_wgrad)
+        res = check_schedules(
+            schedules, vpp, args.microbatches, args.forward_only, args.f_time, args.b_time,
+            group_size=args.group_size, w_time=args.w_time,
+            placement=placement_of(args.schedule),
+            inflight_limits=inflight_limits(args.schedule, args.pp, args.microbatches)
+            if zb else None)
     except (ConfigError, ScheduleError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(render_grid(res))
-    if not args.forward_only:
-        print(f"formula bubble (p-1)/(v*m) = {(args.pp - 1) / (args.vpp * args.microbatches):.3f}")
+    if not args.forward_only and not zb:
+        print(f"formula bubble (p-1)/(v*m) = {(args.pp - 1) / (vpp * args.microbatches):.3f}")
     if args.steps:
         for r, steps in enumerate(schedules):
             print(f"rank {r}: " + " | ".join(" ".join(map(str, s)) for s in steps))

@@ -26,6 +26,7 @@ from megazero.config.script_flags import (
     SCRIPT_FLAG_GROUPS,
     SCRIPT_FLAGS,
     normalization_name,
+    pipeline_schedule_name,
     split_proportions,
 )
 from megazero.config.sections import TOKENIZER_TYPES
@@ -90,7 +91,47 @@ FLAGS: tuple[Flag, ...] = (
        "parallel.num_layers_per_virtual_pipeline_stage", **_I),
     _f("--microbatch-group-size-per-virtual-pipeline-stage",
        "parallel.microbatch_group_size_per_vp_stage", **_I),
+    _f("--pipeline-schedule", "parallel.pipeline_schedule", type=pipeline_schedule_name,
+       help="the pipeline schedule: 1f1b, interleaved (with virtual stages), zb-h1 (1F1B with "
+            "the weight gradients filling the bubble: a third of 1F1B's at its memory), zbv "
+            "(two chunks per rank in a V, near-zero bubble at 1F1B's memory), dualpipev "
+            "(DeepSeek's V, F of one micro-batch with B of another; needs 2 x pp "
+            "micro-batches); torchtitan's 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV "
+            "accepted. Default: 1f1b, or interleaved with "
+            "--num-layers-per-virtual-pipeline-stage"),
+    _f("--delay-wgrad-compute", "parallel.delay_wgrad_compute", **_ON,
+       help="1F1B with each backward's weight gradients computed after its exchange"),
+    _f("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers",
+       **_I, help="transformer layers of the first (virtual) pipeline stage; the others split "
+                  "the rest evenly"),
+    _f("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers",
+       **_I, help="transformer layers of the last (virtual) pipeline stage"),
+    _f("--account-for-embedding-in-pipeline-split",
+       "parallel.account_for_embedding_in_pipeline_split", **_ON,
+       help="count the embedding as one layer of the first stage when splitting"),
+    _f("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split",
+       **_ON, help="count the output layer and loss as one layer of the last stage"),
+    _f("--pipeline-model-parallel-layout", "parallel.pipeline_model_parallel_layout",
+       help="every virtual stage's layers, Megatron's string: stages separated by |, E the "
+            "embedding, t a transformer layer, L the loss, e.g. 'Et*3|t*4|t*3L' or "
+            "'E|(t*2|)*4L'"),
     _f("--sequence-parallel", "parallel.sequence_parallel", **_ON),
+    _f("--tp-comm-overlap", "parallel.tp_comm_overlap", **_ON,
+       help="run the sequence-parallel all-gathers and reduce-scatters inside the linear "
+            "layers' GEMMs (ring chunks forward, bulk overlap backward); needs "
+            "--sequence-parallel"),
+    _f("--disable-tp-comm-overlap-ag", "parallel.tp_comm_overlap_ag", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: keep the all-gathers before the GEMMs"),
+    _f("--disable-tp-comm-overlap-rs", "parallel.tp_comm_overlap_rs", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: keep the row-parallel reduce-scatter after its GEMM"),
+    _f("--tp-comm-overlap-rs-dgrad", "parallel.tp_comm_overlap_rs_dgrad", **_ON,
+       help="--tp-comm-overlap: pipeline the input gradient's reduce-scatter with the dgrad "
+            "GEMM instead of hiding it under the wgrad GEMM"),
+    _f("--disable-tp-comm-bulk-dgrad", "parallel.tp_comm_bulk_dgrad", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: gather the input for the weight gradient before the dgrad "
+            "GEMM"),
+    _f("--disable-tp-comm-bulk-wgrad", "parallel.tp_comm_bulk_wgrad", lambda v: not v, **_ON,
+       help="--tp-comm-overlap: reduce-scatter the input gradient before the wgrad GEMM"),
     _f("--context-parallel-size", "parallel.context_parallel_size", **_I,
        help="ranks that split each sequence (CP); weights are replicated over them"),
     _f("--cp-comm-type", "parallel.cp_comm_type",
@@ -127,8 +168,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("--moe-shared-expert-intermediate-size",
        "model.moe.moe_shared_expert_intermediate_size", **_I),
     _f("--moe-shared-expert-gate", "model.moe.moe_shared_expert_gate", **_ON),
+    _f("--moe-shared-expert-overlap", "model.moe.moe_shared_expert_overlap", **_ON,
+       help="the shared expert computes while the dispatch all-to-all is in flight"),
     _f("--moe-token-dispatcher-type", "model.moe.moe_token_dispatcher_type"),
     _f("--moe-per-layer-logging", "model.moe.moe_per_layer_logging", **_ON),
+    _f("--moe-router-num-groups", "model.moe.moe_router_num_groups", **_I),
+    _f("--moe-router-group-topk", "model.moe.moe_router_group_topk", **_I),
+    _f("--moe-router-dtype", "model.moe.moe_router_dtype"),
     # model
     _f("--model-preset", "model.model_preset",
        help="start the model from a preset; flags given explicitly override it"),
@@ -150,6 +196,29 @@ FLAGS: tuple[Flag, ...] = (
     _f("--disable-bias-linear", "model.add_bias_linear", lambda v: not v, **_ON),
     _f("--add-qkv-bias", "model.add_qkv_bias", **_ON),
     _f("--qk-layernorm", "model.qk_layernorm", **_ON),
+    _f("--multi-latent-attention", "model.multi_latent_attention", **_ON,
+       help="multi-head latent attention (DeepSeek-V2/V3): keys/values (and queries with "
+            "--q-lora-rank) through a low-rank latent, decoupled RoPE"),
+    _f("--q-lora-rank", "model.q_lora_rank", **_I,
+       help="MLA: the queries' latent width (default: queries by one projection)"),
+    _f("--kv-lora-rank", "model.kv_lora_rank", **_I, help="MLA: the keys' and values' latent"),
+    _f("--qk-head-dim", "model.qk_head_dim", **_I,
+       help="MLA: each head's query/key width without position"),
+    _f("--qk-pos-emb-head-dim", "model.qk_pos_emb_head_dim", **_I,
+       help="MLA: the rotated query/key width (the key's part shared by all heads)"),
+    _f("--v-head-dim", "model.v_head_dim", **_I, help="MLA: each head's value width"),
+    _f("--rotary-scaling-factor", "model.rotary_scaling_factor", **_FL,
+       help="YaRN: the context-extension factor of the rotary tables (1: none)"),
+    _f("--mscale", "model.mscale", **_FL, help="YaRN: the rotary tables' temperature mscale"),
+    _f("--mscale-all-dim", "model.mscale_all_dim", **_FL,
+       help="YaRN: the mscale of the softmax scale (DeepSeek-V3: equal to --mscale)"),
+    _f("--mtp-num-layers", "model.mtp_num_layers", **_I,
+       help="multi-token prediction: modules after the main model, module k predicting the "
+            "token k + 1 ahead (DeepSeek-V3: 1)"),
+    _f("--mtp-loss-scaling-factor", "model.mtp_loss_scaling_factor", **_FL,
+       help="weight of the mean of the MTP modules' losses added to the main loss"),
+    _f("--original-max-position-embeddings", "model.original_max_position_embeddings", **_I,
+       help="YaRN: the sequence length the rotary frequencies were trained at"),
     _f("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights",
        **_ON),
     _f("--attention-dropout", "model.attention_dropout", **_FL),
@@ -271,6 +340,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("--merge-file", "data.merge_file"),
     _f("--data-cache-path", "data.data_cache_path"),
     _f("--eod-mask-loss", "data.eod_mask_loss", **_ON),
+    _f("--reset-position-ids", "data.reset_position_ids", **_ON,
+       help="positions restart at 0 after each end-of-document token of a packed sequence"),
+    _f("--reset-attention-mask", "data.reset_attention_mask", **_ON,
+       help="tokens attend only to their own document of a packed sequence"),
     # checkpoints
     _f("--save", "checkpoint.save"),
     _f("--load", "checkpoint.load"),

@@ -40,8 +40,12 @@ GROUP_OF_FLAG = {
     "--moe-grouped-gemm": "mixture of experts",
     "--moe-shared-expert-intermediate-size": "mixture of experts",
     "--moe-shared-expert-gate": "mixture of experts",
+    "--moe-shared-expert-overlap": "mixture of experts",
     "--moe-token-dispatcher-type": "mixture of experts",
     "--moe-per-layer-logging": "mixture of experts",
+    "--moe-router-num-groups": "mixture of experts",
+    "--moe-router-group-topk": "mixture of experts",
+    "--moe-router-dtype": "mixture of experts",
     "--lr": "learning rate", "--min-lr": "learning rate", "--lr-decay-style": "learning rate",
     "--lr-warmup-iters": "learning rate", "--lr-decay-iters": "learning rate",
     "--lr-warmup-fraction": "learning rate", "--lr-warmup-samples": "learning rate",
@@ -97,6 +101,12 @@ HELP = {
         "width of a dense shared expert every token passes",
     "--moe-shared-expert-gate":
         "scale the shared expert's output by sigmoid(x g) per token",
+    "--moe-router-num-groups":
+        "split the experts into this many equal groups (nodes) for group-limited routing",
+    "--moe-router-group-topk":
+        "groups each token may route to: its top-k comes from its best groups",
+    "--moe-router-dtype":
+        "precision of the router's logits and choice (fp32, or fp64)",
     "--moe-token-dispatcher-type":
         "how tokens reach their experts' ranks: all-gather or all-to-all",
     "--moe-per-layer-logging":

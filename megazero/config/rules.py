@@ -227,3 +227,131 @@ def check_rampup(rampup: tuple[int, int, int], global_batch: int, micro_batch: i
               f"multiple of --micro-batch-size {micro_batch} x data-parallel size {dp} = {step}; "
               f"make START and INCREMENT multiples of {step}")
     return sizes
+
+
+#: ``--pipeline-schedule`` names; the V ones place two chunks per rank in a V.
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def schedule_min_microbatches(schedule: str | None, pp: int) -> int:
+    """DualPipeV's order needs ``2 pp`` micro-batches per step (as DeepSeek's); others any."""
+    return 2 * pp if schedule == "dualpipev" else 1
+
+
+def check_pipeline_schedule(schedule: str | None, pp: int, layers_per_virtual_stage: int | None,
+                            num_layers: int, delay_wgrad: bool,
+                            num_microbatches: int | None,
+                            error: type[Exception] = ConfigError) -> None:
+    """``--pipeline-schedule`` and ``--delay-wgrad-compute`` against the layout, in one line."""
+    flag = f"--pipeline-schedule {schedule}"
+    if schedule in ("zb-h1",) + V_SCHEDULES:
+        check(pp > 1, f"{flag} needs --pipeline-model-parallel-size > 1 (got {pp}); drop it "
+              f"at pp 1", error)
+    if schedule in V_SCHEDULES:
+        check(layers_per_virtual_stage is None, f"{flag} places its own two chunks per rank "
+              f"in a V; drop --num-layers-per-virtual-pipeline-stage "
+              f"{layers_per_virtual_stage}", error)
+        check(num_layers % (2 * pp) == 0, f"{flag} cuts --num-layers {num_layers} into "
+              f"2 x pp = {2 * pp} equal chunks; use a multiple of {2 * pp} layers", error)
+    if schedule == "zb-h1":
+        check(layers_per_virtual_stage is None, f"{flag} runs one chunk per rank; drop "
+              f"--num-layers-per-virtual-pipeline-stage or use zbv", error)
+    if schedule == "interleaved":
+        check(layers_per_virtual_stage is not None, f"{flag} needs "
+              f"--num-layers-per-virtual-pipeline-stage (the layers of each chunk)", error)
+    if schedule == "1f1b":
+        check(layers_per_virtual_stage is None, f"{flag} runs one chunk per rank; with "
+              f"--num-layers-per-virtual-pipeline-stage write --pipeline-schedule "
+              f"interleaved", error)
+    if delay_wgrad:
+        check(schedule in (None, "1f1b") and layers_per_virtual_stage is None,
+              f"--delay-wgrad-compute runs 1F1B with the weight gradients after each "
+              f"backward's exchange; drop it with {flag if schedule else 'interleaving'} "
+              f"(zb-h1, zbv and dualpipev defer them already)", error)
+    low = schedule_min_microbatches(schedule, pp)
+    if num_microbatches is not None and num_microbatches < low:
+        raise error(f"{flag} needs at least 2 x pp = {low} micro-batches per step but "
+                    f"--global-batch-size gives {num_microbatches}; raise it to {low} x "
+                    f"--micro-batch-size x data-parallel size, or use zbv")
+
+
+def _expand_layout(text: str) -> str:
+    """Megatron's layout shorthand: ``x*n`` repeats one symbol, ``(...)*n`` a group."""
+    import re
+
+    group = re.compile(r"\(([^()]*)\)\*(\d+)")
+    while True:
+        new = group.sub(lambda mt: mt.group(1) * int(mt.group(2)), text)
+        if new == text:
+            break
+        text = new
+    return re.sub(r"([EtL])\*(\d+)", lambda mt: mt.group(1) * int(mt.group(2)), text)
+
+
+def parse_pipeline_layout(layout: str, num_layers: int) -> list[tuple[int, bool, bool]]:
+    """``--pipeline-model-parallel-layout`` (Megatron's): virtual stages separated by ``|``,
+    ``E`` the embedding, ``t`` a transformer layer, ``L`` the loss (output layer), with the
+    shorthands ``t*3`` and ``(tt|)*2``; spaces and commas ignored. Returns per virtual stage
+    ``(layers, embedding, loss)``; the embedding must open the first stage and the loss close
+    the last, and the ``t`` must add up to ``--num-layers``."""
+    flag = f"--pipeline-model-parallel-layout {layout!r}"
+    text = _expand_layout(layout.replace(" ", "").replace(",", ""))
+    bad = sorted(set(text) - set("EtL|"))
+    check(not bad, f"{flag}: unknown symbols {bad}; write stages of E (embedding), t "
+          f"(transformer layer) and L (loss) separated by |, e.g. 'Et*3|t*4|t*3L'")
+    stages = [(s.count("t"), "E" in s, "L" in s) for s in text.split("|")]
+    check(text.count("E") == 1 and text.split("|")[0].startswith("E"), f"{flag}: the "
+          f"embedding E must open the first stage, once", ConfigError)
+    check(text.count("L") == 1 and text.split("|")[-1].endswith("L"), f"{flag}: the loss L "
+          f"must close the last stage, once")
+    total = sum(n for n, _, _ in stages)
+    check(total == num_layers, f"{flag} places {total} transformer layers but --num-layers is "
+          f"{num_layers}; make the t add up to {num_layers}")
+    return stages
+
+
+def stage_layer_counts(num_layers: int, stages: int, first: int | None = None,
+                       last: int | None = None, account_embedding: bool = False,
+                       account_loss: bool = False, layout: str | None = None) -> list[int]:
+    """Transformer layers of each virtual stage (in stage order) for Megatron's uneven-split
+    flags: ``--pipeline-model-parallel-layout``, or ``--decoder-first-pipeline-num-layers``
+    and ``--decoder-last-pipeline-num-layers`` (the first and last virtual stage; the rest
+    split evenly over the others), or ``--account-for-embedding-in-pipeline-split`` and
+    ``--account-for-loss-in-pipeline-split`` (the embedding, the loss counted as one layer of
+    the first, the last stage). Without any of them: ``num_layers / stages`` each."""
+    if layout is not None:
+        counts = [n for n, _, _ in parse_pipeline_layout(layout, num_layers)]
+        check(len(counts) == stages, f"--pipeline-model-parallel-layout gives {len(counts)} "
+              f"stages but the run has {stages} (pipeline stages x chunks per stage); give "
+              f"{stages} stages separated by |")
+        return counts
+    if first is not None or last is not None:
+        check(stages >= 2, "--decoder-first/last-pipeline-num-layers need pipeline parallelism")
+        rest = num_layers - (first or 0) - (last or 0)
+        middle = stages - (first is not None) - (last is not None)
+        check(rest >= 0 and (middle == 0 and rest == 0 or middle > 0 and rest % middle == 0),
+              f"--decoder-first-pipeline-num-layers {first} and "
+              f"--decoder-last-pipeline-num-layers {last} leave {rest} of --num-layers "
+              f"{num_layers} layers for {middle} other stages; make it a multiple of {middle}"
+              if middle else f"--decoder-first-pipeline-num-layers {first} + "
+              f"--decoder-last-pipeline-num-layers {last} must equal --num-layers "
+              f"{num_layers} with two stages")
+        per = rest // middle if middle else 0
+        counts = [per] * stages
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+    extra = int(account_embedding) + int(account_loss)
+    total = num_layers + extra
+    check(total % stages == 0, f"--num-layers {num_layers}"
+          f"{' + 1 (embedding)' if account_embedding else ''}"
+          f"{' + 1 (loss)' if account_loss else ''} = {total} does not split evenly over "
+          f"{stages} pipeline stages; use a multiple of {stages}")
+    per = total // stages
+    counts = [per] * stages
+    counts[0] -= int(account_embedding)
+    counts[-1] -= int(account_loss)
+    return counts

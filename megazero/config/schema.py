@@ -25,11 +25,15 @@ from megazero.config.model_schema import (
 from megazero.config.observability_schema import CommsLoggerSettings, FlopsProfilerSettings
 from megazero.config.optim_schema import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.config.rules import (
+    V_SCHEDULES,
     check,
     check_microbatch_groups,
+    check_pipeline_schedule,
     check_rampup,
     divisors,
+    parse_pipeline_layout,
     pipeline_chunks,
+    stage_layer_counts,
 )
 from megazero.config.sections import (
     CheckpointConfig,
@@ -61,6 +65,12 @@ class MegazeroConfig:
     @property
     def vpp(self) -> int | None:
         """Virtual pipeline chunks per stage (interleaved 1F1B), or None without interleaving."""
+        if self.parallel.pipeline_schedule in V_SCHEDULES:
+            return 2  # the V: chunk 0 at stage r, chunk 1 at stage 2 pp - 1 - r
+        if self.parallel.pipeline_model_parallel_layout is not None:
+            stages = len(parse_pipeline_layout(self.parallel.pipeline_model_parallel_layout,
+                                               self.model.num_layers))
+            return stages // self.parallel.pp if stages > self.parallel.pp else None
         per_chunk = self.parallel.num_layers_per_virtual_pipeline_stage
         return None if per_chunk is None else self.model.num_layers // self.parallel.pp // per_chunk
 
@@ -142,6 +152,9 @@ def check_fp8(cfg: MegazeroConfig) -> None:
           "(or e4m3), or drop --log-fp8-amax")
     if pr.fp8_format is None:
         return
+    check(not cfg.parallel.tp_comm_overlap,
+          "--tp-comm-overlap with --fp8-format: the overlapped GEMMs run in 16 bits only; drop "
+          "--tp-comm-overlap (or --fp8-format)")
     n = cfg.model.num_layers
     if pr.first_last_layers_bf16:
         start, end = pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16
@@ -164,6 +177,40 @@ def check_fp8(cfg: MegazeroConfig) -> None:
               "--fp8-param-gather")
 
 
+def layer_counts(cfg: MegazeroConfig) -> list[int] | None:
+    """Transformer layers per virtual stage (stage order) under Megatron's uneven-split
+    flags; ``None`` for the even split."""
+    p = cfg.parallel
+    if not p.uneven_split:
+        return None
+    return stage_layer_counts(
+        cfg.model.num_layers, p.pp * (cfg.vpp or 1), p.decoder_first_pipeline_num_layers,
+        p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+        p.account_for_loss_in_pipeline_split, p.pipeline_model_parallel_layout)
+
+
+def check_uneven_split(cfg: MegazeroConfig) -> None:
+    p = cfg.parallel
+    check(p.pp > 1, "the uneven pipeline-split flags need --pipeline-model-parallel-size > 1")
+    check(p.num_layers_per_virtual_pipeline_stage is None,
+          "--num-layers-per-virtual-pipeline-stage splits evenly; with an uneven split give "
+          "the chunks with --pipeline-model-parallel-layout (pp x chunks stages) instead")
+    check(p.pipeline_model_parallel_layout is None or not (
+        p.decoder_first_pipeline_num_layers is not None
+        or p.decoder_last_pipeline_num_layers is not None
+        or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split),
+        "--pipeline-model-parallel-layout gives every stage's layers; drop the "
+        "--decoder-first/last-pipeline-num-layers and --account-for-* flags with it")
+    if p.pipeline_model_parallel_layout is not None:
+        stages = len(parse_pipeline_layout(p.pipeline_model_parallel_layout,
+                                           cfg.model.num_layers))
+        want = 2 * p.pp if p.pipeline_schedule in V_SCHEDULES else None
+        check(stages % p.pp == 0 and (want is None or stages == want),
+              f"--pipeline-model-parallel-layout gives {stages} stages; give "
+              f"{want if want else f'a multiple of --pipeline-model-parallel-size {p.pp}'}")
+    layer_counts(cfg)
+
+
 def validate(cfg: MegazeroConfig) -> None:
     """Checks that involve more than one sub-config; each message names the numbers and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -171,9 +218,29 @@ def validate(cfg: MegazeroConfig) -> None:
     check_tensor_parallel_split(m, tp, p.sequence_parallel, p.world_size, pp * p.cp)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
+    if m.mtp_num_layers:
+        check(not t.calculate_per_token_loss, "--mtp-num-layers with --calculate-per-token-loss "
+              "is not supported (the MTP losses are per-micro-batch means); drop one of them")
+    d = cfg.data
+    for flag, on in (("--reset-position-ids", d.reset_position_ids),
+                     ("--reset-attention-mask", d.reset_attention_mask)):
+        check(not on or pp == 1, f"{flag} with --pipeline-model-parallel-size {pp}: the "
+              "documents of a packed sequence are known where it is drawn, on the first stage "
+              "only; use one pipeline stage or drop the flag")
+    check(not d.reset_attention_mask or m.attention_dropout == 0,
+          f"--reset-attention-mask with --attention-dropout {m.attention_dropout}: packed "
+          "attention runs without dropout; pass --attention-dropout 0")
     check_fp8(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
-    pipeline_chunks(m.num_layers, pp, per_chunk)
+    if p.uneven_split:
+        check_uneven_split(cfg)
+    else:
+        pipeline_chunks(m.num_layers, pp, per_chunk)
+    check_pipeline_schedule(
+        p.pipeline_schedule, pp, per_chunk,
+        2 * pp if p.uneven_split else m.num_layers, p.delay_wgrad_compute,
+        t.global_batch_size // (t.micro_batch_size * p.dp)
+        if p.world_size is not None and t.global_batch_size is not None else None)
     if per_chunk is not None:
         count = step = None
         if p.world_size is not None and t.global_batch_size is not None:

@@ -122,3 +122,10 @@ def script_notes(cfg: MegazeroConfig) -> list[str]:
                      + (" (it does not call Transformer Engine)" if te else
                         " (Transformer Engine is not installed)"))
     return notes
+
+
+def pipeline_schedule_name(value: str) -> str:
+    """``--pipeline-schedule``: megazero's names, or torchtitan's (``1F1B``, ``Interleaved1F1B``,
+    ``ZBVZeroBubble``, ``DualPipeV``); an unknown name is left for argparse to refuse."""
+    return {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "ZBVZeroBubble": "zbv",
+            "DualPipeV": "dualpipev", "ZBH1": "zb-h1"}.get(value, value)

@@ -16,6 +16,7 @@ numbers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -28,10 +29,12 @@ from megazero.errors import ConfigError
 from megazero.model.init import declare_linear, scope
 from megazero.moe.expert_tp import add_once
 from megazero.tensor_parallel.layers import (
+    DEFAULT_GEMM,
     Gemm,
     LinearSavingWeight,
     set_tensor_model_parallel_attributes,
 )
+from megazero.tensor_parallel.weight_grad import run_or_defer_group
 
 
 class ExpertMLP(nn.Module):
@@ -106,9 +109,12 @@ class _GroupedLinear(torch.autograd.Function):
     too (torch's own backward of ``_grouped_mm`` fails on CPU)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, counts: list[int]
+    def forward(ctx: Any, x: torch.Tensor, counts: list[int], *leaves: torch.Tensor
                 ) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
+        # The experts' own weights come in, not their stack, so that a zero-bubble B can
+        # leave their gradients to W (megazero.tensor_parallel.weight_grad).
+        w = torch.stack(leaves)
+        ctx.save_for_backward(x, *leaves)
         ctx.counts = counts
         if _grouped_mm_usable(x, w):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
@@ -119,26 +125,37 @@ class _GroupedLinear(torch.autograd.Function):
         return torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(_segments(counts))])
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x, w = ctx.saved_tensors
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *leaves = ctx.saved_tensors
+        w = torch.stack(leaves)
         counts = ctx.counts
         dy = dy.contiguous()
-        if _grouped_mm_usable(x, w) and _grouped_mm_usable(dy, w.transpose(-2, -1)):
-            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        segs = _segments(counts)
+        grouped = _grouped_mm_usable(x, w) and _grouped_mm_usable(dy, w.transpose(-2, -1))
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        dx = None
+        if grouped:
             try:
                 dx = torch._grouped_mm(dy, w, offs=offs)
-                dw = torch._grouped_mm(dy.t(), x, offs=offs)
-                return dx, dw, None
             except RuntimeError:  # as in forward
-                pass
-        segs = _segments(counts)
-        dx = torch.cat([dy[a:b] @ w[g] for g, (a, b) in enumerate(segs)])
-        dw = torch.stack([dy[a:b].t() @ x[a:b] for a, b in segs])
-        return dx, dw, None
+                grouped = False
+        if dx is None:
+            dx = torch.cat([dy[a:b] @ w[g] for g, (a, b) in enumerate(segs)])
+
+        def weight_grads() -> list[torch.Tensor]:
+            if grouped:
+                return list(torch._grouped_mm(dy.t(), x, offs=offs).unbind(0))
+            return [dy[a:b].t() @ x[a:b] for a, b in segs]
+
+        dws = run_or_defer_group(leaves, weight_grads)  # W of a zero-bubble schedule
+        return (dx, None, *(dws if dws is not None else [None] * len(leaves)))
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    out: torch.Tensor = _GroupedLinear.apply(x, w, counts)  # type: ignore[no-untyped-call]
+def grouped_linear(x: torch.Tensor, w: Sequence[torch.Tensor] | torch.Tensor, counts: list[int]
+                   ) -> torch.Tensor:
+    """``x[seg g] @ w[g]^T`` for each local expert ``g``; ``w`` lists their weights (or stacks
+    them: its gradient then flows through the stack)."""
+    out: torch.Tensor = _GroupedLinear.apply(x, counts, *w)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -174,16 +191,13 @@ class Experts(nn.Module):
             return self._grouped(x, counts, experts)
         outs = []
         for expert, (a, b) in zip(experts, _segments(counts), strict=True):
-            if self.gemms is None:
-                h = activation(expert.linear_fc1(x[a:b]), self.config)
-                y = F.linear(h, expert.linear_fc2.weight)
-            else:
-                fc1 = expert.linear_fc1
-                h = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
-                    x[a:b], fc1.weight, self.gemms[0])
-                h = activation(h if fc1.bias is None else h + fc1.bias, self.config)
-                y = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
-                    h, expert.linear_fc2.weight, self.gemms[1])
+            fc1 = expert.linear_fc1
+            gemm1, gemm2 = self.gemms or (DEFAULT_GEMM, DEFAULT_GEMM)
+            h = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+                x[a:b], fc1.weight, gemm1)
+            h = activation(h if fc1.bias is None else h + fc1.bias, self.config)
+            y = LinearSavingWeight.apply(  # type: ignore[no-untyped-call]
+                h, expert.linear_fc2.weight, gemm2)
             if expert.linear_fc2.bias is not None:
                 y = add_once(y, expert.linear_fc2.bias, self.etp_group)
             outs.append(y)
@@ -191,8 +205,8 @@ class Experts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, counts: list[int], experts: list[ExpertMLP]
                  ) -> torch.Tensor:
-        w1 = torch.stack([e.linear_fc1.weight for e in experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in experts])
+        w1 = [e.linear_fc1.weight for e in experts]
+        w2 = [e.linear_fc2.weight for e in experts]
         h = grouped_linear(x, w1, counts)
         if self.config.add_bias_linear:
             h = h + self._per_row_bias([e.linear_fc1.bias for e in experts], counts)

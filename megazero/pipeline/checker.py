@@ -4,7 +4,9 @@
 and verifies, raising :class:`ScheduleError` with a readable reason otherwise:
 
 1. **Work**: each rank runs the forward and the backward of every (chunk, micro-batch) exactly
-   once (forwards only in forward-only mode), each backward after its forward.
+   once (forwards only in forward-only mode), each backward after its forward; a rank that
+   splits its backwards (``W`` actions, zero-bubble schedules) runs every W exactly once, after
+   its B.
 2. **Local data flow**: a chunk's forward comes after the receive of its input activation,
    a send of an activation after the forward that made it, a backward after the receive of its
    output grad, and the send of an input grad after that backward.
@@ -39,9 +41,13 @@ and verifies, raising :class:`ScheduleError` with a readable reason otherwise:
    that size). The count is checked at posting time, so a buffer is never reused while a
    tensor it holds is still waiting for its compute.
 
-The same simulation gives a timeline (forward cost ``f_time``, backward ``b_time``,
-communication free), hence each rank's idle time (the bubble) and its peak number of
-micro-batches in flight (forwards whose backward has not finished: the activations it holds).
+The same simulation gives a timeline (forward cost ``f_time``, backward ``b_time``, of which
+``w_time`` is the weight-gradient part W when split, communication free), hence each rank's
+idle time (the bubble), its peak number of micro-batches in flight (forwards whose backward,
+or W when split, has not finished: the activations and W stashes it holds) and its peak
+number of W stashes (B done, W not yet). ``placement`` says where the chunks sit
+(:data:`~megazero.pipeline.schedules.PLACEMENTS`); in the V the last rank hands its chunk 0's
+activation to its chunk 1 without a message, which the checker proves by order instead.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megazero.pipeline.schedules import POST_ORDER, Action, Step, virtual_stage
+from megazero.pipeline.schedules import POST_ORDER, Action, Step, stage_owner, virtual_stage
 
 
 class ScheduleError(RuntimeError):
@@ -77,6 +83,7 @@ class SimResult:
     peak_inflight: list[int] = field(default_factory=list)  # in chunk-micro-batches
     # most received-but-not-yet-consumed tensors per rank: activations, grads
     peak_recv_buffers: list[tuple[int, int]] = field(default_factory=list)
+    peak_w_stash: list[int] = field(default_factory=list)  # B done, W not yet
 
     @property
     def idle(self) -> list[float]:
@@ -94,9 +101,9 @@ class SimResult:
         return [p / self.vpp for p in self.peak_inflight]
 
 
-def _slot(rank: int, a: Action, pp: int) -> tuple[str, int, int]:
+def _slot(rank: int, a: Action, pp: int, placement: str = "loop") -> tuple[str, int, int]:
     """What a message carries: direction, the virtual stage that produced it, micro-batch."""
-    v = virtual_stage(rank, a.chunk, pp)
+    v = virtual_stage(rank, a.chunk, pp, placement)
     if a.kind == "SEND_F":
         return ("F", v, a.microbatch)
     if a.kind == "RECV_F":
@@ -114,7 +121,8 @@ def _channel(rank: int, a: Action) -> tuple[int, int, str]:
     return (a.peer, rank, direction)
 
 
-def _check_work(schedules: list[list[Step]], vpp: int, m: int, forward_only: bool) -> None:
+def _check_work(schedules: list[list[Step]], vpp: int, m: int, forward_only: bool,
+                placement: str = "loop") -> None:
     pp = len(schedules)
     for rank, steps in enumerate(schedules):
         seen: dict[tuple[str, int, int], int] = {}
@@ -133,8 +141,12 @@ def _check_work(schedules: list[list[Step]], vpp: int, m: int, forward_only: boo
                     raise ScheduleError(f"rank {rank}: {a} appears twice (steps {seen[key]}, {i})")
                 seen[key] = i
         last_v = pp * vpp - 1
+        split = any(k[0] == "W" for k in seen)
         for c in range(vpp):
-            v = virtual_stage(rank, c, pp)
+            v = virtual_stage(rank, c, pp, placement)
+            # neighbours on this rank exchange no message: order proves the hand-off
+            local_prev = v > 0 and stage_owner(v - 1, pp, placement)[0] == rank
+            local_next = v < last_v and stage_owner(v + 1, pp, placement)[0] == rank
             for mb in range(m):
                 f, b = seen.get(("F", c, mb)), seen.get(("B", c, mb))
                 if f is None:
@@ -146,11 +158,29 @@ def _check_work(schedules: list[list[Step]], vpp: int, m: int, forward_only: boo
                     raise ScheduleError(f"rank {rank}: backward B{mb}.{c} never runs")
                 elif b < f:
                     raise ScheduleError(f"rank {rank}: B{mb}.{c} (step {b}) before its forward")
-                _check_order(rank, seen, ("RECV_F", c, mb), ("F", c, mb), v > 0)
-                _check_order(rank, seen, ("F", c, mb), ("SEND_F", c, mb), v < last_v)
+                w = seen.get(("W", c, mb))
+                if split and not forward_only and w is None:
+                    raise ScheduleError(f"rank {rank}: W{mb}.{c} never runs (its B left the "
+                                        f"weight gradients to it)")
+                if w is not None and b is not None and w < b:
+                    raise ScheduleError(f"rank {rank}: W{mb}.{c} (step {w}) runs before its "
+                                        f"backward B{mb}.{c} (step {b})")
+                if w is not None and b is None:
+                    raise ScheduleError(f"rank {rank}: W{mb}.{c} without its backward")
+                _check_order(rank, seen, ("RECV_F", c, mb), ("F", c, mb),
+                             v > 0 and not local_prev)
+                _check_order(rank, seen, ("F", c, mb), ("SEND_F", c, mb),
+                             v < last_v and not local_next)
+                if local_next:
+                    nc = stage_owner(v + 1, pp, placement)[1]
+                    _check_order(rank, seen, ("F", c, mb), ("F", nc, mb), True)
+                    if not forward_only:
+                        _check_order(rank, seen, ("B", nc, mb), ("B", c, mb), True)
                 if not forward_only:
-                    _check_order(rank, seen, ("RECV_B", c, mb), ("B", c, mb), v < last_v)
-                    _check_order(rank, seen, ("B", c, mb), ("SEND_B", c, mb), v > 0)
+                    _check_order(rank, seen, ("RECV_B", c, mb), ("B", c, mb),
+                                 v < last_v and not local_next)
+                    _check_order(rank, seen, ("B", c, mb), ("SEND_B", c, mb),
+                                 v > 0 and not local_prev)
 
 
 def _check_order(rank, seen, first, then, required: bool) -> None:
@@ -167,7 +197,8 @@ def _check_order(rank, seen, first, then, required: bool) -> None:
         raise ScheduleError(f"rank {rank}: {then[0]} {then[2]}.{then[1]} runs before {name}")
 
 
-def _match(schedules: list[list[Step]]) -> dict[tuple[int, int, int], tuple[int, int]]:
+def _match(schedules: list[list[Step]], placement: str = "loop"
+           ) -> dict[tuple[int, int, int], tuple[int, int]]:
     """Pair every communication action with its counterpart's (rank, step index)."""
     pp = len(schedules)
     sends: dict[tuple, list] = defaultdict(list)
@@ -183,7 +214,7 @@ def _match(schedules: list[list[Step]]) -> dict[tuple[int, int, int], tuple[int,
     for ch in sorted(set(sends) | set(recvs)):
         s, r = sends.get(ch, []), recvs.get(ch, [])
         for k, (snd, rcv) in enumerate(zip(s, r)):
-            if _slot(snd[0], snd[3], pp) != _slot(rcv[0], rcv[3], pp):
+            if _slot(snd[0], snd[3], pp, placement) != _slot(rcv[0], rcv[3], pp, placement):
                 raise ScheduleError(
                     f"mismatch on channel {ch[0]}->{ch[1]} ({ch[2]}), message {k}: rank "
                     f"{snd[0]} sends {snd[3]} (step {snd[1]}) but rank {rcv[0]} receives it as "
@@ -201,7 +232,7 @@ def _match(schedules: list[list[Step]]) -> dict[tuple[int, int, int], tuple[int,
     return partner
 
 
-def _match_untagged(schedules: list[list[Step]]) -> None:
+def _match_untagged(schedules: list[list[Step]], placement: str = "loop") -> None:
     """Per (source, destination) pair, sends and receives in posting order carry the same
     slots, whatever their direction (tag)."""
     pp = len(schedules)
@@ -213,7 +244,7 @@ def _match_untagged(schedules: list[list[Step]]) -> None:
                             key=lambda a: POST_ORDER[a.kind]):
                 src, dst, _ = _channel(rank, a)
                 side = sends if a.kind.startswith("SEND") else recvs
-                side[(src, dst)].append((_slot(rank, a, pp), rank, i, a))
+                side[(src, dst)].append((_slot(rank, a, pp, placement), rank, i, a))
     for pair in sorted(set(sends) | set(recvs)):
         for k, (snd, rcv) in enumerate(zip(sends[pair], recvs[pair])):
             if snd[0] != rcv[0]:
@@ -248,15 +279,22 @@ def recv_buffer_bound(pp: int, vpp: int | None, rank: int, group_size: int | Non
 def check_schedules(
     schedules: list[list[Step]], vpp: int | None, num_microbatches: int,
     forward_only: bool = False, f_time: float = 1.0, b_time: float = 2.0,
-    memory_bound: bool = True, group_size: int | None = None,
+    memory_bound: bool = True, group_size: int | None = None, w_time: float | None = None,
+    placement: str = "loop", inflight_limits: list[int] | None = None,
 ) -> SimResult:
     """Verify the schedules of all ``len(schedules)`` pipeline ranks; return the simulation.
     ``memory_bound=False`` accepts schedules that hold more than 1F1B's in-flight and
     receive-buffer bounds (such as all-forward-all-backward); ``group_size`` is the interleaved
-    schedule's micro-batch group size N those bounds use (default pp)."""
+    schedule's micro-batch group size N those bounds use (default pp). ``w_time``: the W part
+    of ``b_time`` on ranks that split their backwards (default half of it);
+    ``inflight_limits``: the in-flight bound per rank of a schedule that states its own (the
+    zero-bubble ones), instead of 1F1B's."""
     pp, vpp = len(schedules), vpp or 1
-    _check_work(schedules, vpp, num_microbatches, forward_only)
-    partner = _match(schedules)
+    w_time = b_time / 2 if w_time is None else w_time
+    _check_work(schedules, vpp, num_microbatches, forward_only, placement)
+    partner = _match(schedules, placement)
+    split = [any(s[0].kind == "W" for s in steps) for steps in schedules]
+    stash = [0] * pp
     # the compute that consumes each received tensor: direction index 0 (F) or 1 (B)
     consumes = {(r, Action(b.kind[-1], b.chunk, b.microbatch)): int(b.kind == "RECV_B")
                 for r, steps in enumerate(schedules) for s in steps for b in s
@@ -267,7 +305,8 @@ def check_schedules(
     inflight = [0] * pp
     pending = [[0, 0] for _ in range(pp)]  # received, not yet consumed: activations, grads
     peak_pending = [[0, 0] for _ in range(pp)]
-    res = SimResult(pp, vpp, num_microbatches, busy=[0.0] * pp, peak_inflight=[0] * pp)
+    res = SimResult(pp, vpp, num_microbatches, busy=[0.0] * pp, peak_inflight=[0] * pp,
+                    peak_w_stash=[0] * pp)
     progress = True
     while progress:
         progress = False
@@ -276,13 +315,18 @@ def check_schedules(
                 step = schedules[r][ptr[r]]
                 a = step[0]
                 if a.is_compute:
-                    dur = f_time if a.kind == "F" else b_time
+                    dur = {"F": f_time, "B": b_time - w_time if split[r] else b_time,
+                           "W": w_time}[a.kind]
                     res.intervals.append(Interval(r, clock[r], clock[r] + dur, a))
                     if a.kind == "F":
                         inflight[r] += 1
                         res.peak_inflight[r] = max(res.peak_inflight[r], inflight[r])
+                    elif a.kind == "B" and split[r]:
+                        stash[r] += 1
+                        res.peak_w_stash[r] = max(res.peak_w_stash[r], stash[r])
                     else:
                         inflight[r] -= 1
+                        stash[r] -= a.kind == "W"
                     if (r, a) in consumes:
                         pending[r][consumes[(r, a)]] -= 1
                     clock[r] += dur
@@ -307,10 +351,10 @@ def check_schedules(
     if any(ptr[r] < len(schedules[r]) for r in range(pp)):
         raise ScheduleError("deadlock: no rank can make progress\n" + _stuck(schedules, ptr,
                                                                               partner, posted))
-    _match_untagged(schedules)
+    _match_untagged(schedules, placement)
     res.makespan = max(clock) if clock else 0.0
     res.peak_recv_buffers = [(p[0], p[1]) for p in peak_pending]
-    if memory_bound:
+    if memory_bound and inflight_limits is None:  # a schedule with its own limits: reported
         for r in range(pp):
             bounds = recv_buffer_bound(pp, vpp, r, group_size)
             for d, what in enumerate(("activations", "grads")):
@@ -321,12 +365,14 @@ def check_schedules(
                         f"allows (group size {group_size or pp})")
     if memory_bound and not forward_only:
         for r in range(pp):
-            bound = inflight_bound(pp, vpp, num_microbatches, r, group_size)
+            bound = (inflight_limits[r] if inflight_limits is not None
+                     else inflight_bound(pp, vpp, num_microbatches, r, group_size))
             if res.peak_inflight[r] > bound:
                 raise ScheduleError(
                     f"rank {r} holds {res.peak_inflight[r]} chunk-micro-batches in flight, more "
-                    f"than 1F1B's bound of {bound} (its warm-up forwards plus one): an extra "
-                    f"warm-up forward keeps one more micro-batch's activations alive")
+                    f"than the schedule's bound of {bound} (1F1B's: its warm-up forwards plus "
+                    f"one): an extra warm-up forward keeps one more micro-batch's activations "
+                    f"alive")
     return res
 
 

@@ -36,7 +36,9 @@ from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.grad_sync import GradSync
 from megazero.pipeline.p2p import P2P, tensor_shape
-from megazero.pipeline.schedules import build_schedule, virtual_stage
+from megazero.pipeline.schedules import stage_owner, virtual_stage
+from megazero.pipeline.zero_bubble import placement_of, schedule_steps
+from megazero.tensor_parallel import weight_grad
 
 GradSyncArg: TypeAlias = "GradSync | Sequence[GradSync] | None"
 
@@ -82,6 +84,10 @@ def _sync_objects(grad_sync: GradSyncArg, num_chunks: int) -> list[GradSync] | N
     return [grad_sync] * num_chunks
 
 
+#: Batch entries the first chunk takes as keyword inputs when present.
+MODEL_INPUTS = ("doc_position_ids", "document_ids")
+
+
 def default_get_batch(data_iterator: Iterator) -> dict[str, torch.Tensor]:
     return next(data_iterator)
 
@@ -113,6 +119,8 @@ def forward_backward(
     grad_sync: GradSyncArg = None,
     activation_meter: ActivationMeter | None = None,
     microbatch_group_size: int | None = None,
+    schedule: str | None = None,
+    delay_wgrad: bool = False,
 ) -> list[float]:
     """Run one iteration of the pipeline schedule on this rank; return per-micro-batch losses.
 
@@ -131,18 +139,39 @@ def forward_backward(
     :func:`megazero.pipeline.schedules.interleaved_one_f_one_b`.
     ``activation_meter``, if given, measures this iteration's saved activations (see
     :class:`megazero.pipeline.activation_meter.ActivationMeter`).
+    ``schedule``: a ``--pipeline-schedule`` name (``None``: 1F1B, or interleaved with vpp);
+    ``delay_wgrad`` (Megatron's ``--delay-wgrad-compute``) runs 1F1B with each W after its
+    backward's communication. A schedule with ``W`` actions runs each backward as B (the input
+    gradient) with the weight gradients left to a store per (chunk, micro-batch), and W runs
+    the store (:mod:`megazero.tensor_parallel.weight_grad`): the gradient sync then sees each
+    micro-batch's gradients at its W, inside ``no_sync()`` but for each chunk's last.
+    In the V placement (ZBV, DualPipeV) the last rank hands each activation from its chunk 0
+    to its chunk 1 and the grad back without a message, and rank 0 holds the loss.
     """
     vpp, pp, m = len(model_chunks), topo.pp_size, num_microbatches
     if vpp != (topo.vpp_size or 1):
         raise ValueError(f"{vpp} model chunks but the topology has vpp={topo.vpp_size}")
     params = [p for c in model_chunks for p in c.parameters()]
     device = params[0].device if params else torch.device("cpu")
-    steps = build_schedule(pp, vpp, m, topo.pp_rank, forward_only, microbatch_group_size)
+    steps = schedule_steps(pp, vpp, m, topo.pp_rank, forward_only, microbatch_group_size,
+                           schedule, delay_wgrad)
     p2p = P2P(topo, tensor_shape(seq_length, micro_batch_size, hidden_size, topo.tp_size,
                                  sequence_parallel), dtype, device)
-    vstages = [virtual_stage(topo.pp_rank, c, pp) for c in range(vpp)]
+    placement = placement_of(schedule)
+    vstages = [virtual_stage(topo.pp_rank, c, pp, placement) for c in range(vpp)]
     first = [v == 0 for v in vstages]
     last = [v == pp * vpp - 1 for v in vstages]
+    # the chunk of this rank that takes this chunk's output (V: the last rank feeds itself)
+    local_next = [stage_owner(v + 1, pp, placement)[1]
+                  if v + 1 < pp * vpp and stage_owner(v + 1, pp, placement)[0] == topo.pp_rank
+                  else None for v in vstages]
+    local_prev = [stage_owner(v - 1, pp, placement)[1]
+                  if v > 0 and stage_owner(v - 1, pp, placement)[0] == topo.pp_rank
+                  else None for v in vstages]
+    split = any(st[0].kind == "W" for st in steps)
+    chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in model_chunks]
+    w_stores: dict[tuple[int, int], weight_grad.WeightGradStore] = {}
+    loss_rank = stage_owner(pp * vpp - 1, pp, placement)[0]
     syncs = _sync_objects(grad_sync, vpp)
     meter = activation_meter
     if meter is not None:
@@ -177,17 +206,24 @@ def forward_backward(
         meter_ctx = meter.forward((c, mb)) if meter else contextlib.nullcontext()
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx, meter_ctx:
-            out = model_chunks[c](tokens, labels, hidden_states=x)
+            # packed documents (megazero.model.packed): the batch's own positions and ids
+            extra = {k: data[k] for k in MODEL_INPUTS if k in data} if first[c] else {}
+            out = model_chunks[c](tokens, labels, hidden_states=x, **extra)
             if last[c]:
                 loss = loss_fn(out, data)
                 losses[mb] = loss.detach()
                 out = loss / m
+        nxt = local_next[c]
         if forward_only:
-            if not last[c]:
+            if nxt is not None:
+                recv_act[(nxt, mb)] = out.detach()
+            elif not last[c]:
                 outgoing[("SEND_F", c, mb)] = out
             return
         inputs[(c, mb)] = x
-        if not last[c]:
+        if nxt is not None:  # no message: the next chunk's input is this output's value
+            recv_act[(nxt, mb)] = out.detach()
+        elif not last[c]:
             out = _viewless(out)
             outgoing[("SEND_F", c, mb)] = out
         outputs[(c, mb)] = out
@@ -195,17 +231,38 @@ def forward_backward(
     def run_backward(c: int, mb: int) -> None:
         out, x = outputs.pop((c, mb)), inputs.pop((c, mb))
         grad = None if last[c] else recv_grad.pop((c, mb))
-        is_last_mb = mb == m - 1
-        ctx = syncs[c].no_sync() if (syncs and not is_last_mb) else contextlib.nullcontext()
-        with ctx:
-            backward_step(out, grad)
-        if syncs and is_last_mb and isinstance(grad_sync, Sequence):
-            syncs[c].start_grad_sync()
+        if split:  # B: the input grad now, the weight grads to the store for W
+            store = weight_grad.WeightGradStore(chunk_params[c])
+            with weight_grad.deferring(store):
+                got = weight_grad.backward([out], [grad], [] if x is None else [x])
+            x_grad = got[0] if got else None
+            w_stores[(c, mb)] = store
+        else:
+            with _sync_context(c, mb):
+                backward_step(out, grad)
+            _after_last_grads(c, mb)
+            x_grad = x.grad if x is not None else None
         if meter:
             meter.backward_done((c, mb))
         if not first[c]:
-            assert x is not None and x.grad is not None
-            outgoing[("SEND_B", c, mb)] = x.grad
+            assert x_grad is not None
+            if local_prev[c] is not None:
+                recv_grad[(local_prev[c], mb)] = x_grad
+            else:
+                outgoing[("SEND_B", c, mb)] = x_grad
+
+    def _sync_context(c: int, mb: int) -> contextlib.AbstractContextManager:
+        last_mb = mb == m - 1
+        return syncs[c].no_sync() if (syncs and not last_mb) else contextlib.nullcontext()
+
+    def _after_last_grads(c: int, mb: int) -> None:
+        if syncs and mb == m - 1 and isinstance(grad_sync, Sequence):
+            syncs[c].start_grad_sync()
+
+    def run_weight(c: int, mb: int) -> None:
+        with _sync_context(c, mb):
+            w_stores.pop((c, mb)).run()
+        _after_last_grads(c, mb)
 
     for step in steps:
         a = step[0]
@@ -213,6 +270,8 @@ def forward_backward(
             run_forward(a.chunk, a.microbatch)
         elif a.kind == "B":
             run_backward(a.chunk, a.microbatch)
+        elif a.kind == "W":
+            run_weight(a.chunk, a.microbatch)
         else:
             got = p2p.exchange(step, outgoing)
             for b in step:
@@ -227,21 +286,22 @@ def forward_backward(
                         deallocate_output_tensor(sent)
             if meter:
                 meter.held_outputs(outputs)
-    assert not outputs and not inputs and not recv_act and not recv_grad, "schedule left work"
+    assert not outputs and not inputs and not recv_act and not recv_grad and not w_stores, \
+        "schedule left work"
     if syncs and not isinstance(grad_sync, Sequence) and not forward_only:
         syncs[0].start_grad_sync()
-    return _broadcast_losses(losses, topo, device)
+    return _broadcast_losses(losses, topo, device, loss_rank)
 
 
 def _broadcast_losses(losses: list[torch.Tensor | None], topo: ParallelTopology,
-                      device: torch.device) -> list[float]:
-    """The last stage has the losses; every pipeline rank returns them (for logging)."""
-    if topo.is_last_stage:
+                      device: torch.device, loss_rank: int) -> list[float]:
+    """The last stage (``loss_rank``) has the losses; every pipeline rank returns them."""
+    if topo.pp_rank == loss_rank:
         buf = torch.stack([t.float() for t in losses]).to(device)  # type: ignore[misc]
     else:
         buf = torch.empty(len(losses), dtype=torch.float32, device=device)
     if topo.pp_size > 1:
         c = topo.coord
-        dist.broadcast(buf, src=topo.layout.rank(topo.pp_size - 1, c.dp, c.tp, topo.cp_rank),
+        dist.broadcast(buf, src=topo.layout.rank(loss_rank, c.dp, c.tp, topo.cp_rank),
                        group=topo.pp_group)
     return buf.tolist()

@@ -35,6 +35,10 @@ def sync_tied_embeddings(model_chunks: Sequence[torch.nn.Module], topo: Parallel
     if topo.pp_size == 1 or not topo.in_embedding_group:
         return
     params = shared_embedding_params(model_chunks)
+    if len(params) == 2:  # the V (ZBV, DualPipeV): both copies on this rank, chunk 0's first
+        with torch.no_grad():
+            params[1].data.copy_(params[0].data)
+        return
     c = topo.coord
     src = topo.layout.rank(0, c.dp, c.tp, topo.cp_rank)
     for p in params:

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from megazero.config import ConfigError, check_microbatch_groups
 from megazero.config.rules import check_vpp_needs_pp
 
-COMPUTE_KINDS = ("F", "B")
+#: ``W`` is the weight-gradient half of a split backward (zero-bubble schedules): a rank whose
+#: schedule has a W for a (chunk, micro-batch) runs that micro-batch's B as input gradient only.
+COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # The order in which the executor posts the actions of one communication step (see
 # megazero.pipeline.p2p); the checker proves message matching in this order too.
@@ -70,8 +72,24 @@ class Action:
 Step = tuple[Action, ...]
 
 
-def virtual_stage(pp_rank: int, chunk: int, pp: int) -> int:
+#: Where chunks sit: ``loop`` is Megatron's round-robin (chunk ``c`` of rank ``r`` is virtual
+#: stage ``c * pp + r``); ``v`` is the V of ZBV and DualPipeV, two chunks per rank, chunk 0 at
+#: stage ``r`` and chunk 1 at stage ``2 pp - 1 - r``: the last rank feeds itself, and the
+#: first and last stages (embedding, loss) are both on rank 0.
+PLACEMENTS = ("loop", "v")
+
+
+def virtual_stage(pp_rank: int, chunk: int, pp: int, placement: str = "loop") -> int:
+    if placement == "v":
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
     return chunk * pp + pp_rank
+
+
+def stage_owner(vstage: int, pp: int, placement: str = "loop") -> tuple[int, int]:
+    """``(pp_rank, chunk)`` holding virtual stage ``vstage``."""
+    if placement == "v":
+        return (vstage, 0) if vstage < pp else (2 * pp - 1 - vstage, 1)
+    return vstage % pp, vstage // pp
 
 
 @dataclass(frozen=True)

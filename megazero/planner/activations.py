@@ -88,8 +88,26 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
     # a2a (Ulysses) keeps one more context-sized tensor: the head-split output it permutes
     # back into the zigzag order before the second all-to-all
     ulysses = e * s * b * qw if (p.cp > 1 and p.cp_comm_type == "a2a") else 0
+    if m.multi_latent_attention:
+        return replicated + mla_attention_bytes(cfg, b, tp) + (mlp + core + ulysses) / tp
     split = (e * s * b * (2 * qw + 2 * kv) + mlp + rope + qk_norm + core + ulysses) / tp
     return replicated + split
+
+
+def mla_attention_bytes(cfg: MegazeroConfig, b: int, tp: int) -> float:
+    """Multi-latent attention's saved bytes besides the core's scores, per micro-batch: on
+    every TP rank the whole (gathered) input of the down-projections and the latents (the
+    norms' inputs and outputs, the shared key's rotation); split over TP ranks the heads'
+    queries, keys and values (zero-padded to one width for the core), the rotated parts'
+    inputs and the output projection's input."""
+    m = cfg.model
+    e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
+    s, h, a = local_seq(cfg), m.hidden_size, m.num_attention_heads
+    pe, v = m.qk_pos_emb_head_dim, m.v_head_dim
+    width = max(m.qk_head_dim + pe, v)
+    latent = e * s * b * (h + 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + 2 * pe)
+    heads = e * s * b * a * (3 * width + v + 2 * pe)
+    return latent + heads / tp
 
 
 def layer_stat_bytes(cfg: MegazeroConfig, b: int, tp: int, *, flash: bool = False,
@@ -215,14 +233,20 @@ def loss_transient_bytes(cfg: MegazeroConfig, b: int, tp: int) -> float:
 def chunk_saved_bytes(cfg: MegazeroConfig, pp_rank: int, *, flash: bool,
                       sdpa_math: bool = False) -> list[float]:
     """Saved bytes of one micro-batch's forward through each model chunk of this rank."""
+    from megazero.config.schema import layer_counts
+    from megazero.pipeline.schedules import virtual_stage
+    from megazero.pipeline.zero_bubble import placement_of
+
     p = cfg.parallel
     tp, pp, vpp = p.tp, p.pp, cfg.vpp or 1
     b = cfg.train.micro_batch_size
-    layers = cfg.model.num_layers // (pp * vpp)
+    placement = placement_of(p.pipeline_schedule)
+    counts = layer_counts(cfg) or [cfg.model.num_layers // (pp * vpp)] * (pp * vpp)
     out = []
     for c in range(vpp):
-        v = c * pp + pp_rank  # virtual stage (round robin)
-        out.append(recompute_layer_bytes(cfg, b, tp, layers, flash=flash, sdpa_math=sdpa_math)
+        v = virtual_stage(pp_rank, c, pp, placement)  # its own layers, embedding and loss
+        out.append(recompute_layer_bytes(cfg, b, tp, counts[v], flash=flash,
+                                         sdpa_math=sdpa_math)
                    + embedding_logits_bytes(cfg, b, tp, v == 0, v == pp * vpp - 1))
     return out
 
@@ -230,24 +254,30 @@ def chunk_saved_bytes(cfg: MegazeroConfig, pp_rank: int, *, flash: bool,
 def peak_saved_bytes(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *,
                      flash: bool, sdpa_math: bool = False) -> float:
     """Peak bytes autograd holds for backward on pipeline rank ``pp_rank``: walk the step list
-    :func:`megazero.pipeline.schedules.build_schedule` gives this rank (the one the executor
-    runs); each forward adds its chunk's saved bytes until its backward. This is what the
+    :func:`megazero.pipeline.zero_bubble.schedule_steps` gives this rank (the one the executor
+    runs, any ``--pipeline-schedule``); each forward adds its chunk's saved bytes until its
+    backward, or its W when the schedule splits backwards. This is what the
     executor's activation meter measures (``ActivationMeter.peak_saved_bytes``); the transient of
     rematerialising a full-recompute segment in backward comes on top
     (:func:`segment_peak_bytes`)."""
-    from megazero.pipeline.schedules import build_schedule
+    from megazero.pipeline.zero_bubble import schedule_steps
 
     p = cfg.parallel
     pp = p.pp
     chunk_bytes = chunk_saved_bytes(cfg, pp_rank, flash=flash, sdpa_math=sdpa_math)
     live = peak = 0.0
-    for step in build_schedule(pp, cfg.vpp, num_microbatches, pp_rank,
-                               group_size=p.microbatch_group_size_per_vp_stage):
+    steps = schedule_steps(pp, cfg.vpp, num_microbatches, pp_rank,
+                           group_size=p.microbatch_group_size_per_vp_stage,
+                           schedule=p.pipeline_schedule, delay_wgrad=p.delay_wgrad_compute)
+    split = any(st[0].kind == "W" for st in steps)
+    for step in steps:
         for a in step:
             if a.kind == "F":
                 live += chunk_bytes[a.chunk]
                 peak = max(peak, live)
-            elif a.kind == "B":
+            elif a.kind == ("W" if split else "B"):
+                # a split backward's W stash (inputs and output grads of the GEMMs) is
+                # charged as the whole forward's activations until its W: an upper bound
                 live -= chunk_bytes[a.chunk]
     return peak
 

@@ -22,7 +22,8 @@ class Candidate:
         off = "+off" if z.offload_optimizer.enabled else ""
         per_stage = c.model.num_layers // p.pp
         vl = p.num_layers_per_virtual_pipeline_stage
-        sched = "1f1b" if vl is None else f"interleaved x{per_stage // vl}"
+        sched = p.pipeline_schedule or (
+            "1f1b" if vl is None else f"interleaved x{per_stage // vl}")
         moe = (f" ep{p.expert_model_parallel_size} etp{p.expert_tensor_parallel_size}"
                if c.model.moe.enabled else "")
         return (f"tp{p.tp} cp{p.cp} pp{p.pp} {sched} dp{c.layout().dp}{moe} z{z.stage}{off} "

@@ -64,22 +64,33 @@ def stage_numel(cfg: MegazeroConfig, pp_rank: int) -> int:
     """Parameters held by pipeline rank ``pp_rank``'s chunks (full, before ZeRO sharding):
     what ``sum(p.numel() for chunk in meta_chunks(cfg, ...) for p in chunk.parameters())``
     gives, from cached pieces."""
+    from megazero.config.schema import layer_counts
+    from megazero.pipeline.zero_bubble import placement_of
+
     p = cfg.parallel
+    counts = layer_counts(cfg)
     return _stage_numel(cfg.model, p.tp, sequence_parallel_active(p.sequence_parallel, p.tp),
                         p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.pp,
-                        p.num_layers_per_virtual_pipeline_stage, pp_rank)
+                        p.num_layers_per_virtual_pipeline_stage, pp_rank,
+                        placement_of(p.pipeline_schedule), None if counts is None else
+                        tuple(counts))
 
 
 @lru_cache(maxsize=8192)
 def _stage_numel(m: ModelConfig, tp: int, sp: bool, ep: int, etp: int, pp: int, vl: int | None,
-                 pp_rank: int) -> int:
-    ranges = chunk_layer_ranges(m.num_layers, pp, vl)
+                 pp_rank: int, placement: str = "loop",
+                 counts: tuple[int, ...] | None = None) -> int:
+    """Each stage is charged its own layers, embedding and loss (uneven splits, the V)."""
+    ranges = chunk_layer_ranges(m.num_layers, pp, vl, placement,
+                                None if counts is None else list(counts))
     total = 0
-    for (lo, hi), (pre, post) in zip(ranges[pp_rank], chunk_roles(pp_rank, pp, len(ranges[0]))):
+    roles = chunk_roles(pp_rank, pp, len(ranges[0]), placement)
+    for (lo, hi), (pre, post) in zip(ranges[pp_rank], roles):
         layers = sum(_layer_numel(m, tp, sp, ep, etp, i) for i in range(lo, hi))
         ends = 0
         if pre or post:  # the embedding / final norm and head, beside one layer
-            ends = _chunk_numel(m, tp, sp, ep, etp, lo, 1, pre, post) - _chunk_numel(
-                m, tp, sp, ep, etp, lo, 1, False, False)
+            at = min(lo, m.num_layers - 1)  # a stage may hold no layer (uneven splits)
+            ends = _chunk_numel(m, tp, sp, ep, etp, at, 1, pre, post) - _chunk_numel(
+                m, tp, sp, ep, etp, at, 1, False, False)
         total += layers + ends
     return total

@@ -161,6 +161,7 @@ def layout_config(base: MegazeroConfig, layout: Layout, world: int, gbs: int,
         context_parallel_size=s.cp, expert_model_parallel_size=s.ep,
         expert_tensor_parallel_size=s.etp, sequence_parallel=s.sp,
         num_layers_per_virtual_pipeline_stage=s.schedule.layers_per_virtual_stage,
+        pipeline_schedule=s.schedule.pipeline_schedule,
         recompute_granularity=None if layout.recompute == "none" else layout.recompute,
         recompute_method="uniform" if full else None,
         recompute_num_layers=1 if full else None, world_size=world)

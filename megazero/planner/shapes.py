@@ -73,6 +73,11 @@ def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Mo
     search asks for the same shapes many times; nothing here mutates them)."""
     key = (cfg.model, topo.tp_size, topo.pp_size, topo.pp_rank, topo.tp_rank,
            cfg.parallel.num_layers_per_virtual_pipeline_stage,
+           cfg.parallel.pipeline_schedule, cfg.parallel.pipeline_model_parallel_layout,
+           cfg.parallel.decoder_first_pipeline_num_layers,
+           cfg.parallel.decoder_last_pipeline_num_layers,
+           cfg.parallel.account_for_embedding_in_pipeline_split,
+           cfg.parallel.account_for_loss_in_pipeline_split,
            sequence_parallel_active(cfg.parallel.sequence_parallel, topo.tp_size),
            cfg.precision.params_dtype, topo.ep_size, topo.ep_rank,  # MoE: this rank's experts
            topo.etp_size, topo.etp_rank)  # and its slice of each
@@ -84,7 +89,9 @@ def meta_chunks(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Mo
 
 
 def _build(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]:
+    from megazero.config.schema import layer_counts
     from megazero.pipeline.partition import build_model_chunks
+    from megazero.pipeline.zero_bubble import placement_of
     from megazero.tensor_parallel.context import ParallelContext
 
     with torch.device("meta"), shape_only():  # shape-only groups answer size and rank here
@@ -92,7 +99,9 @@ def _build(cfg: MegazeroConfig, topo: ParallelTopology) -> list[torch.nn.Module]
             topo, sequence_parallel=cfg.parallel.sequence_parallel)
         chunks = build_model_chunks(cfg.model, topo,
                                     cfg.parallel.num_layers_per_virtual_pipeline_stage,
-                                    parallel=parallel, seed=cfg.train.seed)
+                                    parallel=parallel, seed=cfg.train.seed,
+                                    placement=placement_of(cfg.parallel.pipeline_schedule),
+                                    layer_counts=layer_counts(cfg))
     dtype = cfg.precision.params_dtype
     for c in chunks:
         for p in c.parameters():

@@ -35,11 +35,13 @@ from megazero.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from megazero.tensor_parallel.overlap import all_gather_linear, linear_reduce_scatter
 from megazero.tensor_parallel.utils import (
     divide,
     gather_from_tensor_parallel_output,
     shard_tensor,
 )
+from megazero.tensor_parallel.weight_grad import run_or_defer
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -147,10 +149,14 @@ class LinearWithTensorParallelInput(torch.autograd.Function):
                 else all_reduce(grad_x, group)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            total = all_gather_dim0(x, group) if ctx.sequence_parallel else x
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = ctx.gemm.wgrad(g2, total.reshape(-1, total.shape[-1]))
-            grad_w = grad_w.to(weight.dtype)
+            sp, wdtype, gemm = ctx.sequence_parallel, weight.dtype, ctx.gemm
+
+            def weight_grad() -> torch.Tensor:
+                total = all_gather_dim0(x, group) if sp else x
+                g2 = grad.reshape(-1, grad.shape[-1])
+                return gemm.wgrad(g2, total.reshape(-1, total.shape[-1])).to(wdtype)
+
+            grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None
@@ -178,8 +184,13 @@ class LinearSavingWeight(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = ctx.gemm.dgrad(grad, weight).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = ctx.gemm.wgrad(g2, x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            wdtype, gemm = weight.dtype, ctx.gemm
+
+            def weight_grad() -> torch.Tensor:
+                g2 = grad.reshape(-1, grad.shape[-1])
+                return gemm.wgrad(g2, x.reshape(-1, x.shape[-1])).to(wdtype)
+
+            grad_w = run_or_defer(weight, weight_grad)  # W of a zero-bubble schedule
         return grad_x, grad_w, None
 
 
@@ -207,6 +218,7 @@ class ColumnParallelLinear(nn.Module):
         group, dtype = parallel.tp_group, parallel.params_dtype
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = parallel.sequence_parallel
+        self.overlap = parallel.overlap
         self.input_size, self.output_size = input_size, output_size
         self.gemm: Gemm = DEFAULT_GEMM
         local = divide(output_size, parallel.tp_size)
@@ -225,8 +237,11 @@ class ColumnParallelLinear(nn.Module):
         holds the gathered bias (a caller adding ``self.bias`` afterwards would find it
         released)."""
         bias = None if epilogue is not None else self.bias
-        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel,
-                                   self.gemm)
+        if self.overlap is not None:
+            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap)
+        else:
+            y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel,
+                                       self.gemm)
         if epilogue is not None:
             if self.gather_output:
                 raise ValueError("an epilogue needs gather_output=False (it acts on this "
@@ -256,6 +271,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = parallel.sequence_parallel
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
+        self.overlap = parallel.overlap
         self.input_size, self.output_size = input_size, output_size
         self.gemm: Gemm = DEFAULT_GEMM
         local = divide(input_size, parallel.tp_size)
@@ -275,11 +291,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y = LinearSavingWeight.apply(x, self.weight, self.gemm)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        if self.overlap is not None:  # the reduce-scatter inside the GEMM
+            y = linear_reduce_scatter(x, self.weight, self.group, self.overlap)
+        elif self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(
+                LinearSavingWeight.apply(x, self.weight, self.gemm), self.group)
         else:
-            y = reduce_from_tensor_parallel_region(y, self.group)
+            y = reduce_from_tensor_parallel_region(
+                LinearSavingWeight.apply(x, self.weight, self.gemm), self.group)
         if self.epilogue is not None:
             return self.epilogue(y, self.bias)
         return y if self.bias is None else y + self.bias

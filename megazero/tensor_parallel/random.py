@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megazero.tensor_parallel import weight_grad
+
 if TYPE_CHECKING:
     from megazero.tensor_parallel.saved_inputs import SavedInputLayout
 
@@ -177,9 +179,12 @@ class _CheckpointFunction(torch.autograd.Function):
         outs = (out,) if ctx.single else tuple(out)
         pairs = [(o, g) for o, g in zip(outs, grads)
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        input_grads = tuple(i.grad if torch.is_tensor(i) else None for i in inputs)
+        tensor_inputs = [i for i in inputs if torch.is_tensor(i)]
+        # The recomputed forward belongs to B: inside a zero-bubble B the parameters'
+        # gradients go to the weight-gradient store, not to ``.grad``.
+        got = iter(weight_grad.backward([o for o, _ in pairs], [g for _, g in pairs],
+                                        tensor_inputs) if pairs else [None] * len(tensor_inputs))
+        input_grads = tuple(next(got) if torch.is_tensor(i) else None for i in inputs)
         return (None, None, None, *input_grads)
 
 

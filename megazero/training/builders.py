@@ -231,7 +231,8 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
 
 
 def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | None = None,
-              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1)
+              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1),
+              mtp_layers: int = 0, documents: tuple[int | None, bool, bool] = (None, False, False)
               ) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
     ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
@@ -243,7 +244,11 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     non-blocking copy, so the transfer overlaps the work already queued on the GPU.
 
     ``cp``: ``(cp_rank, cp_size)``; with context parallelism the rank keeps its share of the
-    sequence (:func:`megazero.context_parallel.batch.split_batch`).
+    sequence (:func:`megazero.context_parallel.batch.split_batch`). ``mtp_layers``: also the
+    multi-token-prediction depths' masks, ``mtp_loss_mask [b, s, N]``
+    (:func:`megazero.model.mtp.mtp_loss_masks`), built before the split. ``documents``:
+    ``(end-of-document id, --reset-position-ids, --reset-attention-mask)``: also
+    ``doc_position_ids`` / ``document_ids`` (:mod:`megazero.model.packed`), before the split.
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
@@ -251,6 +256,20 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eod_mask is not None:
         batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    eod, reset_positions, reset_mask = documents
+    if eod is not None and (reset_positions or reset_mask):
+        from megazero.model.packed import document_ids, document_positions
+
+        docs = document_ids(batch["tokens"], eod)
+        if reset_positions:
+            batch["doc_position_ids"] = document_positions(docs)
+        if reset_mask:
+            batch["document_ids"] = docs
+    if mtp_layers:
+        from megazero.model.mtp import mtp_loss_masks
+
+        batch["mtp_loss_mask"] = mtp_loss_masks(batch.get("loss_mask"), batch["tokens"],
+                                                mtp_layers)
     if cp[1] > 1:
         from megazero.context_parallel.batch import split_batch
 
@@ -267,16 +286,22 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     ``device`` and initialised there, one at a time (``GPTModel.materialize``): the host never
     holds the rank's shard. At stage 3 the parameters stay on the meta device for the engine,
     which materialises only this rank's partition of each unit."""
+    from megazero.config.schema import layer_counts
     from megazero.pipeline.partition import build_model_chunks
+    from megazero.pipeline.zero_bubble import placement_of
     from megazero.tensor_parallel.context import ParallelContext
+    from megazero.tensor_parallel.overlap import tp_comm_overlap_of
 
     parallel = ParallelContext.from_topology(topo,
                                              sequence_parallel=cfg.parallel.sequence_parallel,
-                                             cp_comm_type=cfg.parallel.cp_comm_type)
+                                             cp_comm_type=cfg.parallel.cp_comm_type,
+                                             tp_comm_overlap=tp_comm_overlap_of(cfg.parallel))
     with torch.device("meta"):
         chunks = build_model_chunks(
             cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
-            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed)
+            parallel=parallel, recompute=cfg.parallel.recompute, seed=cfg.train.seed,
+            placement=placement_of(cfg.parallel.pipeline_schedule),
+            layer_counts=layer_counts(cfg))
     if cfg.zero.stage == 3:
         for c in chunks:
             c.materialize_buffers(device)

@@ -125,6 +125,8 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     run.state.spikes = SpikeWatch(cfg.train.spike_factor, cfg.train.spike_window)
     if cfg.data.eod_mask_loss:
         run.eod_mask = _eod_id(tokenizer)
+    if cfg.data.reset_position_ids or cfg.data.reset_attention_mask:
+        run.eod_id = _eod_id(tokenizer)
     engine.count_zeros_in_grad = cfg.logging.log_num_zeros_in_grad
     if cfg.checkpoint.save:
         run.owner = RunOwner.this_process(new_run_id()) if topo.rank == 0 else None

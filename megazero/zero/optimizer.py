@@ -215,10 +215,16 @@ class ZeroOptimizer:
             for store in self.stores:
                 for t in store.deferred_grads("sp"):
                     self.comms.tp.all_reduce(t)
-        if self.comms.emb.size > 1:
-            for store in self.stores:
-                for t in store.deferred_grads("emb"):
-                    self.comms.emb.all_reduce(t)
+        emb = [t for store in self.stores for t in store.deferred_grads("emb")]
+        if len(emb) == 2:
+            # The V of ZBV and DualPipeV: the first and the last stage, hence both copies of
+            # the tied embedding, are this rank's; the sum is local (the other end of the
+            # embedding group holds neither and posts nothing).
+            emb[0].add_(emb[1])
+            emb[1].copy_(emb[0])
+        elif self.comms.emb.size > 1:
+            for t in emb:
+                self.comms.emb.all_reduce(t)
         for store in self.stores:
             store.reduce_deferred()
         self._synced = True
