@@ -30,6 +30,8 @@ GOLDEN_FLAGS = """
 --pipeline-model-parallel-layout
 --context-parallel-size --cp-comm-type
 --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers
+--tp-comm-overlap --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs
+--tp-comm-overlap-rs-dgrad --disable-tp-comm-bulk-dgrad --disable-tp-comm-bulk-wgrad
 --distribute-saved-activations
 --distributed-backend --distributed-timeout-minutes --model-preset --num-layers --hidden-size
 --num-attention-heads
@@ -73,7 +75,12 @@ GOLDEN_FLAGS = """
 --moe-z-loss-coeff --moe-router-enable-expert-bias --moe-router-bias-update-rate
 --moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
 --moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
---moe-token-dispatcher-type --moe-per-layer-logging
+--moe-shared-expert-overlap
+--moe-token-dispatcher-type --moe-per-layer-logging --moe-router-num-groups
+--moe-router-group-topk --moe-router-dtype --multi-latent-attention --q-lora-rank --kv-lora-rank
+--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale-all-dim
+--original-max-position-embeddings --mtp-num-layers --mtp-loss-scaling-factor
+--reset-position-ids --reset-attention-mask
 --async-save --exit-on-save-failure --max-spike-steps --log-straggler --straggler-minmax-count
 --straggler-factor --straggler-patience
 --train-tokens --lr-warmup-tokens --lr-decay-tokens --tensorboard-queue-size

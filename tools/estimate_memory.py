@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = est.as_dict()
+    from dataclasses import asdict
+
+    from megazero.planner.param_counts import describe, parameter_counts
+
+    out["parameters"] = asdict(parameter_counts(cfg.model))
     if args.deepspeed_compat:
         from dataclasses import replace
 
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
           + f", vpp {cfg.vpp or 1}, ZeRO "
           f"{cfg.zero.stage}, {cfg.precision.params_dtype}".replace("torch.", ""))
     print(assumptions(cfg, note))
+    print(f"model: {describe(cfg.model)}")
     print(f"parameters on the worst rank (pp stage {w.pp_rank}): {w.numel:,}")
     print("  model states (held throughout; they add up):")
     for name, v in w.items.items():
@@ -165,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time {t.seconds:.3f} s  (" + ", ".join(
         f"{k} {v:.3f}" for k, v in t.terms.items()) + ")")
     print(f"tokens/s {t.tokens_per_s:,.0f}   MFU {t.mfu:.1%}")
+    from megazero.planner.comm_overlap import exposed_comm
+
+    for line in exposed_comm(cfg, cluster).lines(cfg):
+        print(line)
     if args.deepspeed_compat:
         d = out["deepspeed"]
         print(f"DeepSpeed estimate (total {d['total_params']:,} params, largest layer "

@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     flags = winner_flags(win, base)
     ds = deepspeed_json(win)
     print(f"\nwinner: {win.label}")
+    from megazero.planner.comm_overlap import exposed_comm
+
+    for line in exposed_comm(win.est.config, cluster).lines(win.est.config):
+        print(f"  {line}")
     second, ties = runner_up(fits)
     if not args.measure:  # measured ranks: the predicted terms may disagree
         if ties:

@@ -68,7 +68,8 @@ def param_infos(models: list[nn.Module], pp_rank: int, pp_size: int) -> list[Par
     for i, m in enumerate(models):
         gpt = hasattr(m, "layer_range")
         for key, p in m.named_parameters():
-            dup = gpt and key == "output_layer.weight" and getattr(p, "shared_embedding", False)
+            dup = gpt and key in ("output_layer.weight", "mtp_embedding.weight") and getattr(
+                p, "shared_embedding", False)
             if gpt:
                 name = WORD_EMBEDDING if dup else key
             else:

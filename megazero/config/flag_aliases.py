@@ -59,6 +59,12 @@ EQUIVALENT_WITH_VALUE: dict[str, str] = {
     # megazero reads (megazero.distributed.device)
     "--local_rank": "the local rank is read from the launcher's LOCAL_RANK",
     "--local-rank": "the local rank is read from the launcher's LOCAL_RANK",
+    # --tp-comm-overlap needs no Transformer Engine userbuffers: the chunks are the TP ranks'
+    # sequence slices, exchanged over the TP group's own backend
+    "--tp-comm-overlap-cfg": "--tp-comm-overlap has no userbuffers configuration: each "
+                             "collective is split into the TP ranks' sequence chunks",
+    "--tp-comm-bootstrap-backend": "--tp-comm-overlap exchanges its chunks over the TP "
+                                   "group's own backend; there are no userbuffers to bootstrap",
 }
 
 #: the values an :data:`EQUIVALENT_WITH_VALUE` flag may take where its tool refuses others.

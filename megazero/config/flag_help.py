@@ -40,8 +40,12 @@ GROUP_OF_FLAG = {
     "--moe-grouped-gemm": "mixture of experts",
     "--moe-shared-expert-intermediate-size": "mixture of experts",
     "--moe-shared-expert-gate": "mixture of experts",
+    "--moe-shared-expert-overlap": "mixture of experts",
     "--moe-token-dispatcher-type": "mixture of experts",
     "--moe-per-layer-logging": "mixture of experts",
+    "--moe-router-num-groups": "mixture of experts",
+    "--moe-router-group-topk": "mixture of experts",
+    "--moe-router-dtype": "mixture of experts",
     "--lr": "learning rate", "--min-lr": "learning rate", "--lr-decay-style": "learning rate",
     "--lr-warmup-iters": "learning rate", "--lr-decay-iters": "learning rate",
     "--lr-warmup-fraction": "learning rate", "--lr-warmup-samples": "learning rate",
@@ -97,6 +101,12 @@ HELP = {
         "width of a dense shared expert every token passes",
     "--moe-shared-expert-gate":
         "scale the shared expert's output by sigmoid(x g) per token",
+    "--moe-router-num-groups":
+        "split the experts into this many equal groups (nodes) for group-limited routing",
+    "--moe-router-group-topk":
+        "groups each token may route to: its top-k comes from its best groups",
+    "--moe-router-dtype":
+        "precision of the router's logits and choice (fp32, or fp64)",
     "--moe-token-dispatcher-type":
         "how tokens reach their experts' ranks: all-gather or all-to-all",
     "--moe-per-layer-logging":
@@ -230,8 +240,9 @@ HELP = {
     "--num-layers-at-end-in-bf16": "with --first-last-layers-bf16: layers at the end",
     "--log-fp8-amax": "FP8 tensors whose amax the log line and TensorBoard carry: patterns "
                       "over <module>.<x|w|dy>, e.g. 'decoder.layers.1.*.x'",
-    "--fp8-param-gather": "ZeRO all-gathers FP8 parameters (with their scales): half bf16's "
-                          "bytes",
+    "--fp8-param-gather": "ZeRO all-gathers the FP8 GEMM weights as e4m3 bytes with their "
+                          "scales, half bf16's bytes (ZeRO-3: tensorwise; ZeRO 1-2: 16-bit "
+                          "parameters, any recipe, current scales)",
     "--loss-scale": "static loss scale (0: dynamic)",
     "--initial-loss-scale": "initial dynamic loss scale, a power of two (default 65536 = 2**16)",
     "--min-loss-scale": "smallest dynamic loss scale; overflowing there stops the run",

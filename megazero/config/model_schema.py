@@ -59,6 +59,24 @@ class ModelConfig:
     apply_layernorm_1p: bool = False
     # Megatron's --transformer-impl; megazero runs its own layers for either value
     transformer_impl: Literal["local", "transformer_engine"] = "local"
+    # multi-head latent attention (megatron-core's --multi-latent-attention, DeepSeek-V2/V3):
+    # queries (with --q-lora-rank) and keys/values through a low-rank latent, RoPE on a
+    # separate --qk-pos-emb-head-dim part whose key all heads share (megazero.model.mla)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries by one projection
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # each head's positionless query/key width
+    qk_pos_emb_head_dim: int = 64  # the rotated part's width
+    v_head_dim: int = 128
+    # YaRN (DeepSeek-V3's rope_scaling): on when the factor is above 1
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int | None = None  # YaRN's pretraining length
+    # multi-token prediction (megatron-core's --mtp-num-layers, DeepSeek-V3): N modules after
+    # the main model, module k predicting the token k + 1 ahead (megazero.model.mtp)
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # a config read back from JSON (checkpoint, converter)
@@ -89,6 +107,12 @@ class ModelConfig:
         _check(self.kv_channels is None
                or (isinstance(self.kv_channels, int) and self.kv_channels > 0),
                f"--kv-channels must be a positive integer, got {self.kv_channels!r}")
+        self._check_mla()
+        _check(self.mtp_num_layers is None or (isinstance(self.mtp_num_layers, int)
+                                               and self.mtp_num_layers >= 1),
+               f"--mtp-num-layers must be a positive integer, got {self.mtp_num_layers!r}")
+        _check(self.mtp_loss_scaling_factor >= 0,
+               f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}")
         rot = self.head_dim * self.rotary_percent
         _check(0 < self.rotary_percent <= 1 and rot == int(rot) and int(rot) % 2 == 0,
                f"--rotary-percent {self.rotary_percent}: expected 0 < p <= 1 with head dim "
@@ -96,6 +120,48 @@ class ModelConfig:
         _check(self.max_positions >= self.seq_length,
                f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
                f"--seq-length {self.seq_length}")
+
+    def _check_mla(self) -> None:
+        if not self.multi_latent_attention:
+            for flag, v, default in (("--q-lora-rank", self.q_lora_rank, None),
+                                     ("--rotary-scaling-factor", self.rotary_scaling_factor,
+                                      1.0)):
+                _check(v == default, f"{flag} {v} applies to multi-latent attention only; add "
+                       "--multi-latent-attention or drop it")
+            return
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v > 0,
+                   f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0,
+               f"--q-lora-rank must be a positive integer, got {self.q_lora_rank!r}")
+        _check(self.qk_pos_emb_head_dim % 2 == 0,
+               f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (RoPE turns "
+               "pairs of dims)")
+        _check(self.position_embedding_type == "rope",
+               "--multi-latent-attention rotates its --qk-pos-emb-head-dim part: it needs "
+               "--position-embedding-type rope")
+        _check(self.num_query_groups is None,
+               "--num-query-groups does not apply to --multi-latent-attention (its heads share "
+               "one latent); drop --num-query-groups / --group-query-attention")
+        _check(self.rotary_percent == 1.0 and not self.qk_layernorm,
+               "--rotary-percent and --qk-layernorm do not apply to --multi-latent-attention "
+               "(RoPE acts on the whole --qk-pos-emb-head-dim part, the latents have their "
+               "own norms); drop them")
+        _check(self.rotary_scaling_factor >= 1.0,
+               f"--rotary-scaling-factor {self.rotary_scaling_factor} must be >= 1 (1: no YaRN)")
+
+    @property
+    def yarn(self) -> Any:
+        """The YaRN scaling of the rotary tables (a :class:`megazero.model.positional.YaRN`),
+        or None."""
+        if not self.multi_latent_attention or self.rotary_scaling_factor <= 1.0:
+            return None
+        from megazero.model.positional import YaRN
+
+        return YaRN(self.rotary_scaling_factor,
+                    self.original_max_position_embeddings or self.max_positions,
+                    self.mscale, self.mscale_all_dim)
 
     @property
     def head_dim(self) -> int:
@@ -105,7 +171,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dims of each head that RoPE rotates; the rest pass through."""
+        """The leading dims of each head that RoPE rotates; the rest pass through (with MLA:
+        the decoupled positional part)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
 
     @property

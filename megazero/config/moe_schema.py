@@ -43,8 +43,15 @@ class MoEConfig:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    # the shared expert runs while the token dispatch all-to-all is in flight (megatron-core)
+    moe_shared_expert_overlap: bool = False
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
     moe_per_layer_logging: bool = False
+    # group-limited (node-limited) routing: experts in equal groups, each token's top-k taken
+    # from its best --moe-router-group-topk groups (DeepSeek-V3's n_group / topk_group)
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None  # None: fp32, megazero's default
 
     def __post_init__(self) -> None:
         if isinstance(self.moe_layer_freq, list):  # read back from JSON
@@ -105,6 +112,38 @@ class MoEConfig:
         _check(not self.moe_shared_expert_gate
                or self.moe_shared_expert_intermediate_size is not None,
                "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+        _check(not self.moe_shared_expert_overlap
+               or self.moe_shared_expert_intermediate_size is not None,
+               "--moe-shared-expert-overlap runs the shared expert under the dispatch "
+               "all-to-all, and there is none: add --moe-shared-expert-intermediate-size or "
+               "drop --moe-shared-expert-overlap")
+        _check(not self.moe_shared_expert_overlap
+               or self.moe_token_dispatcher_type == "alltoall",
+               "--moe-shared-expert-overlap hides the dispatch all-to-all, and "
+               f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type} has none: add "
+               "--moe-token-dispatcher-type alltoall or drop --moe-shared-expert-overlap")
+        _check(self.moe_router_dtype in (None, "fp32", "fp64"),
+               f"--moe-router-dtype {self.moe_router_dtype!r}: expected fp32 or fp64")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        g, gk, e = self.moe_router_num_groups, self.moe_router_group_topk, self.num_experts
+        assert e is not None
+        if g is None:
+            _check(gk is None, f"--moe-router-group-topk {gk} needs --moe-router-num-groups; "
+                   "give the number of expert groups or drop --moe-router-group-topk")
+            return
+        _check(isinstance(g, int) and g >= 1 and e % g == 0,
+               f"--moe-router-num-groups {g} must divide --num-experts {e} into equal groups; "
+               "use a divisor of the expert count")
+        _check(gk is not None and 1 <= gk <= g,
+               f"--moe-router-group-topk {gk!r} must be between 1 and --moe-router-num-groups "
+               f"{g}: the groups each token may route to")
+        assert gk is not None
+        _check(self.moe_router_topk <= gk * (e // g),
+               f"--moe-router-topk {self.moe_router_topk} exceeds the {gk * (e // g)} experts of "
+               f"--moe-router-group-topk {gk} groups of {e // g}; raise --moe-router-group-topk "
+               "or lower --moe-router-topk")
 
     @property
     def enabled(self) -> bool:

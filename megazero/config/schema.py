@@ -144,13 +144,17 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
 
 def check_fp8(cfg: MegazeroConfig) -> None:
     """FP8 against the model and ZeRO: the bf16 layers fit in the model, FP8 parameter
-    gathers need a ZeRO stage that gathers parameters (1 or 3)."""
+    gathers need a ZeRO stage that gathers parameters (1-3), 16-bit compute copies at
+    stages 1-2 (they become the decoded FP8 weights) and current scaling at stage 3."""
     pr = cfg.precision
     check(pr.fp8_format is not None or not cfg.logging.log_fp8_amax,
           "--log-fp8-amax without --fp8-format: no tensor runs FP8; add --fp8-format hybrid "
           "(or e4m3), or drop --log-fp8-amax")
     if pr.fp8_format is None:
         return
+    check(not cfg.parallel.tp_comm_overlap,
+          "--tp-comm-overlap with --fp8-format: the overlapped GEMMs run in 16 bits only; drop "
+          "--tp-comm-overlap (or --fp8-format)")
     n = cfg.model.num_layers
     if pr.first_last_layers_bf16:
         start, end = pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16
@@ -158,13 +162,18 @@ def check_fp8(cfg: MegazeroConfig) -> None:
               f"--num-layers-at-end-in-bf16 {end} exceed --num-layers {n}; keep their sum "
               f"<= {n}")
     if pr.fp8_param_gather:
-        check(cfg.zero.stage == 3,
-              f"--fp8-param-gather with --zero-stage {cfg.zero.stage}: megazero gathers FP8 "
-              "parameters at ZeRO stage 3 only (stage 1's gather of whole buckets is not done "
-              "in FP8 yet); use --zero-stage 3, or drop --fp8-param-gather")
-        check(pr.fp8_recipe == "tensorwise",
-              f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe}: FP8 parameter gathers "
-              "take one current scale per weight; use --fp8-recipe tensorwise, or drop "
+        check(cfg.zero.stage > 0,
+              "--fp8-param-gather with --zero-stage 0: no parameters are gathered; add "
+              "--use-distributed-optimizer (or --zero-stage 1, 2 or 3), or drop "
+              "--fp8-param-gather")
+        check(cfg.zero.stage == 3 or pr.bf16 or pr.fp16,
+              f"--fp8-param-gather with --zero-stage {cfg.zero.stage} and fp32 parameters: "
+              "the gathered FP8 weights replace the 16-bit compute copy of the fp32 masters, "
+              "and fp32 training has no such copy; add --bf16, or drop --fp8-param-gather")
+        check(cfg.zero.stage != 3 or pr.fp8_recipe == "tensorwise",
+              f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe} at --zero-stage 3: ZeRO-3 "
+              "gathers take one current scale per weight; use --fp8-recipe tensorwise, "
+              "--use-distributed-optimizer (ZeRO-1) instead of ZeRO-3, or drop "
               "--fp8-param-gather")
 
 
@@ -209,6 +218,18 @@ def validate(cfg: MegazeroConfig) -> None:
     check_tensor_parallel_split(m, tp, p.sequence_parallel, p.world_size, pp * p.cp)
     check_context_parallel(m, tp, p.cp, p.sequence_parallel, p.cp_comm_type)
     check_moe_layout(cfg)
+    if m.mtp_num_layers:
+        check(not t.calculate_per_token_loss, "--mtp-num-layers with --calculate-per-token-loss "
+              "is not supported (the MTP losses are per-micro-batch means); drop one of them")
+    d = cfg.data
+    for flag, on in (("--reset-position-ids", d.reset_position_ids),
+                     ("--reset-attention-mask", d.reset_attention_mask)):
+        check(not on or pp == 1, f"{flag} with --pipeline-model-parallel-size {pp}: the "
+              "documents of a packed sequence are known where it is drawn, on the first stage "
+              "only; use one pipeline stage or drop the flag")
+    check(not d.reset_attention_mask or m.attention_dropout == 0,
+          f"--reset-attention-mask with --attention-dropout {m.attention_dropout}: packed "
+          "attention runs without dropout; pass --attention-dropout 0")
     check_fp8(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     if p.uneven_split:

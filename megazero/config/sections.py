@@ -84,6 +84,14 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = False
     pipeline_model_parallel_layout: str | None = None
     sequence_parallel: bool = False
+    # Megatron's --tp-comm-overlap and its per-part switches (megazero.tensor_parallel.overlap):
+    # the sequence-parallel all-gathers / reduce-scatters inside the linear layers' GEMMs
+    tp_comm_overlap: bool = False
+    tp_comm_overlap_ag: bool = True
+    tp_comm_overlap_rs: bool = True
+    tp_comm_overlap_rs_dgrad: bool = False
+    tp_comm_bulk_dgrad: bool = True
+    tp_comm_bulk_wgrad: bool = True
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
@@ -121,6 +129,12 @@ class ParallelConfig:
             check_vpp_needs_pp(self.pp, self.num_layers_per_virtual_pipeline_stage,
                                "--num-layers-per-virtual-pipeline-stage (interleaved schedule)")
         _ = self.recompute  # the --recompute-* flags are checked by RecomputeConfig
+        _check(not self.tp_comm_overlap or self.sequence_parallel_active,
+               "--tp-comm-overlap hides the sequence-parallel all-gathers and reduce-scatters "
+               f"in the GEMMs, and --tensor-model-parallel-size {self.tp} "
+               f"{'with' if self.sequence_parallel else 'without'} --sequence-parallel has "
+               "none: add --sequence-parallel (with --tensor-model-parallel-size > 1) or drop "
+               "--tp-comm-overlap")
 
     @property
     def recompute(self) -> RecomputeConfig:
@@ -178,6 +192,10 @@ class DataConfig:
     merge_file: str | None = None
     data_cache_path: str | None = None
     eod_mask_loss: bool = False  # Megatron: no loss on the token that follows an end-of-document
+    # packed documents kept apart (megazero.model.packed): positions restart after each
+    # end-of-document token, and attention stays inside each document
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     # Megatron's --train/valid/test-data-path: each split its own corpus ("[W] PREFIX ...")
     train_data_path: tuple[str, ...] = ()
     valid_data_path: tuple[str, ...] = ()

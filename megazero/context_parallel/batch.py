@@ -10,7 +10,8 @@ import torch
 from megazero.context_parallel.split import local_positions, split
 
 #: Batch entries indexed by sequence position (dim 1).
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask",
+                 "mtp_loss_mask", "doc_position_ids", "document_ids")
 
 
 def split_batch(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int

@@ -30,6 +30,7 @@ refused with the name of the offending setting.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -124,7 +125,15 @@ def hf_to_megazero(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
     src = _Source(hf_state)
     heads, groups = m.num_attention_heads, m.query_groups
     out: dict[str, torch.Tensor] = {}
-    if hf_config["model_type"] == "gpt_neox":
+    if hf_config["model_type"] == "deepseek_v3":
+        from megazero.convert import hf_deepseek_v3
+
+        depths = hf_deepseek_v3.mtp_depths_in(hf_config, set(hf_state))
+        if depths:  # DeepSeek's checkpoints keep the MTP modules; transformers' states do not
+            m = replace(m, mtp_num_layers=depths)
+        out = hf_deepseek_v3.state_to_megazero(m, hf_config, src, set(hf_state))
+        head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    elif hf_config["model_type"] == "gpt_neox":
         from megazero.convert import hf_neox
 
         out = hf_neox.state_to_megazero(m, src)
@@ -219,6 +228,13 @@ def megazero_to_hf(model_config: ModelConfig | Mapping[str, Any],
         from megazero.convert import hf_neox
 
         out = hf_neox.state_from_megazero(m, get, embed, head)
+        return cfg, {k: v.contiguous() for k, v in out.items()}
+    if cfg["model_type"] == "deepseek_v3":
+        from megazero.convert import hf_deepseek_v3
+
+        out = {"model.embed_tokens.weight": embed,
+               **hf_deepseek_v3.state_from_megazero(m, get), "lm_head.weight": head,
+               **hf_deepseek_v3.mtp_from_megazero(m, get, embed, head)}
         return cfg, {k: v.contiguous() for k, v in out.items()}
     if cfg["model_type"] == "gpt2":
         out["transformer.wte.weight"] = embed

@@ -14,9 +14,9 @@ from typing import Any
 from megazero.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gpt_neox", "mixtral", "qwen2", "qwen2_moe", "qwen3",
-                         "qwen3_moe")
+                         "qwen3_moe", "deepseek_v3")
 #: the families whose experts are converted (the module that maps them: _moe_family)
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 
 
@@ -57,6 +57,10 @@ def hf_config_to_megazero(c: Mapping[str, Any]) -> ModelConfig:
     """A megazero :class:`ModelConfig` computing the same function as HF config ``c``."""
     _check_common(c)
     tie = bool(c.get("tie_word_embeddings", True))
+    if c["model_type"] == "deepseek_v3":
+        from megazero.convert import hf_deepseek_v3
+
+        return hf_deepseek_v3.config_to_megazero(c, _refuse)
     if c["model_type"] == "gpt_neox":
         from megazero.convert import hf_neox
 
@@ -154,6 +158,10 @@ def megazero_preset(m: ModelConfig) -> str:
 def megazero_config_to_hf(m: ModelConfig) -> dict[str, Any]:
     """The HF config dict (``model_type`` included) of the architecture equal to ``m``."""
     tie = not m.untie_embeddings_and_output_weights
+    if m.multi_latent_attention:  # MLA: DeepSeek-V3 is the architecture with it
+        from megazero.convert import hf_deepseek_v3
+
+        return hf_deepseek_v3.config_from_megazero(m, _refuse)
     preset = megazero_preset(m)
     if m.qk_layernorm and preset != "llama":
         _refuse(f"--qk-layernorm with the {preset} block", "Qwen3 and Qwen3-MoE (the Llama "

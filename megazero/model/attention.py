@@ -62,6 +62,11 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.parallel = parallel or ParallelContext()
         self.dropout, self.backend = dropout, self.parallel.attention_backend
+        # packed documents (megazero.model.packed): ``[b, s]`` document ids of the tokens of
+        # the model's current micro-batch, set by GPTModel.forward; kept for the backward's
+        # recomputation, which under one pipeline stage (the config's rule) runs before the
+        # next micro-batch's forward
+        self.documents: torch.Tensor | None = None
 
     def _resolve(self, q: torch.Tensor) -> str:
         if self.backend == "auto":
@@ -73,6 +78,10 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
+        if self.documents is not None:
+            from megazero.model.packed import packed_attention
+
+            return packed_attention(q, k, v, self.documents, self.parallel)
         run = {"unfused": self._unfused, "sdpa": self._sdpa, "flash": self._flash}[
             self._resolve(q)]
         if self.parallel.cp_size > 1:  # the sequence is split: attention crosses the split

@@ -72,8 +72,31 @@ def _check_whole(model) -> None:
                          "parallel=ParallelContext(sequence_parallel=False)")
 
 
+def _causal_from(offset: int, s: int, total: int, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position offset + i) sees keys 0..offset + i."""
+    return (torch.arange(total, device=device)[None, :]
+            <= torch.arange(offset, offset + s, device=device)[:, None])
+
+
+def _latent_attention(attn, x, offset: int, cache: KVCache, layer: int, rotary) -> torch.Tensor:
+    """:class:`~megazero.model.mla.MultiLatentAttention` given the cache, which keeps each
+    position's normalised latent and rotated shared key (``kv_lora_rank + pe`` numbers, not
+    the heads' keys and values): they are expanded to keys and values at every step."""
+    q = attn.queries(x, rotary)
+    c, k_pe = cache.append(layer, *attn.latent(x, rotary))
+    k, v = attn.keys_values(c, k_pe)
+    q, k, v = attn.padded(q, k, v)
+    s, b = q.shape[:2]
+    mask = _causal_from(offset, s, k.shape[0], x.device)
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    ctx = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
+    return attn.linear_proj(attn.context(ctx.permute(2, 0, 1, 3).reshape(s, b, -1)))
+
+
 def _attention(attn, x, offset: int, cache: KVCache, layer: int, rotary) -> torch.Tensor:
     """:class:`SelfAttention.forward` for positions ``offset..offset+s-1`` given the cache."""
+    if hasattr(attn, "latent"):  # multi-latent attention
+        return _latent_attention(attn, x, offset, cache, layer, rotary)
     qkv = attn.linear_qkv(x)
     s, b = qkv.shape[:2]
     per_group, d = attn.local_heads // attn.local_groups, attn.head_dim

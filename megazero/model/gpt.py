@@ -38,7 +38,10 @@ from megazero.tensor_parallel.layers import (
     mark_vocab_parallel,
     pad_vocab_size,
 )
-from megazero.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megazero.tensor_parallel.mappings import (
+    reduce_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megazero.tensor_parallel.random import (
     DEFAULT_STREAM,
     MODEL_PARALLEL_STREAM,
@@ -86,9 +89,12 @@ class Embedding(nn.Module):
         # Megatron's is_embedding_or_output_parameter: its own rate with --decoupled-lr
         self.word_embeddings.weight.embedding_or_output = True
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
-        if self.position_embeddings is not None and self.parallel.cp_size > 1:
+        if self.position_embeddings is not None and positions is not None:
+            x = x + self.position_embeddings.weight[positions]  # packed documents' own
+        elif self.position_embeddings is not None and self.parallel.cp_size > 1:
             x = x + self.position_embeddings.weight[self._cp_positions(tokens)]
         elif self.position_embeddings is not None:
             x = x + self.position_embeddings.weight[: tokens.shape[1]]
@@ -151,7 +157,8 @@ class GPTModel(nn.Module):
 
         self.embedding = (scope(Embedding(config, parallel=parallel), "embedding")
                           if pre_process else None)
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.max_positions, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.max_positions, config.rotary_base,
+                                       config.yarn)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, layer_range, parallel=parallel,
                                         post_process=post_process)
@@ -170,8 +177,26 @@ class GPTModel(nn.Module):
                 weight.shared = True
             weight.embedding_or_output = True
             self.output_layer.weight = weight
-        if tied and pre_process and not post_process:
+        if pre_process and not post_process and (tied or config.mtp_num_layers):
             self.embedding.word_embeddings.weight.shared_embedding = True
+        self.mtp = None
+        if config.mtp_num_layers and post_process:  # multi-token prediction (model.mtp)
+            from megazero.model.mtp import MultiTokenPrediction
+
+            if not tied and not pre_process:
+                # MTP embeds tokens here: a copy of the word embedding, kept equal to the
+                # first stage's as a tied output layer is (summed gradients, saved once)
+                self.mtp_embedding = nn.Module()
+                copy = nn.Parameter(torch.empty(self.padded_vocab_size // tp,
+                                                config.hidden_size, dtype=params_dtype))
+                mark_vocab_parallel(copy, config.vocab_size, self.padded_vocab_size)
+                declare(copy, key=WORD_EMBEDDING)
+                copy.init_name = WORD_EMBEDDING
+                copy.shared_embedding = copy.shared = copy.embedding_or_output = True
+                self.mtp_embedding.weight = copy
+            self.mtp = scope(MultiTokenPrediction(config, parallel), "mtp")
+            if pre_process:  # read outside its module's forward (ZeRO-3 gathers it for all)
+                self.embedding.word_embeddings.weight.zero_external = True
         initialize_parameters(self, config, topo, seed)
         self.recompute = recompute or RecomputeConfig()
         apply_recompute(self, self.recompute)
@@ -183,7 +208,7 @@ class GPTModel(nn.Module):
         if self.rotary is not None and self.rotary.cos.is_meta:
             c = self.config
             with torch.device("cpu"):
-                rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base)
+                rotary = RotaryEmbedding(c.rotary_dim, c.max_positions, c.rotary_base, c.yarn)
             self.rotary = rotary.to(device)
         for module in self.modules():  # MoE routers' expert-bias buffers (zeros at start)
             if module is not self and hasattr(module, "materialize_buffers"):
@@ -222,30 +247,82 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None, *,
+                doc_position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``doc_position_ids`` / ``document_ids`` ``[b, s]``: packed documents kept apart
+        (:mod:`megazero.model.packed`; this rank's CP share, as the tokens)."""
         tp = self.topo.tp_size
+        for core in self._core_attentions():
+            core.documents = document_ids
         if self.pre_process:
             if tokens is None:
                 raise ValueError("the first pipeline chunk (pre_process=True) needs tokens")
             check_sequence_split(tokens.shape[1], tp, self.sequence_parallel)
-            x = self.embedding(tokens)
+            x = self.embedding(tokens, doc_position_ids)
         else:
             if hidden_states is None:
                 raise ValueError("a pipeline chunk without pre_process needs hidden_states")
             x = hidden_states
         seq_len = x.shape[0] * (tp if self.sequence_parallel else 1)
         rotary = self.rotary(seq_len, x.dtype) if self.rotary is not None else None
-        if rotary is not None and self.parallel.cp_size > 1:
+        if rotary is not None and doc_position_ids is not None:
+            rotary = self._rows_rotary(doc_position_ids, x.dtype)
+        elif rotary is not None and self.parallel.cp_size > 1:
             rotary = self._cp_rotary(seq_len, x.dtype)
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x
+        if self.mtp is not None and labels is not None:
+            self.mtp(x, labels, self._embed_ids, self._token_losses, rotary)
         logits = self._logits(x)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         # in place: the logits are ours, and the output layer's backward does not read them
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
                                             inplace=True)
+        return loss.transpose(0, 1).contiguous()
+
+    def _core_attentions(self) -> list[nn.Module]:
+        cores = getattr(self, "_cores", None)
+        if cores is None:
+            from megazero.model.attention import CoreAttention
+
+            cores = [m for m in self.modules() if isinstance(m, CoreAttention)]
+            self._cores = cores
+        return cores
+
+    def _rows_rotary(self, positions: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary rows ``[s, b, 1, d]`` of per-token positions ``[b, s]``."""
+        assert self.rotary is not None
+        cos, sin = self.rotary(self.config.max_positions, dtype)
+        d = cos.shape[-1]
+        return tuple(t.reshape(-1, d)[positions].transpose(0, 1).unsqueeze(2)  # type: ignore
+                     for t in (cos, sin))
+
+    def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Word embeddings of ``ids [b, s]`` as the model's input ``[s(/t), b, h]`` (no
+        positions: MTP's input is the token alone), from whichever copy this chunk holds."""
+        weight = (self.embedding.word_embeddings.weight if self.pre_process
+                  else self.mtp_embedding.weight if hasattr(self, "mtp_embedding")
+                  else self._output_weight())
+        group = self.topo.tp_group
+        if self.topo.tp_size == 1:
+            x = torch.nn.functional.embedding(ids, weight)
+        else:
+            start = self.topo.tp_rank * weight.shape[0]
+            outside = (ids < start) | (ids >= start + weight.shape[0])
+            local = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), weight)
+            x = reduce_from_tensor_parallel_region(local.masked_fill(outside.unsqueeze(-1), 0.0),
+                                                   group)
+        x = x.transpose(0, 1).contiguous()
+        return scatter_to_sequence_parallel_region(x, group) if self.sequence_parallel else x
+
+    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` of the output head on hidden states ``x``."""
+        loss = vocab_parallel_cross_entropy(self._logits(x), labels.transpose(0, 1),
+                                            self.topo.tp_group, inplace=True)
         return loss.transpose(0, 1).contiguous()
 
     def _cp_rotary(self, local_len: int, dtype: torch.dtype

@@ -18,6 +18,7 @@ from torch import nn
 
 from megazero.config import RecomputeConfig
 from megazero.model.attention import SelfAttention
+from megazero.model.mla import MultiLatentAttention
 from megazero.tensor_parallel.context import ParallelContext
 from megazero.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megazero.tensor_parallel.saved_inputs import SavedInputLayout
@@ -45,7 +46,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
     n = len(block.layers)
     tracker = block.parallel.rng_tracker
     block.recompute_segments = []
-    attentions = [m for m in block.modules() if isinstance(m, SelfAttention)]
+    attentions = [m for m in block.modules()
+                  if isinstance(m, (SelfAttention, MultiLatentAttention))]
     for attn in attentions:
         if isinstance(attn.core_attention, RecomputedModule):
             attn.core_attention = attn.core_attention.module

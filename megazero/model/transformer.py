@@ -22,12 +22,22 @@ from megazero.tensor_parallel.saved_inputs import SavedInputLayout
 
 
 def build_mlp(config: ModelConfig, layer_number: int, parallel: ParallelContext) -> nn.Module:
-    """The dense MLP, or an MoE block on the layers ``--moe-layer-freq`` chooses."""
-    if config.moe.is_moe_layer(layer_number, config.num_layers):
+    """The dense MLP, or an MoE block on the layers ``--moe-layer-freq`` chooses (a
+    multi-token-prediction layer, numbered after the last, as the last layer)."""
+    if config.moe.is_moe_layer(min(layer_number, config.num_layers - 1), config.num_layers):
         from megazero.moe.moe_layer import MoELayer  # the MoE package builds on this one
 
         return MoELayer(config, parallel=parallel, layer_number=layer_number)
     return MLP(config, parallel=parallel)
+
+
+def build_attention(config: ModelConfig, parallel: ParallelContext) -> nn.Module:
+    """Self-attention, or multi-head latent attention with ``--multi-latent-attention``."""
+    if config.multi_latent_attention:
+        from megazero.model.mla import MultiLatentAttention
+
+        return MultiLatentAttention(config, parallel=parallel)
+    return SelfAttention(config, parallel=parallel)
 
 
 def _biased_row_linear(module: nn.Module, name: str) -> RowParallelLinear | None:
@@ -72,7 +82,7 @@ class TransformerLayer(nn.Module):
         norm = (config.normalization, config.hidden_size, config.norm_epsilon, sp,
                 parallel.params_dtype, config.apply_layernorm_1p)
         self.input_layernorm = build_norm(*norm)
-        self.self_attention = SelfAttention(config, parallel=parallel)
+        self.self_attention = build_attention(config, parallel)
         self.pre_mlp_layernorm = build_norm(*norm)
         self.mlp = build_mlp(config, layer_number, parallel)
         for child, name in ((self.input_layernorm, "input_layernorm"),

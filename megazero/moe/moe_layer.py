@@ -95,11 +95,17 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(x, (s, b))
         dispatcher = self.dispatcher_cls(self.num_experts, self.first, self.local,
                                          self.parallel.ep_group, self._pad_capacity(s * b))
-        rows, counts = dispatcher.dispatch(x, probs, routing_map)
+        shared: list[torch.Tensor] = []
+        under = None
+        if self.shared_experts is not None and self.config.moe.moe_shared_expert_overlap:
+            def under() -> None:  # the shared expert while the dispatch is in flight
+                assert self.shared_experts is not None
+                shared.append(self.shared_experts(hidden))
+        rows, counts = dispatcher.dispatch(x, probs, routing_map, under)
         etp = ExpertTensorParallelRegion(self.parallel.etp_group)
         rows, counts = etp.gather(rows, counts)
         out = dispatcher.combine(etp.scatter(self.experts(rows, counts))).to(hidden.dtype)
         y = out.view(s, b, h)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(hidden)
+            y = y + (shared[0] if shared else self.shared_experts(hidden))
         return self.router.attach_losses(y)

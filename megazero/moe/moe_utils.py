@@ -17,39 +17,70 @@ import torch
 
 def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
                  pre_softmax: bool = False, scaling_factor: float | None = None,
-                 expert_bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 expert_bias: torch.Tensor | None = None, num_groups: int | None = None,
+                 group_topk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, routing_map)`` as megatron-core's ``topk_softmax_with_capacity`` computes them
     before any capacity is applied.
+
+    With ``num_groups`` the experts are split into that many equal groups (nodes) and each
+    token chooses only among the experts of its ``group_topk`` best groups
+    (:func:`group_limited_topk`).
 
     softmax: the top-k logits, then a softmax over those k (``pre_softmax``: a softmax over all
     E, then the top k of it). sigmoid: experts chosen by the top k of ``sigmoid(l) + bias``,
     weighted by their unbiased sigmoid scores normalised to sum 1 (for k > 1). Finally the
     weights are multiplied by ``scaling_factor``.
     """
+    ft = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if score_function == "softmax":
         if pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            weights, idx = torch.topk(scores, topk, dim=-1)
+            scores = torch.softmax(logits, dim=-1, dtype=ft)
+            weights, idx = _topk(scores, topk, num_groups, group_topk)
         else:
-            top, idx = torch.topk(logits, topk, dim=-1)
-            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+            top, idx = _topk(logits, topk, num_groups, group_topk)
+            weights = torch.softmax(top, dim=-1, dtype=ft)
     elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
+        scores = torch.sigmoid(logits.to(ft))
         if expert_bias is not None:
-            _, idx = torch.topk(scores + expert_bias, topk, dim=-1)
+            _, idx = _topk(scores + expert_bias, topk, num_groups, group_topk)
             weights = torch.gather(scores, 1, idx)
         else:
-            weights, idx = torch.topk(scores, topk, dim=-1)
+            weights, idx = _topk(scores, topk, num_groups, group_topk)
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"score function {score_function!r}: expected softmax or sigmoid")
     if scaling_factor is not None:
         weights = weights * scaling_factor
-    probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, idx, weights)
+    # fp64 routing (--moe-router-dtype fp64) chooses in double; the weights leave as fp32
+    probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, idx, weights.float())
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
     return probs, routing_map
+
+
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``topk`` of ``scores [T, E]`` taken only from each token's ``group_topk`` best
+    expert groups: DeepSeek-V3's node-limited routing, which bounds how many nodes a token's
+    experts sit on (and so its all-to-all traffic). A group's score is the sum of its two
+    highest expert scores (DeepSeek-V3's rule; the one score when a group has one expert),
+    so one strong expert does not carry a weak group. Returns ``(values, indices)``."""
+    t, e = scores.shape
+    per_group = e // num_groups
+    grouped = scores.view(t, num_groups, per_group)
+    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, G]
+    best = torch.topk(group_scores, group_topk, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
+    masked = scores.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+    return torch.topk(masked, topk, dim=-1)
+
+
+def _topk(scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    if num_groups is None or num_groups <= 1:
+        return torch.topk(scores, topk, dim=-1)
+    assert group_topk is not None
+    return group_limited_topk(scores, topk, num_groups, group_topk)
 
 
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:

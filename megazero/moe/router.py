@@ -125,11 +125,16 @@ class TopKRouter(nn.Module):
         local tokens came from (``seq_aux_loss`` needs the sequences)."""
         moe = self.moe
         # fp32 logits whatever the training dtype (the weight is cast with the model)
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        # (--moe-router-dtype fp64 computes them, and the routing, in double precision)
+        dtype = torch.float64 if moe.moe_router_dtype == "fp64" else torch.float32
+        logits = torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype))
+        bias = self.expert_bias
         probs, routing_map = mu.topk_routing(
             logits, self.topk, score_function=moe.moe_router_score_function,
             pre_softmax=moe.moe_router_pre_softmax,
-            scaling_factor=moe.moe_router_topk_scaling_factor, expert_bias=self.expert_bias)
+            scaling_factor=moe.moe_router_topk_scaling_factor,
+            expert_bias=None if bias is None else bias.to(dtype),
+            num_groups=moe.moe_router_num_groups, group_topk=moe.moe_router_group_topk)
         # sequence parallelism splits the micro-batch into equal slices
         total_tokens = x.shape[0] * (1 if self.sum_group is None else group_size(self.sum_group))
         counts_before = self._group_sum(routing_map.sum(dim=0).float())
@@ -209,7 +214,9 @@ class TopKRouter(nn.Module):
         _, rmap = mu.topk_routing(logits.detach(), self.topk,
                                   score_function=self.moe.moe_router_score_function,
                                   pre_softmax=self.moe.moe_router_pre_softmax,
-                                  expert_bias=self.expert_bias)
+                                  expert_bias=self.expert_bias,
+                                  num_groups=self.moe.moe_router_num_groups,
+                                  group_topk=self.moe.moe_router_group_topk)
         per_seq_counts = self._group_sum(rmap.view(s_local, b, e).sum(dim=0).float())
         loss = (per_seq_scores * per_seq_counts).sum() * (e / (self.topk * s * s))
         return loss / b

@@ -21,6 +21,8 @@ group before its experts run and reduce-scatters their partial outputs before ``
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from megazero.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megazero.tensor_parallel.overlap import InFlight, compute
 
 
 def permute(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
@@ -75,8 +78,12 @@ class AllGatherDispatcher:
         self.capacity = capacity  # pad every expert's input to this many rows
         self._state: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
-    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-                 ) -> tuple[torch.Tensor, list[int]]:
+    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 under: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """``under`` (the shared expert) runs first: this dispatcher's all-gathers are
+        synchronous, nothing is in flight to hide."""
+        if under is not None:
+            under()
         x = gather_from_sequence_parallel_region(x, self.ep_group)
         probs = gather_from_sequence_parallel_region(probs, self.ep_group)
         routing_map = all_gather_dim0(routing_map, self.ep_group)
@@ -105,7 +112,9 @@ class _AllToAll(torch.autograd.Function):
                 in_splits: list[int]) -> torch.Tensor:
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
         out = x.new_empty(sum(out_splits), *x.shape[1:])
+        t0 = time.perf_counter()
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        InFlight("ep_all_to_all", [], t0).wait()  # traced (tensor_parallel.overlap.recording)
         return out
 
     @staticmethod
@@ -113,6 +122,40 @@ class _AllToAll(torch.autograd.Function):
         back: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
             grad.contiguous(), ctx.group, ctx.in_splits, ctx.out_splits)
         return back, None, None, None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """:class:`_AllToAll` issued asynchronously: the output is valid once ``pending[0]`` (the
+    traced work) is waited for; backward as :class:`_AllToAll` (synchronous)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, out_splits: list[int],
+                in_splits: list[int], pending: list[InFlight]) -> torch.Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
+                                      async_op=True)
+        pending.append(InFlight("ep_dispatch", [work], t0))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        back: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
+            grad.contiguous(), ctx.group, ctx.in_splits, ctx.out_splits)
+        return back, None, None, None, None
+
+
+def all_to_all_under(x: torch.Tensor, group: Group, out_splits: list[int],
+                     in_splits: list[int], under: Callable[[], None]) -> torch.Tensor:
+    """:func:`all_to_all` with ``under()`` running while it is in flight (megatron-core's
+    ``--moe-shared-expert-overlap``: the shared expert under the dispatch)."""
+    pending: list[InFlight] = []
+    out: torch.Tensor = _AllToAllStart.apply(  # type: ignore[no-untyped-call]
+        x, group, out_splits, in_splits, pending)
+    compute(under)
+    pending[0].wait()
+    return out
 
 
 def all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]
@@ -149,8 +192,9 @@ class AllToAllDispatcher:
         self.capacity = capacity
         self._state: dict[str, Any] = {}
 
-    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-                 ) -> tuple[torch.Tensor, list[int]]:
+    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 under: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """``under`` (the shared expert) runs while the dispatch all-to-all is in flight."""
         ep = group_size(self.ep_group)
         rows, row_probs, token_index, counts = permute(x, probs, routing_map, self.capacity)
         # counts[r_src, e] for every rank of the group
@@ -159,7 +203,14 @@ class AllToAllDispatcher:
         in_splits = counts.cpu().view(ep, self.local).sum(dim=1).tolist()
         mine = all_counts[:, me * self.local:(me + 1) * self.local]  # [ep_src, local]
         out_splits = mine.sum(dim=1).tolist()
-        got = all_to_all(rows, self.ep_group, out_splits, in_splits) if ep > 1 else rows
+        if ep > 1 and under is not None:
+            got = all_to_all_under(rows, self.ep_group, out_splits, in_splits, under)
+        elif ep > 1:
+            got = all_to_all(rows, self.ep_group, out_splits, in_splits)
+        else:
+            got = rows
+            if under is not None:
+                under()
         order = chunk_order(mine).to(x.device)
         self._state = dict(row_probs=row_probs, token_index=token_index, t=x.shape[0],
                            order=order, in_splits=in_splits, out_splits=out_splits)

@@ -48,18 +48,37 @@ def gpt_flops_per_iteration(model: ModelConfig, global_batch_size: int,
     layer ``2hV``.
     """
     h, s, layers = model.hidden_size, model.seq_length, model.num_layers
-    q = model.num_attention_heads * model.head_dim  # h, unless --kv-channels says otherwise
-    kv = model.query_groups * model.head_dim
     f = model.ffn_size
     vocab = padded_vocab_size or model.vocab_size
-    qkv = 2 * h * (q + 2 * kv)
-    attention = 2 * 2 * s * q
-    projection = 2 * q * h
+    weights, core = attention_flops_per_token(model)
     mlp = 2 * h * f * (2 if model.swiglu else 1) + 2 * f * h
     moe_layers = sum(model.moe.is_moe_layer(i, layers) for i in range(layers))
-    per_token = (layers * (qkv + attention + projection) + (layers - moe_layers) * mlp
+    per_token = (layers * (weights + core) + (layers - moe_layers) * mlp
                  + moe_layers * moe_mlp_flops_per_token(model) + 2 * h * vocab)
+    depths = model.mtp_num_layers or 0
+    if depths:  # each MTP depth: eh_proj, one layer of the last layer's kind, the logits
+        last = mlp if not model.moe.is_moe_layer(layers - 1, layers) \
+            else moe_mlp_flops_per_token(model)
+        per_token += depths * (2 * 2 * h * h + weights + core + last + 2 * h * vocab)
     return 3.0 * global_batch_size * s * per_token
+
+
+def attention_flops_per_token(model: ModelConfig) -> tuple[float, float]:
+    """Forward FLOPs per token of one attention layer: ``(its weight GEMMs, the core
+    attention's scores and values over the whole square)``. Standard attention with
+    ``q = a·d``: QKV ``2h(q + 2g·d)`` and projection ``2qh``, core ``2·2·s·q``. Multi-latent
+    attention: the down- and up-projections of queries and keys/values and the projection from
+    ``a·v_head_dim``, core ``2·s·a·(qk + pe) + 2·s·a·v``."""
+    h, s, a = model.hidden_size, model.seq_length, model.num_attention_heads
+    if model.multi_latent_attention:
+        nope, pe, v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
+        ql = model.q_lora_rank
+        q = h * ql + ql * a * (nope + pe) if ql else h * a * (nope + pe)
+        kv = h * (model.kv_lora_rank + pe) + model.kv_lora_rank * a * (nope + v)
+        return float(2 * (q + kv + a * v * h)), float(2 * s * a * (nope + pe) + 2 * s * a * v)
+    q = a * model.head_dim  # h, unless --kv-channels says otherwise
+    kv = model.query_groups * model.head_dim
+    return float(2 * h * (q + 2 * kv) + 2 * q * h), float(2 * 2 * s * q)
 
 
 def moe_mlp_flops_per_token(model: ModelConfig) -> float:

@@ -217,10 +217,13 @@ class Monitor:
         line = format_log_line(iteration, train_iters, consumed_samples, 1000.0 * sec, lr,
                                global_batch_size, loss, loss_scale, grad_norm, s.skipped, s.nan,
                                tokens, tflops, mem, None, mfu, num_zeros)
-        if moe:  # MoE routers' scalars (megazero.moe.metrics)
+        mtp = {k: v for k, v in (moe or {}).items() if k.startswith("mtp_")}
+        routers = {k: v for k, v in (moe or {}).items() if k not in mtp}
+        if routers:  # MoE routers' scalars (megazero.moe.metrics)
             from megazero.moe.metrics import log_line_part
 
-            line += log_line_part(moe)
+            line += log_line_part(routers)
+        line += "".join(f" {k}: {v:.6E} |" for k, v in mtp.items())  # multi-token prediction
         for name, value in (fp8 or {}).items():  # --log-fp8-amax
             line += f" {name.replace('-', ' ', 1)}: {value:.4E} |"
         print(line, flush=True)

@@ -84,6 +84,10 @@ def _sync_objects(grad_sync: GradSyncArg, num_chunks: int) -> list[GradSync] | N
     return [grad_sync] * num_chunks
 
 
+#: Batch entries the first chunk takes as keyword inputs when present.
+MODEL_INPUTS = ("doc_position_ids", "document_ids")
+
+
 def default_get_batch(data_iterator: Iterator) -> dict[str, torch.Tensor]:
     return next(data_iterator)
 
@@ -202,7 +206,9 @@ def forward_backward(
         meter_ctx = meter.forward((c, mb)) if meter else contextlib.nullcontext()
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx, meter_ctx:
-            out = model_chunks[c](tokens, labels, hidden_states=x)
+            # packed documents (megazero.model.packed): the batch's own positions and ids
+            extra = {k: data[k] for k in MODEL_INPUTS if k in data} if first[c] else {}
+            out = model_chunks[c](tokens, labels, hidden_states=x, **extra)
             if last[c]:
                 loss = loss_fn(out, data)
                 losses[mb] = loss.detach()

@@ -88,8 +88,26 @@ def layer_bytes(cfg: MegazeroConfig, b: int, tp: int, *, selective: bool = False
     # a2a (Ulysses) keeps one more context-sized tensor: the head-split output it permutes
     # back into the zigzag order before the second all-to-all
     ulysses = e * s * b * qw if (p.cp > 1 and p.cp_comm_type == "a2a") else 0
+    if m.multi_latent_attention:
+        return replicated + mla_attention_bytes(cfg, b, tp) + (mlp + core + ulysses) / tp
     split = (e * s * b * (2 * qw + 2 * kv) + mlp + rope + qk_norm + core + ulysses) / tp
     return replicated + split
+
+
+def mla_attention_bytes(cfg: MegazeroConfig, b: int, tp: int) -> float:
+    """Multi-latent attention's saved bytes besides the core's scores, per micro-batch: on
+    every TP rank the whole (gathered) input of the down-projections and the latents (the
+    norms' inputs and outputs, the shared key's rotation); split over TP ranks the heads'
+    queries, keys and values (zero-padded to one width for the core), the rotated parts'
+    inputs and the output projection's input."""
+    m = cfg.model
+    e = 4 if cfg.precision.params_dtype.itemsize == 4 else 2
+    s, h, a = local_seq(cfg), m.hidden_size, m.num_attention_heads
+    pe, v = m.qk_pos_emb_head_dim, m.v_head_dim
+    width = max(m.qk_head_dim + pe, v)
+    latent = e * s * b * (h + 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + 2 * pe)
+    heads = e * s * b * a * (3 * width + v + 2 * pe)
+    return latent + heads / tp
 
 
 def layer_stat_bytes(cfg: MegazeroConfig, b: int, tp: int, *, flash: bool = False,

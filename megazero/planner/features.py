@@ -11,7 +11,9 @@ numbers (the FP8 peak and efficiency in ``clusters/*.json``), never from a per-r
 When the training code gains a feature, its flag is read into these fields, in one place,
 :func:`features_from_config`, so the planner's view of a run and the run itself cannot drift.
 It reads the FP8 flags (``--fp8-format``, ``--fp8-recipe``, ``--fp8-param-gather``,
-``--first-last-layers-bf16``); the other fields stay "not used".
+``--first-last-layers-bf16``) and the overlaps megazero runs (``--tp-comm-overlap``,
+``--moe-shared-expert-overlap``); the other fields stay what the caller (a published
+run's description) sets.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class Features:
     linear layers' GEMMs (Megatron's ``--tp-comm-overlap``, Transformer Engine userbuffers: each
     collective split into ``tp`` ring steps, each step's transfer under the previous step's
     GEMM): the first step, and what exceeds those GEMMs' time, is exposed.
+    ``moe_shared_expert_overlap``: the shared expert's forward runs while the forward dispatch
+    all-to-all is in flight (``--moe-shared-expert-overlap``); the backward's all-to-alls and
+    the combine stay exposed.
     ``moe_ep_overlap``: the dispatch and combine all-to-alls of one micro-batch run under
     another micro-batch's compute (megatron-core's combined 1F1B,
     ``--overlap-moe-expert-parallel-comm``).
@@ -58,6 +63,7 @@ class Features:
     fp8_layer_share: float = 1.0
     tp_comm_overlap: bool = False
     moe_ep_overlap: bool = False
+    moe_shared_expert_overlap: bool = False
     embedding_and_loss_slots: bool = False
     sliding_window: int | None = None
     sliding_window_share: float = 0.0
@@ -80,15 +86,17 @@ class Features:
 
 def features_from_config(cfg: MegazeroConfig) -> Features:
     """The features a run's own config turns on: FP8 GEMMs (recipe, the share of layers that
-    run them) and FP8 parameter gathers."""
+    run them), FP8 parameter gathers, and the TP and shared-expert overlaps."""
+    overlaps = dict(tp_comm_overlap=cfg.parallel.tp_comm_overlap,
+                    moe_shared_expert_overlap=cfg.model.moe.moe_shared_expert_overlap)
     pr = cfg.precision
     if pr.fp8_format is None or pr.fp8_recipe not in FP8_RECIPES:
-        return Features()
+        return Features(**overlaps)
     n = cfg.model.num_layers
     kept = (pr.num_layers_at_start_in_bf16 + pr.num_layers_at_end_in_bf16
             if pr.first_last_layers_bf16 else 0)
     return Features(fp8=pr.fp8_recipe, fp8_param_gather=pr.fp8_param_gather,
-                    fp8_layer_share=(n - min(kept, n)) / n)
+                    fp8_layer_share=(n - min(kept, n)) / n, **overlaps)
 
 
 def transformer_layers(cfg: MegazeroConfig, features: Features) -> int:

@@ -168,6 +168,16 @@ def overlapped_traffic(traffic: dict[str, float], dense: float,
             COMBINE: max(0.0, c - dense * 2 / 3) + max(0.0, c - dense / 3)}
 
 
+def shared_expert_overlapped(traffic: dict[str, float], shared_forward: float
+                             ) -> dict[str, float]:
+    """What stays exposed of ``traffic`` with ``--moe-shared-expert-overlap``: the forward
+    dispatch (half of the dispatch term) less the shared experts' forward
+    (``shared_forward`` seconds over the same layers); the backward and the combine as they
+    are."""
+    d = traffic[DISPATCH] / 2
+    return {DISPATCH: max(0.0, d - shared_forward) + d, COMBINE: traffic[COMBINE]}
+
+
 def moe_dispatch_seconds(cfg: MegazeroConfig, cluster: Cluster) -> float:
     """All of one micro-batch's dispatcher traffic (dispatch and combine) on the slowest
     stage."""

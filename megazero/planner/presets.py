@@ -53,6 +53,8 @@ def hf_config_argv(path: str) -> list[str]:
         c = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--hf-config {path}: cannot read it as JSON ({exc})") from exc
+    if c.get("model_type") == "deepseek_v3":
+        return deepseek_v3_argv(c, path)
     if "n_embd" in c:  # GPT-2
         n = c.get("n_positions", 1024)
         return (f"--num-layers {c['n_layer']} --hidden-size {c['n_embd']} --num-attention-heads "
@@ -81,6 +83,56 @@ def hf_config_argv(path: str) -> list[str]:
     if c.get("model_type") in ("qwen3", "qwen3_moe"):
         argv.append("--qk-layernorm")  # Qwen3's per-head query/key RMSNorms
     return argv + _moe_argv(c)
+
+
+def deepseek_v3_argv(c: dict, path: str = "config.json") -> list[str]:
+    """Flags of a DeepSeek-V3 ``config.json``: the model the Hugging Face import builds
+    (:func:`megazero.convert.hf_deepseek_v3.config_to_megazero`), plus its multi-token
+    prediction depths (``num_nextn_predict_layers``), at its pretraining length (YaRN's
+    ``original_max_position_embeddings``, 4096)."""
+    from megazero.convert.hf_config import ConversionError
+    from megazero.convert.hf_deepseek_v3 import config_to_megazero
+
+    def refuse(what: str, why: str) -> None:
+        raise ConfigError(f"--hf-config {path}: {what} ({why})")
+
+    try:
+        m = config_to_megazero(c, refuse)
+    except (KeyError, ConversionError) as exc:
+        raise ConfigError(f"--hf-config {path}: not a DeepSeek-V3 config we can read ({exc})"
+                          ) from exc
+    seq = m.original_max_position_embeddings or min(m.max_positions, 8192)
+    argv = (f"--num-layers {m.num_layers} --hidden-size {m.hidden_size} --num-attention-heads "
+            f"{m.num_attention_heads} --ffn-hidden-size {m.ffn_size} --vocab-size "
+            f"{m.vocab_size} --seq-length {seq} --max-position-embeddings {m.max_positions} "
+            f"--rotary-base {m.rotary_base} --multi-latent-attention --kv-lora-rank "
+            f"{m.kv_lora_rank} --qk-head-dim {m.qk_head_dim} --qk-pos-emb-head-dim "
+            f"{m.qk_pos_emb_head_dim} --v-head-dim {m.v_head_dim} {LLAMA_FLAGS}").split()
+    if m.q_lora_rank:
+        argv += ["--q-lora-rank", str(m.q_lora_rank)]
+    if m.rotary_scaling_factor > 1:
+        argv += ["--rotary-scaling-factor", str(m.rotary_scaling_factor), "--mscale",
+                 str(m.mscale), "--mscale-all-dim", str(m.mscale_all_dim),
+                 "--original-max-position-embeddings", str(m.original_max_position_embeddings)]
+    if not m.untie_embeddings_and_output_weights:
+        argv.remove("--untie-embeddings-and-output-weights")
+    moe = m.moe
+    if moe.enabled:
+        argv += ["--num-experts", str(moe.num_experts), "--moe-router-topk",
+                 str(moe.moe_router_topk), "--moe-ffn-hidden-size", str(moe.moe_ffn_hidden_size),
+                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-topk-scaling-factor", str(moe.moe_router_topk_scaling_factor),
+                 "--moe-router-load-balancing-type", "seq_aux_loss",
+                 "--moe-layer-freq", "[" + ",".join(map(str, moe.moe_layer_freq)) + "]"]
+        if moe.moe_router_num_groups:
+            argv += ["--moe-router-num-groups", str(moe.moe_router_num_groups),
+                     "--moe-router-group-topk", str(moe.moe_router_group_topk)]
+        if moe.moe_shared_expert_intermediate_size:
+            argv += ["--moe-shared-expert-intermediate-size",
+                     str(moe.moe_shared_expert_intermediate_size)]
+    if c.get("num_nextn_predict_layers"):
+        argv += ["--mtp-num-layers", str(c["num_nextn_predict_layers"])]
+    return argv
 
 
 def _moe_argv(c: dict) -> list[str]:

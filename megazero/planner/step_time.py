@@ -63,20 +63,24 @@ from megazero.planner.links import alpha_beta, collective_seconds, dp_link_gbps,
 
 def gemm_flops_per_token(cfg: MegazeroConfig) -> tuple[float, float, float]:
     """(dense layer FLOPs, core-attention FLOPs, logits FLOPs) of one token's forward."""
+    from megazero.observability.flops import attention_flops_per_token, moe_mlp_flops_per_token
+
     m = cfg.model
-    h, s, f = m.hidden_size, m.seq_length, m.ffn_size
-    kv = m.query_groups * m.head_dim
-    q = m.num_attention_heads * m.head_dim  # h unless --kv-channels
-    dense = 2 * (h * (q + 2 * kv) + q * h + (3 if m.swiglu else 2) * h * f)
-    attn = 2 * 2 * s * q
+    h, f = m.hidden_size, m.ffn_size
+    weights, attn = attention_flops_per_token(m)  # MLA's latent projections when it is on
+    mlp = 2 * (3 if m.swiglu else 2) * h * f
+    dense = weights + mlp
     layers = dense * m.num_layers
     if m.moe.num_experts is not None:  # MoE layers: router, k active experts, shared expert
-        from megazero.observability.flops import moe_mlp_flops_per_token
         from megazero.planner.moe_cost import moe_layers
 
-        layers += moe_layers(cfg) * (moe_mlp_flops_per_token(m)
-                                     - 2 * (3 if m.swiglu else 2) * h * f)
-    return layers, attn * m.num_layers, 2 * h * m.vocab_size
+        layers += moe_layers(cfg) * (moe_mlp_flops_per_token(m) - mlp)
+    depths = m.mtp_num_layers or 0  # MTP: eh_proj and one layer of the last one's kind each
+    if depths:
+        last = moe_mlp_flops_per_token(m) if m.moe.is_moe_layer(m.num_layers - 1,
+                                                                  m.num_layers) else mlp
+        layers += depths * (2 * 2 * h * h + weights + last)
+    return layers, attn * (m.num_layers + depths), 2 * h * m.vocab_size * (1 + depths)
 
 
 @dataclass
@@ -184,6 +188,11 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
             experts = work.terms.get("MoE grouped GEMM", 0.0) + work.terms.get("MoE permute",
                                                                                 0.0)
             traffic = overlapped_traffic(traffic, per_mb - experts, experts)
+        elif feats.moe_shared_expert_overlap:  # the forward dispatch under the shared expert
+            from megazero.planner.moe_cost import shared_expert_overlapped
+
+            traffic = shared_expert_overlapped(traffic, shared_expert_forward_seconds(
+                cfg, cluster, feats))
         out.terms["MoE dispatch"] = mb * traffic["dispatch"]
         out.terms["MoE combine"] = mb * traffic["combine"]
         exposed_per_mb += sum(traffic.values())
@@ -228,6 +237,21 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
 
         out.model_flops = gpt_flops_per_iteration(m, gbs)
     return out
+
+
+def shared_expert_forward_seconds(cfg: MegazeroConfig, cluster: Cluster,
+                                  features: Features) -> float:
+    """The shared experts' forward GEMMs of one micro-batch over the slowest stage's MoE layers
+    (what ``--moe-shared-expert-overlap`` hides the forward dispatch under)."""
+    from megazero.planner.moe_cost import moe_layers
+
+    m, p = cfg.model, cfg.parallel
+    shared = m.moe.moe_shared_expert_intermediate_size or 0
+    tokens = cfg.train.micro_batch_size * m.seq_length / p.cp
+    flops = tokens * 2 * m.hidden_size * shared * ((2 if m.swiglu else 1) + 1) / p.tp
+    sixteen = cfg.precision.params_dtype.itemsize == 2
+    rate = cluster.gemm_rate(sixteen, bool(features.fp8))
+    return moe_layers(cfg) / p.pp * flops / rate
 
 
 def _data_parallel(cfg: MegazeroConfig, cluster: Cluster, feats: Features, mb: int, dp: int,

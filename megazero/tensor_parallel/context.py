@@ -23,6 +23,7 @@ from megazero.config.rules import sequence_parallel_active
 from megazero.distributed.topology import ParallelTopology
 from megazero.errors import ConfigError, MegazeroError
 from megazero.tensor_parallel.mappings import Group, group_rank, group_size
+from megazero.tensor_parallel.overlap import TPCommOverlap
 from megazero.tensor_parallel.random import RNGStatesTracker
 
 #: Core-attention implementations; ``auto`` is flash-attn when usable, else SDPA.
@@ -59,6 +60,9 @@ class ParallelContext:
     etp_rank: int = 0
     # TP x CP (MoE routers count one micro-batch over it); None: the tp or the cp group alone
     tp_cp_group: Group = None
+    # --tp-comm-overlap: which sequence-parallel collectives run inside the linear layers'
+    # GEMMs (megazero.tensor_parallel.overlap); None, or without sequence parallelism: none
+    tp_comm_overlap: TPCommOverlap | None = None
 
     def __post_init__(self) -> None:
         if self.cp_group is not None:
@@ -88,7 +92,8 @@ class ParallelContext:
                       rng_tracker: RNGStatesTracker | None = None,
                       attention_backend: str = "auto",
                       params_dtype: torch.dtype = torch.float32,
-                      cp_comm_type: str = "p2p") -> ParallelContext:
+                      cp_comm_type: str = "p2p",
+                      tp_comm_overlap: TPCommOverlap | None = None) -> ParallelContext:
         """This rank's context: ``topo``'s TP (and CP) group, size and rank, and the given
         settings."""
         return cls(tp_group=topo.tp_group, sequence_parallel=sequence_parallel,
@@ -102,7 +107,12 @@ class ParallelContext:
                    etp_size=topo.etp_size if topo.etp_group is None else 1,
                    etp_rank=topo.etp_rank if topo.etp_group is None else 0,
                    tp_cp_group=topo.tp_cp_group if topo.cp_size > 1 and topo.tp_size > 1
-                   else None)
+                   else None, tp_comm_overlap=tp_comm_overlap)
+
+    @property
+    def overlap(self) -> TPCommOverlap | None:
+        """The TP communication overlap in effect: only with sequence parallelism."""
+        return self.tp_comm_overlap if self.sequence_parallel else None
 
     def fork(self, stream: str) -> contextlib.AbstractContextManager[None]:
         """Draw random numbers from ``stream`` of the tracker (dropout); see

@@ -35,6 +35,7 @@ from megazero.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from megazero.tensor_parallel.overlap import all_gather_linear, linear_reduce_scatter
 from megazero.tensor_parallel.utils import (
     divide,
     gather_from_tensor_parallel_output,
@@ -217,6 +218,7 @@ class ColumnParallelLinear(nn.Module):
         group, dtype = parallel.tp_group, parallel.params_dtype
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = parallel.sequence_parallel
+        self.overlap = parallel.overlap
         self.input_size, self.output_size = input_size, output_size
         self.gemm: Gemm = DEFAULT_GEMM
         local = divide(output_size, parallel.tp_size)
@@ -235,8 +237,11 @@ class ColumnParallelLinear(nn.Module):
         holds the gathered bias (a caller adding ``self.bias`` afterwards would find it
         released)."""
         bias = None if epilogue is not None else self.bias
-        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel,
-                                   self.gemm)
+        if self.overlap is not None:
+            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap)
+        else:
+            y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel,
+                                       self.gemm)
         if epilogue is not None:
             if self.gather_output:
                 raise ValueError("an epilogue needs gather_output=False (it acts on this "
@@ -266,6 +271,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = parallel.sequence_parallel
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
+        self.overlap = parallel.overlap
         self.input_size, self.output_size = input_size, output_size
         self.gemm: Gemm = DEFAULT_GEMM
         local = divide(input_size, parallel.tp_size)
@@ -285,11 +291,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y = LinearSavingWeight.apply(x, self.weight, self.gemm)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        if self.overlap is not None:  # the reduce-scatter inside the GEMM
+            y = linear_reduce_scatter(x, self.weight, self.group, self.overlap)
+        elif self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(
+                LinearSavingWeight.apply(x, self.weight, self.gemm), self.group)
         else:
-            y = reduce_from_tensor_parallel_region(y, self.group)
+            y = reduce_from_tensor_parallel_region(
+                LinearSavingWeight.apply(x, self.weight, self.gemm), self.group)
         if self.epilogue is not None:
             return self.epilogue(y, self.bias)
         return y if self.bias is None else y + self.bias

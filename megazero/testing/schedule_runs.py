@@ -37,3 +37,35 @@ def runs_world(rank: int, world: int, cases: list[list[str]]) -> list[dict]:
         out.append({"losses": [h["loss"] for h in state.history],
                     "norms": [h["grad_norm"] for h in state.history], "weights": weights})
     return out
+
+
+def merge_ranks(ranks: list[list[dict]]) -> list[dict]:
+    """Per case of :func:`runs_world`: rank 0's losses and norms, every rank's weights."""
+    out = []
+    for i, first in enumerate(ranks[0]):
+        weights: dict[str, Any] = {}
+        for r in ranks:
+            weights.update(r[i]["weights"])
+        out.append({**first, "weights": weights})
+    return out
+
+
+def assert_same_run(got: dict, ref: dict, what: str, weights: bool = True,
+                    subset: bool = False) -> None:
+    """``got`` trained ``ref``'s model: losses to 2e-6 and grad norms to 2e-5 relative, every
+    weight (those ``got`` has, with ``subset``) to 2e-5 of its largest entry plus 3e-6 (only
+    the order of sums differs; a wrong gradient moves a weight by a whole Adam step)."""
+    assert len(got["losses"]) == len(ref["losses"]) > 0, what
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= 2e-6 * abs(b), f"{what}: loss {a} vs {b}"
+    for a, b in zip(got["norms"], ref["norms"]):
+        assert abs(a - b) <= 2e-5 * abs(b), f"{what}: grad norm {a} vs {b}"
+    if not weights:
+        return
+    if not subset:
+        assert got["weights"].keys() == ref["weights"].keys(), what
+    assert got["weights"], what
+    for k, w in got["weights"].items():
+        r = ref["weights"][k]
+        err = float(abs(w - r).max())
+        assert err <= 2e-5 * float(abs(r).max()) + 3e-6, f"{what}: {k} off by {err}"

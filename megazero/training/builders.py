@@ -231,7 +231,8 @@ def batch_iterator(dataset: Any, batching: Batching, topo: ParallelTopology,
 
 
 def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | None = None,
-              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1)
+              eod_mask: int | None = None, cp: tuple[int, int] = (0, 1),
+              mtp_layers: int = 0, documents: tuple[int | None, bool, bool] = (None, False, False)
               ) -> dict[str, torch.Tensor]:
     """``tokens [b, s+1]`` from the dataset -> model input ``tokens [b, s]`` and shifted
     ``labels [b, s]``, on ``device``. With ``eod_mask`` (the end-of-document id,
@@ -243,7 +244,11 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     non-blocking copy, so the transfer overlaps the work already queued on the GPU.
 
     ``cp``: ``(cp_rank, cp_size)``; with context parallelism the rank keeps its share of the
-    sequence (:func:`megazero.context_parallel.batch.split_batch`).
+    sequence (:func:`megazero.context_parallel.batch.split_batch`). ``mtp_layers``: also the
+    multi-token-prediction depths' masks, ``mtp_loss_mask [b, s, N]``
+    (:func:`megazero.model.mtp.mtp_loss_masks`), built before the split. ``documents``:
+    ``(end-of-document id, --reset-position-ids, --reset-attention-mask)``: also
+    ``doc_position_ids`` / ``document_ids`` (:mod:`megazero.model.packed`), before the split.
     """
     tokens = next(data_iterator)["tokens"]
     if device is not None and device.type != "cpu":
@@ -251,6 +256,20 @@ def get_batch(data_iterator: Iterator[dict[str, Any]], device: torch.device | No
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eod_mask is not None:
         batch["loss_mask"] = (batch["tokens"] != eod_mask).float()
+    eod, reset_positions, reset_mask = documents
+    if eod is not None and (reset_positions or reset_mask):
+        from megazero.model.packed import document_ids, document_positions
+
+        docs = document_ids(batch["tokens"], eod)
+        if reset_positions:
+            batch["doc_position_ids"] = document_positions(docs)
+        if reset_mask:
+            batch["document_ids"] = docs
+    if mtp_layers:
+        from megazero.model.mtp import mtp_loss_masks
+
+        batch["mtp_loss_mask"] = mtp_loss_masks(batch.get("loss_mask"), batch["tokens"],
+                                                mtp_layers)
     if cp[1] > 1:
         from megazero.context_parallel.batch import split_batch
 
@@ -271,10 +290,12 @@ def build_model_chunks_on(cfg: MegazeroConfig, topo: ParallelTopology, device: t
     from megazero.pipeline.partition import build_model_chunks
     from megazero.pipeline.zero_bubble import placement_of
     from megazero.tensor_parallel.context import ParallelContext
+    from megazero.tensor_parallel.overlap import tp_comm_overlap_of
 
     parallel = ParallelContext.from_topology(topo,
                                              sequence_parallel=cfg.parallel.sequence_parallel,
-                                             cp_comm_type=cfg.parallel.cp_comm_type)
+                                             cp_comm_type=cfg.parallel.cp_comm_type,
+                                             tp_comm_overlap=tp_comm_overlap_of(cfg.parallel))
     with torch.device("meta"):
         chunks = build_model_chunks(
             cfg.model, topo, cfg.parallel.num_layers_per_virtual_pipeline_stage,
@@ -299,9 +320,17 @@ def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
     from megazero.zero import build_zero_optimizer
 
     chunks, param_init = build_model_chunks_on(cfg, topo, device)
+    pr = cfg.precision
+    apart: frozenset[int] = frozenset()
+    if pr.fp8_format is not None and pr.fp8_param_gather and cfg.zero.stage in (1, 2):
+        from megazero.fp8.apply import bf16_layer_indices, fp8_weights
+
+        bf16 = bf16_layer_indices(cfg.model.num_layers, pr.first_last_layers_bf16,
+                                  pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16)
+        apart = frozenset(id(w) for w in fp8_weights(chunks, bf16))
     engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
                                   sequence_parallel=cfg.parallel.sequence_parallel_active,
-                                  param_init=param_init)
+                                  param_init=param_init, gather_apart=apart)
     return chunks, engine
 
 
@@ -326,13 +355,28 @@ def build_fp8(cfg: MegazeroConfig, topo: ParallelTopology, chunks: list[torch.nn
 
 
 def gather_fp8_params(fp8: Any, engine: Any) -> int:
-    """``--fp8-param-gather``: the ZeRO-3 units holding one FP8 GEMM weight are gathered as
-    e4m3 bytes (:mod:`megazero.fp8.param_gather`); returns how many units are."""
-    from megazero.fp8.param_gather import FP8ParamCodec
+    """``--fp8-param-gather``: the FP8 GEMM weights are gathered as e4m3 bytes
+    (:mod:`megazero.fp8.param_gather`): at ZeRO-3 the units holding one such weight, at ZeRO
+    1-2 the buckets of them after the step. Returns how many units (ZeRO-3) or weights are."""
+    from megazero.fp8.param_gather import FP8BucketCodec, FP8ParamCodec
+    from megazero.zero.buffers import GradBuffer
+    from megazero.zero.stage3 import ParamCodec, Stage3Params
 
-    codecs = {id(w): FP8ParamCodec(groups) for w, groups in fp8.weights}
-    return sum(store.gather_with(codecs) for store in engine.stores
-               if hasattr(store, "gather_with"))
+    groups = {id(w): g for w, g in fp8.weights}
+    codecs: dict[int, ParamCodec] = {key: FP8ParamCodec(g) for key, g in groups.items()}
+
+    def bucket_codec(params: list[torch.nn.Parameter]) -> FP8BucketCodec | None:
+        if not all(id(p) in groups for p in params):
+            return None
+        return FP8BucketCodec([groups[id(p)] for p in params])
+
+    count = 0
+    for store in engine.stores:
+        if isinstance(store, Stage3Params):
+            count += store.gather_with(codecs)
+        elif isinstance(store, GradBuffer):
+            count += store.gather_with(bucket_codec)
+    return count
 
 
 class ChunkTrackers:

@@ -67,6 +67,7 @@ class Run:
     watchdog: Watchdog | None = None
     checkpoint_writer: Any = None  # a megazero.checkpoint.files.Writer; None = the default
     owner: RunOwner | None = None  # rank 0: the run holding the --save directory's lock
+    eod_id: int | None = None  # the end-of-document id (packed documents kept apart)
     eod_mask: int | None = None  # --eod-mask-loss: the end-of-document id whose next is masked
     comms_logger: CommsLogger | None = None  # DeepSpeed's "comms_logger", while installed
     saver: AsyncSaver | None = None  # --async-save: the saves written in the background

@@ -55,6 +55,11 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
     # the dp x cp replicas; this factor cancels both, leaving the sum over the global batch
     per_token_factor = count * run.topo.grad_size
 
+    # the chunk with the output layer holds the MTP depths (the last, or under a V-shaped
+    # schedule another of this rank's chunks)
+    mtp_chunk = next((c for c in run.chunks if getattr(c, "mtp", None) is not None),
+                     run.chunks[-1])
+
     def loss_fn(per_token: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         # fp16: the executor back-propagates what this returns, so the loss scale goes here;
         # the scale is a power of two, so dividing the reported loss by it below is exact.
@@ -67,8 +72,14 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
         if run.topo.cp_size > 1:  # the micro-batch's tokens are split over the CP group
             from megazero.context_parallel.loss import exact_mean_loss
 
-            return exact_mean_loss(per_token, batch.get("loss_mask"), run.topo.cp_group) * scale
-        return default_loss_fn(per_token, batch) * scale
+            loss = exact_mean_loss(per_token, batch.get("loss_mask"), run.topo.cp_group) * scale
+        else:
+            loss = default_loss_fn(per_token, batch) * scale
+        if m.mtp_num_layers:  # the MTP depths' losses ride the backward (model.mtp)
+            from megazero.model.mtp import add_mtp_loss
+
+            loss = add_mtp_loss(loss, mtp_chunk, batch, run.topo, scale)
+        return loss
 
     if m.moe.enabled:  # MoE auxiliary losses are scaled as each micro-batch's loss is
         from megazero.moe.moe_utils import set_aux_loss_scale
@@ -107,20 +118,30 @@ def fp8_metrics(run: Run) -> dict[str, float] | None:
 
 
 def moe_metrics(run: Run, iterations: int) -> dict[str, float] | None:
-    """The routers' scalars of the log interval (collective: every rank calls it)."""
-    moe = run.cfg.model.moe
-    if not moe.enabled:
-        return None
-    from megazero.moe.metrics import collect
+    """The routers' scalars of the log interval, and the multi-token-prediction depths'
+    ``mtp_k loss`` (collective: every rank calls it)."""
+    m = run.cfg.model
+    moe, mtp = m.moe, m.mtp_num_layers or 0
+    out: dict[str, float] = {}
+    if moe.enabled:
+        from megazero.moe.metrics import collect
 
-    assert moe.num_experts is not None
-    return collect(run.chunks, run.topo, run.cfg.model.num_layers, moe.num_experts, iterations,
-                   moe.moe_per_layer_logging)
+        assert moe.num_experts is not None
+        out.update(collect(run.chunks, run.topo, m.num_layers + mtp, moe.num_experts,
+                           iterations, moe.moe_per_layer_logging))
+    if mtp:
+        from megazero.model import mtp as mtp_module
+
+        out.update(mtp_module.collect(run.chunks, run.topo, mtp))
+    return out or None
 
 
 def _timed_get_batch(run: Run) -> Callable[[Iterator[dict[str, Any]]], dict[str, torch.Tensor]]:
     draw = functools.partial(get_batch, device=run.env.device, eod_mask=run.eod_mask,
-                             cp=(run.topo.cp_rank, run.topo.cp_size))
+                             cp=(run.topo.cp_rank, run.topo.cp_size),
+                             mtp_layers=run.cfg.model.mtp_num_layers or 0,
+                             documents=(run.eod_id, run.cfg.data.reset_position_ids,
+                                        run.cfg.data.reset_attention_mask))
 
     def fetch(data_iterator: Iterator[dict[str, Any]]) -> dict[str, torch.Tensor]:
         try:
