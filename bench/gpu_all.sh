@@ -2,7 +2,8 @@
 # Every GPU check in one pass on one GPU machine, each step's output under $OUT (default
 # bench/results/gpu_logs): the environment and the attention kernels megazero selects; the CPU
 # suite (niced, in the background, capped at $SUITE_S seconds) beside the gpu-marked tests; the
-# save/resume matrix of training paths (bench/gpu_matrix.py); then, alone on the machine, the
+# save/resume matrix of training paths (bench/gpu_matrix.py: ZeRO 0-3, offload, FP8 recipes,
+# asynchronous saves, deferred weight gradients, the fusions off); then, alone on the machine, the
 # step-time/MFU benchmark (bench/gpu_step.py) of GPT 1.3B and Llama 1.5B at micro-batch 8, the
 # elementwise fusions on and off, with a profiler table of one megazero step.
 set -uo pipefail

@@ -55,6 +55,21 @@ def cases(workdir: str) -> dict[str, tuple[list[str], dict[str, Any] | None]]:
         "stage": 3,
         "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
         "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True}}})
+    # what has a GPU path since: FP8 GEMMs per recipe (the delayed amax history resumes with
+    # the checkpoint), asynchronous saves with pinned staging, the weight-gradient split
+    # (1F1B with W deferred) and the elementwise fusions off
+    for recipe in ("tensorwise", "delayed", "blockwise"):
+        out[f"bf16 zero-1 fp8 {recipe}"] = (
+            ["--bf16", "--zero-stage", "1", "--fp8-format", "hybrid", "--fp8-recipe", recipe],
+            None)
+    out["bf16 zero-3 fp8 param gather"] = (
+        ["--bf16", "--zero-stage", "3", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+         "--fp8-param-gather"], None)
+    out["bf16 zero-2 async save"] = (["--bf16", "--zero-stage", "2", "--async-save"], None)
+    out["bf16 zero-2 delayed wgrad"] = (["--bf16", "--zero-stage", "2", "--delay-wgrad-compute"],
+                                        None)
+    out["bf16 zero-3 unfused"] = (["--bf16", "--zero-stage", "3", "--no-bias-gelu-fusion",
+                                   "--no-bias-dropout-fusion", "--no-rope-fusion"], None)
     return out
 
 

@@ -1,7 +1,7 @@
 """Measure the pipeline bubble and activation memory of every schedule: 1F1B, interleaved
 1F1B, ZB-H1, ZBV and DualPipeV (and 1F1B with delayed weight gradients).
 
-    python bench/pipeline_bubble.py [--compute sleep|matmul] [--stage-ms 60] [--steps 2]
+    python bench/pipeline_bubble.py [--compute sleep|matmul] [--stage-ms 150] [--steps 2]
 
 Four pipeline ranks (gloo, CPU) run the real executor on stand-in chunks, m = 2p and 4p
 micro-batches. Each rank measures its busy time (time spent inside chunk forwards, backwards
@@ -24,6 +24,13 @@ matmul (real tensors and autograd flow through the pipeline) plus a fixed-durati
 stage's forward costs ``stage-ms / v`` ms per chunk and its backward twice that, independent of
 load. ``--compute matmul`` uses matmul-only chunks instead (honest compute, but contended on a
 small machine). Results go to ``bench/results/pipeline_bubble.json``.
+
+Costs: before the schedules run, the same world measures what a pipeline message and an
+action cost here (:func:`_measure_costs`): ``p2p_ms``, one activation message to a rank
+waiting for it (as the executor posts it), and ``action_overhead_ms``, the time a chunk's F, B
+or W spends outside its compute, each after a sleep as in the pipeline. Each row's
+``predicted`` is the planner's bubble (:func:`megazero.planner.pipeline_sim.bubble_fraction`)
+with those two numbers: the schedule's simulation, not a formula.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.executor import forward_backward
 from megazero.pipeline.partition import chunk_roles
 from megazero.pipeline.zero_bubble import placement_of
+from megazero.planner.pipeline_sim import PipelineCosts, bubble_fraction
+from megazero.tensor_parallel import weight_grad
 from megazero.tensor_parallel.weight_grad import run_or_defer
 from megazero.testing import run_distributed
 
@@ -145,9 +154,73 @@ SCHEDULES = [("1F1B", None, 1, False), ("interleaved 1F1B", None, 2, False),
              ("ZBV", "zbv", 2, False), ("DualPipeV", "dualpipev", 2, False)]
 
 
+def _measure_costs(rank: int, world_size: int, gap_ms: float, reps: int = 20
+                   ) -> tuple[list[float], float]:
+    """This rank's one-way message times (ms, as receiver) and its action overhead (ms), both
+    measured as the pipeline meets them: after ``gap_ms`` of sleep, not in a hot loop. A
+    rank that waits for its neighbour, or has just slept through a compute, wakes to the
+    message or the next action on a loaded machine; that wake-up is most of the cost and a
+    back-to-back ping-pong or loop does not see it (an order of magnitude less here).
+
+    p2p: rank pairs (0-1, 2-3) take turns; the receiver posts its receive at once (it then
+    waits, as a pipeline rank waits on its neighbour), the sender sleeps ``gap_ms`` and posts
+    one activation-sized message as the executor does (``batch_isend_irecv``, then wait); the
+    time is the receiver's return from the wait less the sender's post (``perf_counter`` is
+    the system-wide monotonic clock). Action: F, B (weight gradients deferred) and W of a
+    middle chunk whose compute takes no time, each after a ``gap_ms`` sleep; its wall time
+    less the zero-length compute."""
+    peer = rank ^ 1
+    msg = torch.randn(SEQ, MBS, HIDDEN)
+    posts, arrivals = [], []
+    for i in range(2 * reps):
+        dist.barrier()
+        if (i + rank) % 2 == 0:  # this rank sends
+            time.sleep(gap_ms / 1000)
+            posts.append(time.perf_counter())
+            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, msg, peer)]):
+                req.wait()
+        else:
+            for req in dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty_like(msg),
+                                                          peer)]):
+                req.wait()
+            arrivals.append(time.perf_counter())
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, posts)
+    one_way = [1000 * (a - p) for a, p in zip(arrivals, everyone[peer])]
+    busy = Busy()
+    chunk = StandInChunk(False, False, 0.0, "sleep", busy, 8, ACT_BYTES)
+    x = torch.randn(SEQ, MBS, HIDDEN, requires_grad=True)
+    spans = []
+    for i in range(reps + 2):
+        span = 0.0
+        busy.seconds = 0.0
+        time.sleep(gap_ms / 1000)
+        t0 = time.perf_counter()
+        out = chunk(None, hidden_states=x)
+        span += time.perf_counter() - t0
+        time.sleep(gap_ms / 1000)
+        t0 = time.perf_counter()
+        store = weight_grad.WeightGradStore(list(chunk.parameters()))
+        with weight_grad.deferring(store):
+            weight_grad.backward([out], [torch.ones_like(out)], [x])
+        span += time.perf_counter() - t0
+        time.sleep(gap_ms / 1000)
+        t0 = time.perf_counter()
+        store.run()
+        span += time.perf_counter() - t0
+        if i >= 2:
+            spans.append(1000 * (span - busy.seconds) / 3)
+    return one_way, _median(spans)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
 def _bench_rank(rank, world_size, cases, stage_ms, mode, steps):
     reps = _calibrate_reps() if mode == "matmul" else 8
-    out = []
+    out = [_measure_costs(rank, world_size, stage_ms / 4)]
     for (_, schedule, vpp, delay), m in cases:
         pp = world_size
         topo = ParallelTopology.build(pp=pp, vpp=vpp if vpp > 1 else None)
@@ -191,7 +264,7 @@ def _step_stats(spans_per_rank: list[list[tuple[float, float, float, int]]]
 def main() -> None:
     ap = argparse.ArgumentParser(description="pipeline bubble and memory per schedule")
     ap.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
-    ap.add_argument("--stage-ms", type=float, default=60.0,
+    ap.add_argument("--stage-ms", type=float, default=150.0,
                     help="forward (= input-gradient = weight-gradient) time of one micro-batch "
                          "through a whole stage (ms)")
     ap.add_argument("--steps", type=int, default=2)
@@ -202,13 +275,18 @@ def main() -> None:
     cases = [(s, m) for m in (2 * pp, 4 * pp) for s in SCHEDULES]
     per_rank = run_distributed(_bench_rank, pp, cases, args.stage_ms, args.compute, args.steps,
                                timeout=1200)
+    p2p_ms = _median([t for r in per_rank for t in r[0][0]])
+    action_ms = _median([r[0][1] for r in per_rank])
+    costs = PipelineCosts(p2p_ms / 1000, action_ms / 1000)
     rows = []
-    for i, ((label, _, v, _), m) in enumerate(cases):
-        step_s, busy, peak = _step_stats([r[i] for r in per_rank])
+    for i, ((label, schedule, v, delay), m) in enumerate(cases):
+        step_s, busy, peak = _step_stats([r[i + 1] for r in per_rank])
         bubbles = [(step_s - b) / b for b in busy]
         rows.append(dict(
             schedule=label, pp=pp, vpp=v, microbatches=m,
             formula=(pp - 1) / (v * m) if label in ("1F1B", "interleaved 1F1B") else None,
+            predicted=bubble_fraction(schedule or "1f1b", pp, v, m, args.stage_ms / 1000, costs,
+                                      delay),
             measured_mean=sum(bubbles) / len(bubbles), measured_max=max(bubbles),
             measured_per_rank=bubbles, step_ms=1000 * step_s,
             busy_ms_per_rank=[1000 * b for b in busy], peak_activation_bytes_per_rank=peak,
@@ -222,18 +300,21 @@ def main() -> None:
                                             / max(base["peak_activation_bytes_per_rank"]))
     print(f"pipeline bubble, pp={pp}, compute={args.compute} (stage F = B = W = "
           f"{args.stage_ms:g} ms; sleep = fixed-duration compute)")
-    print(f"{'schedule':<18}{'v':>3}{'m':>4}{'formula':>9}{'bubble':>8}{'vs 1F1B':>9}"
+    print(f"p2p {p2p_ms:.2f} ms per message, {action_ms:.2f} ms per action outside compute")
+    print(f"{'schedule':<18}{'v':>3}{'m':>4}{'formula':>9}{'predict':>9}{'bubble':>8}"
+          f"{'vs 1F1B':>9}"
           f"{'peak act':>10}{'vs 1F1B':>9}{'step ms':>9}")
     for r in rows:
         formula = "" if r["formula"] is None else f"{r['formula']:.3f}"
         print(f"{r['schedule']:<18}{r['vpp']:>3}{r['microbatches']:>4}{formula:>9}"
-              f"{r['measured_mean']:>8.3f}{r['bubble_vs_1f1b']:>9.2f}"
+              f"{r['predicted']:>9.3f}{r['measured_mean']:>8.3f}{r['bubble_vs_1f1b']:>9.2f}"
               f"{r['peak_activation_stages']:>10.2f}{r['peak_memory_vs_1f1b']:>9.2f}"
               f"{r['step_ms']:>9.0f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(compute=args.compute, stage_ms=args.stage_ms, steps=args.steps,
-                       cpu_count=os.cpu_count(), act_bytes_per_stage=ACT_BYTES, rows=rows),
+                       cpu_count=os.cpu_count(), act_bytes_per_stage=ACT_BYTES,
+                       p2p_ms=p2p_ms, action_overhead_ms=action_ms, rows=rows),
                   f, indent=2)
     print(f"wrote {args.out}")
 

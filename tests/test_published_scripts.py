@@ -1,6 +1,6 @@
 """Today's published launch scripts train in one launch on 4 CPU ranks, every flag as the
 script has it and only the sizes scaled down (model, batch, lengths; gloo instead of nccl):
-Megatron-LM's Mixtral 8x7B and Llama-3 8B (FP8 example, bf16 branch) and Megatron-DeepSpeed's
+Megatron-LM's Mixtral 8x7B and Llama-3 8B (FP8 example, its FP8 branch) and Megatron-DeepSpeed's
 Llama 2 and GPT-3 125M (flash-attention, started by DeepSpeed's launcher) with their JSON.
 
 Sources: NVIDIA/Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh and
@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from megazero.config import ConfigError, load_config
+from megazero.config import load_config
 from megazero.data.indexed_dataset import IndexedDatasetBuilder
 from megazero.testing.launch import check, run_like_deepspeed, run_training
 
@@ -127,19 +127,17 @@ def test_megatron_lm_llama3_8b(tmp_path):
                "--tensorboard-dir", str(tmp_path / "tb")]
     args = [*LLAMA3["model"], *LLAMA3["training"], *LLAMA3["parallel"], *LLAMA3["data"],
             "--data-cache-path", cache, *logging, "--distributed-backend", "gloo"]
-    out = check(run_training(args, nproc=NPROC, timeout=400))
+    # the script's FP8 branch: delayed scaling, and FP8 parameter gathers with the
+    # distributed optimizer (ZeRO-1) over dp 4
+    pr = load_config([*args, *LLAMA3["fp8"]], NPROC).precision
+    assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_amax_history_len, pr.fp8_amax_compute_algo,
+            pr.fp8_param_gather) == ("hybrid", "delayed", 1024, "max", True)
+    out = check(run_training([*args, *LLAMA3["fp8"]], nproc=NPROC, timeout=400))
     _trained(out, 3)
     assert "embedding and output layer from 0.0005 to 4.5e-05" in out
     assert "note: --profile without --use-pytorch-profiler" in out
-    # the script's FP8 branch: its delayed scaling loads; its FP8 parameter gather with the
-    # distributed optimizer (ZeRO-1) is one line naming what megazero does instead
-    pr = load_config([*args, *[x for x in LLAMA3["fp8"] if x != "--fp8-param-gather"]],
-                     NPROC).precision
-    assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_amax_history_len,
-            pr.fp8_amax_compute_algo) == ("hybrid", "delayed", 1024, "max")
-    with pytest.raises(ConfigError, match="--fp8-param-gather with --zero-stage 1: megazero "
-                       "gathers FP8 parameters at ZeRO stage 3 only"):
-        load_config([*args, *LLAMA3["fp8"]], NPROC)
+    assert "> fp8: hybrid format, delayed" in out
+    assert "> --fp8-param-gather: 16 FP8 GEMM weights" in out  # 4 layers x QKV, proj, fc1, fc2
 
 
 def test_megatron_deepspeed_llama2(tmp_path, llama_tokenizer):

@@ -80,6 +80,11 @@ def test_fp8_flags_read_as_megatron_reads_them():
     pr = _load(["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather",
                 "--zero-stage", "3"]).precision
     assert (pr.fp8_format, pr.fp8_recipe, pr.fp8_param_gather) == ("e4m3", "tensorwise", True)
+    # Megatron's Llama-3 FP8 recipe: the distributed optimizer and delayed scaling
+    cfg = _load(["--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-optimizer",
+                 "--bf16"])
+    assert (cfg.zero.stage, cfg.precision.fp8_recipe, cfg.precision.fp8_param_gather) == (
+        1, "delayed", True)
 
 
 @pytest.mark.parametrize("argv, part", [
@@ -91,8 +96,12 @@ def test_fp8_flags_read_as_megatron_reads_them():
      "--num-layers-at-start-in-bf16 1 + --num-layers-at-end-in-bf16 2 exceed --num-layers 2"),
     (["--fp8-format", "hybrid", "--fp8-param-gather"], "--fp8-param-gather with --zero-stage 0"),
     (["--fp8-format", "hybrid", "--fp8-param-gather", "--zero-stage", "3"],
-     "--fp8-param-gather with --fp8-recipe delayed: FP8 parameter gathers take one current "
-     "scale per weight; use --fp8-recipe tensorwise"),
+     "--fp8-param-gather with --fp8-recipe delayed at --zero-stage 3: ZeRO-3 gathers take one "
+     "current scale per weight; use --fp8-recipe tensorwise, --use-distributed-optimizer"),
+    (["--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-optimizer"],
+     "--fp8-param-gather with --zero-stage 1 and fp32 parameters: the gathered FP8 weights "
+     "replace the 16-bit compute copy of the fp32 masters, and fp32 training has no such copy; "
+     "add --bf16"),
     (["--fp8-format", "hybrid", "--fp8-margin", "-1"], "--fp8-margin -1: expected an integer"),
 ])
 def test_bad_fp8_settings_are_one_line_naming_the_flag(argv, part):

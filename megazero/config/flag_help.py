@@ -240,8 +240,9 @@ HELP = {
     "--num-layers-at-end-in-bf16": "with --first-last-layers-bf16: layers at the end",
     "--log-fp8-amax": "FP8 tensors whose amax the log line and TensorBoard carry: patterns "
                       "over <module>.<x|w|dy>, e.g. 'decoder.layers.1.*.x'",
-    "--fp8-param-gather": "ZeRO all-gathers FP8 parameters (with their scales): half bf16's "
-                          "bytes",
+    "--fp8-param-gather": "ZeRO all-gathers the FP8 GEMM weights as e4m3 bytes with their "
+                          "scales, half bf16's bytes (ZeRO-3: tensorwise; ZeRO 1-2: 16-bit "
+                          "parameters, any recipe, current scales)",
     "--loss-scale": "static loss scale (0: dynamic)",
     "--initial-loss-scale": "initial dynamic loss scale, a power of two (default 65536 = 2**16)",
     "--min-loss-scale": "smallest dynamic loss scale; overflowing there stops the run",

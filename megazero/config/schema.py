@@ -144,7 +144,8 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
 
 def check_fp8(cfg: MegazeroConfig) -> None:
     """FP8 against the model and ZeRO: the bf16 layers fit in the model, FP8 parameter
-    gathers need a ZeRO stage that gathers parameters (1 or 3)."""
+    gathers need a ZeRO stage that gathers parameters (1-3), 16-bit compute copies at
+    stages 1-2 (they become the decoded FP8 weights) and current scaling at stage 3."""
     pr = cfg.precision
     check(pr.fp8_format is not None or not cfg.logging.log_fp8_amax,
           "--log-fp8-amax without --fp8-format: no tensor runs FP8; add --fp8-format hybrid "
@@ -161,13 +162,18 @@ def check_fp8(cfg: MegazeroConfig) -> None:
               f"--num-layers-at-end-in-bf16 {end} exceed --num-layers {n}; keep their sum "
               f"<= {n}")
     if pr.fp8_param_gather:
-        check(cfg.zero.stage == 3,
-              f"--fp8-param-gather with --zero-stage {cfg.zero.stage}: megazero gathers FP8 "
-              "parameters at ZeRO stage 3 only (stage 1's gather of whole buckets is not done "
-              "in FP8 yet); use --zero-stage 3, or drop --fp8-param-gather")
-        check(pr.fp8_recipe == "tensorwise",
-              f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe}: FP8 parameter gathers "
-              "take one current scale per weight; use --fp8-recipe tensorwise, or drop "
+        check(cfg.zero.stage > 0,
+              "--fp8-param-gather with --zero-stage 0: no parameters are gathered; add "
+              "--use-distributed-optimizer (or --zero-stage 1, 2 or 3), or drop "
+              "--fp8-param-gather")
+        check(cfg.zero.stage == 3 or pr.bf16 or pr.fp16,
+              f"--fp8-param-gather with --zero-stage {cfg.zero.stage} and fp32 parameters: "
+              "the gathered FP8 weights replace the 16-bit compute copy of the fp32 masters, "
+              "and fp32 training has no such copy; add --bf16, or drop --fp8-param-gather")
+        check(cfg.zero.stage != 3 or pr.fp8_recipe == "tensorwise",
+              f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe} at --zero-stage 3: ZeRO-3 "
+              "gathers take one current scale per weight; use --fp8-recipe tensorwise, "
+              "--use-distributed-optimizer (ZeRO-1) instead of ZeRO-3, or drop "
               "--fp8-param-gather")
 
 

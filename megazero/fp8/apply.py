@@ -173,35 +173,60 @@ def bf16_layer_indices(num_layers: int, first_last_bf16: bool, at_start: int, at
     return set(range(at_start)) | set(range(num_layers - at_end, num_layers))
 
 
+def _transformer_layers(chunks: Iterable[nn.Module]) -> Iterator[tuple[int, str, nn.Module]]:
+    """Every transformer layer of the chunks: its global number, name and module."""
+    for chunk in chunks:
+        for lname, layer in chunk.named_modules():
+            number = getattr(layer, "layer_number", None)
+            if number is not None and hasattr(layer, "self_attention"):
+                yield number, lname, layer
+
+
+def fp8_weights(chunks: Iterable[nn.Module], bf16_layers: set[int]) -> list[nn.Parameter]:
+    """The weights :func:`apply_fp8` gives FP8 GEMMs, known before it runs: ZeRO 1-2 lay them
+    into buckets of their own when they are gathered in FP8 (``--fp8-param-gather``), and the
+    buckets are cut when the optimizer is built, before the GEMMs are."""
+    out = []
+    for number, lname, layer in _transformer_layers(chunks):
+        if number in bf16_layers:
+            continue
+        for _, module in layer.named_modules(prefix=lname):
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                out.append(module.weight)
+            elif isinstance(module, Experts):
+                for e in module.local_experts.values():
+                    for linear in ("linear_fc1", "linear_fc2"):
+                        weight = e.get_submodule(linear).weight
+                        assert isinstance(weight, nn.Parameter)
+                        out.append(weight)
+    return out
+
+
 def apply_fp8(chunks: Iterable[nn.Module], recipe: FP8Recipe, *, bf16_layers: set[int],
               cp_group: Group, step_groups: tuple[Group, ...], device: torch.device
               ) -> FP8Layers:
     """Give every linear of every transformer layer not in ``bf16_layers`` its FP8 GEMMs."""
     check_device_supports(recipe, device)
     out = FP8Layers(recipe, step_groups=step_groups)
-    for chunk in chunks:
-        for lname, layer in chunk.named_modules():
-            number = getattr(layer, "layer_number", None)
-            if number is None or not hasattr(layer, "self_attention"):
-                continue
-            if number in bf16_layers:
-                out.bf16_layers.append(number)
-                continue
-            out.fp8_layers.append(number)
-            for mname, module in layer.named_modules(prefix=lname):
-                if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                    gemm = _dense_gemm(module, recipe, cp_group, mname, device)
-                    module.gemm = out.gemms[mname] = gemm
-                    out.weights.append((module.weight, gemm.w_groups))
-                elif isinstance(module, Experts):
-                    fc1, fc2 = _expert_gemms(module, recipe, mname)
-                    module.gemms = (fc1, fc2)
-                    out.gemms[f"{mname}.fc1"], out.gemms[f"{mname}.fc2"] = fc1, fc2
-                    for e in module.local_experts.values():
-                        for linear, g in (("linear_fc1", fc1), ("linear_fc2", fc2)):
-                            weight = e.get_submodule(linear).weight
-                            assert isinstance(weight, nn.Parameter)
-                            out.weights.append((weight, g.w_groups))
+    for number, lname, layer in _transformer_layers(chunks):
+        if number in bf16_layers:
+            out.bf16_layers.append(number)
+            continue
+        out.fp8_layers.append(number)
+        for mname, module in layer.named_modules(prefix=lname):
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                gemm = _dense_gemm(module, recipe, cp_group, mname, device)
+                module.gemm = out.gemms[mname] = gemm
+                out.weights.append((module.weight, gemm.w_groups))
+            elif isinstance(module, Experts):
+                fc1, fc2 = _expert_gemms(module, recipe, mname)
+                module.gemms = (fc1, fc2)
+                out.gemms[f"{mname}.fc1"], out.gemms[f"{mname}.fc2"] = fc1, fc2
+                for e in module.local_experts.values():
+                    for linear, g in (("linear_fc1", fc1), ("linear_fc2", fc2)):
+                        weight = e.get_submodule(linear).weight
+                        assert isinstance(weight, nn.Parameter)
+                        out.weights.append((weight, g.w_groups))
     out.fp8_layers.sort()
     out.bf16_layers.sort()
     return out

@@ -281,6 +281,7 @@ def check_schedules(
     forward_only: bool = False, f_time: float = 1.0, b_time: float = 2.0,
     memory_bound: bool = True, group_size: int | None = None, w_time: float | None = None,
     placement: str = "loop", inflight_limits: list[int] | None = None,
+    p2p_time: float = 0.0, action_overhead: float = 0.0,
 ) -> SimResult:
     """Verify the schedules of all ``len(schedules)`` pipeline ranks; return the simulation.
     ``memory_bound=False`` accepts schedules that hold more than 1F1B's in-flight and
@@ -288,7 +289,11 @@ def check_schedules(
     schedule's micro-batch group size N those bounds use (default pp). ``w_time``: the W part
     of ``b_time`` on ranks that split their backwards (default half of it);
     ``inflight_limits``: the in-flight bound per rank of a schedule that states its own (the
-    zero-bubble ones), instead of 1F1B's."""
+    zero-bubble ones), instead of 1F1B's. ``p2p_time``: what one exchange step costs both
+    sides once every peer has posted it (a message's latency: the step ends that long after
+    the last post); ``action_overhead``: time each compute action spends outside its compute
+    (launch, autograd, bookkeeping), on the rank's clock but not in its busy time. Both 0 by
+    default: the proofs and the paper's bubble take free messages and actions."""
     pp, vpp = len(schedules), vpp or 1
     w_time = b_time / 2 if w_time is None else w_time
     _check_work(schedules, vpp, num_microbatches, forward_only, placement)
@@ -317,6 +322,7 @@ def check_schedules(
                 if a.is_compute:
                     dur = {"F": f_time, "B": b_time - w_time if split[r] else b_time,
                            "W": w_time}[a.kind]
+                    clock[r] += action_overhead
                     res.intervals.append(Interval(r, clock[r], clock[r] + dur, a))
                     if a.kind == "F":
                         inflight[r] += 1
@@ -345,7 +351,7 @@ def check_schedules(
                 peers = [partner[(r, ptr[r], j)] for j in range(len(step))]
                 if not all(pr in posted for pr in peers):
                     break
-                clock[r] = max([clock[r]] + [posted[pr] for pr in peers])
+                clock[r] = max([clock[r]] + [posted[pr] for pr in peers]) + p2p_time
                 ptr[r] += 1
                 progress = True
     if any(ptr[r] < len(schedules[r]) for r in range(pp)):

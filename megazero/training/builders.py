@@ -320,9 +320,17 @@ def build_model_and_optimizer(cfg: MegazeroConfig, topo: ParallelTopology,
     from megazero.zero import build_zero_optimizer
 
     chunks, param_init = build_model_chunks_on(cfg, topo, device)
+    pr = cfg.precision
+    apart: frozenset[int] = frozenset()
+    if pr.fp8_format is not None and pr.fp8_param_gather and cfg.zero.stage in (1, 2):
+        from megazero.fp8.apply import bf16_layer_indices, fp8_weights
+
+        bf16 = bf16_layer_indices(cfg.model.num_layers, pr.first_last_layers_bf16,
+                                  pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16)
+        apart = frozenset(id(w) for w in fp8_weights(chunks, bf16))
     engine = build_zero_optimizer(chunks, cfg.optimizer, cfg.zero, cfg.precision, topo,
                                   sequence_parallel=cfg.parallel.sequence_parallel_active,
-                                  param_init=param_init)
+                                  param_init=param_init, gather_apart=apart)
     return chunks, engine
 
 
@@ -347,13 +355,28 @@ def build_fp8(cfg: MegazeroConfig, topo: ParallelTopology, chunks: list[torch.nn
 
 
 def gather_fp8_params(fp8: Any, engine: Any) -> int:
-    """``--fp8-param-gather``: the ZeRO-3 units holding one FP8 GEMM weight are gathered as
-    e4m3 bytes (:mod:`megazero.fp8.param_gather`); returns how many units are."""
-    from megazero.fp8.param_gather import FP8ParamCodec
+    """``--fp8-param-gather``: the FP8 GEMM weights are gathered as e4m3 bytes
+    (:mod:`megazero.fp8.param_gather`): at ZeRO-3 the units holding one such weight, at ZeRO
+    1-2 the buckets of them after the step. Returns how many units (ZeRO-3) or weights are."""
+    from megazero.fp8.param_gather import FP8BucketCodec, FP8ParamCodec
+    from megazero.zero.buffers import GradBuffer
+    from megazero.zero.stage3 import ParamCodec, Stage3Params
 
-    codecs = {id(w): FP8ParamCodec(groups) for w, groups in fp8.weights}
-    return sum(store.gather_with(codecs) for store in engine.stores
-               if hasattr(store, "gather_with"))
+    groups = {id(w): g for w, g in fp8.weights}
+    codecs: dict[int, ParamCodec] = {key: FP8ParamCodec(g) for key, g in groups.items()}
+
+    def bucket_codec(params: list[torch.nn.Parameter]) -> FP8BucketCodec | None:
+        if not all(id(p) in groups for p in params):
+            return None
+        return FP8BucketCodec([groups[id(p)] for p in params])
+
+    count = 0
+    for store in engine.stores:
+        if isinstance(store, Stage3Params):
+            count += store.gather_with(codecs)
+        elif isinstance(store, GradBuffer):
+            count += store.gather_with(bucket_codec)
+    return count
 
 
 class ChunkTrackers:

@@ -99,9 +99,16 @@ def setup(cfg: MegazeroConfig, log_json: str | None = None) -> Run:
     run.fp8 = build_fp8(cfg, topo, chunks, env.device)
     if run.fp8 is not None and cfg.precision.fp8_param_gather:
         units = gather_fp8_params(run.fp8, engine)
-        notes.append(f"> --fp8-param-gather: {units} ZeRO-3 units of this rank's chunks (one "
-                     "FP8 GEMM weight each) are all-gathered as e4m3 bytes; units with a bias "
-                     "beside the weight, and the other parameters, gather in their dtype")
+        if cfg.zero.stage == 3:
+            notes.append(f"> --fp8-param-gather: {units} ZeRO-3 units of this rank's chunks "
+                         "(one FP8 GEMM weight each) are all-gathered as e4m3 bytes; units "
+                         "with a bias beside the weight, and the other parameters, gather in "
+                         "their dtype")
+        else:
+            notes.append(f"> --fp8-param-gather: {units} FP8 GEMM weights of this rank's "
+                         f"chunks are all-gathered after each step as e4m3 bytes with a "
+                         f"power-of-two current scale each, and every rank computes with the "
+                         f"decoded weights; the other parameters gather in their dtype")
     for line in notes:
         monitor.info(line)
     describe_run(run)

@@ -39,11 +39,17 @@ parameters over the embedding group when pp > 1) live in their own *deferred* bu
 reduce-scatter reorders elements by data-parallel shard, and those buckets sit at different
 offsets on different pipeline stages, so the other sum has to happen on full gradients first.
 :meth:`GradBuffer.finish` does it, after the in-flight buckets.
+
+Parameters in ``apart`` (the weights of FP8 GEMMs under ``--fp8-param-gather``) get buckets of
+their own too, which :meth:`GradBuffer.gather_with` may give a :class:`BucketCodec`: the
+post-step all-gather of such a bucket moves its encoding (one byte per element, through a
+buffer of its own) and every rank decodes it into the parameters, its own shard included.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +57,7 @@ import torch
 from torch import nn
 
 from megazero.distributed.group_comm import GroupComm, Handle
+from megazero.zero.encoded_gather import BucketCodec, gather_encoded
 from megazero.zero.pieces import Piece
 
 #: Stage-2 reductions in flight at once (see GradBuffer.in_flight).
@@ -74,6 +81,7 @@ class Bucket:
     offset: int  # first element in the flat buffers
     shard_offset: int  # first element in the stage-2 shard buffer
     kind: str | None  # None, "sp" (sum over tp first) or "emb" (sum over embedding group first)
+    apart: bool = False  # holds only parameters of ``apart`` (GradBuffer)
     own_lo: int = 0  # this rank's owned range inside the bucket
     own_hi: int = 0
     pending: set[int] = field(default_factory=set)
@@ -86,6 +94,8 @@ class Bucket:
     # this bucket's range of the flat parameter buffer (GradBuffer sets it)
     param_data: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     padding: int = 0
+    codec: BucketCodec | None = None  # gathers the parameters encoded (gather_with)
+    wire: torch.Tensor | None = None  # the encoded bucket, one byte per element
 
     def full_grad(self) -> torch.Tensor:
         """The full-size gradients; they exist from the first absorbed gradient (always at
@@ -100,7 +110,8 @@ class GradBuffer:
 
     def __init__(self, params: list[nn.Parameter], *, stage: int, dp: GroupComm,
                  bucket_numel: int, grad_dtype: torch.dtype, contiguous_gradients: bool,
-                 reduce_scatter: bool, overlap: bool, deferred_kind: dict[int, str]) -> None:
+                 reduce_scatter: bool, overlap: bool, deferred_kind: dict[int, str],
+                 apart: frozenset[int] = frozenset()) -> None:
         self.stage = stage
         self.dp = dp
         self.overlap = overlap
@@ -111,7 +122,7 @@ class GradBuffer:
         self.view_mode = stage < 2 and contiguous_gradients and grad_dtype == dtype
         # add each micro-batch's gradient into the (wider) buffer: see the module docstring
         self.accumulate = grad_dtype != dtype
-        self.buckets = self._make_buckets(params, bucket_numel, deferred_kind)
+        self.buckets = self._make_buckets(params, bucket_numel, deferred_kind, apart)
         self.numel = sum(b.numel for b in self.buckets)
         self.padding = sum(b.padding for b in self.buckets)
         # stages 1-2 all-gather the parameters and 0-1 reduce the full gradient buffer: in
@@ -144,16 +155,19 @@ class GradBuffer:
         self.zero_grad()
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_numel: int,
-                      deferred_kind: dict[int, str]) -> list[Bucket]:
+                      deferred_kind: dict[int, str], apart: frozenset[int]) -> list[Bucket]:
         """Fill buckets in reverse registration order (roughly the order backward produces
-        gradients, so early buckets fill first); deferred parameters get buckets of their own."""
+        gradients, so early buckets fill first); deferred parameters, and those ``apart``, get
+        buckets of their own."""
         n = self.dp.size
-        groups: dict[str | None, list[nn.Parameter]] = {None: [], "sp": [], "emb": []}
+        groups: dict[tuple[str | None, bool], list[nn.Parameter]] = {
+            (None, False): [], (None, True): [], ("sp", False): [], ("emb", False): []}
         for p in reversed(params):
-            groups[deferred_kind.get(id(p))].append(p)
+            kind = deferred_kind.get(id(p))
+            groups[kind, kind is None and id(p) in apart].append(p)
         buckets: list[Bucket] = []
         offset = shard_offset = 0
-        for kind, plist in groups.items():
+        for (kind, is_apart), plist in groups.items():
             current: list[Slot] = []
             size = 0
             for i, p in enumerate(plist):
@@ -162,7 +176,7 @@ class GradBuffer:
                 if size >= bucket_numel or i == len(plist) - 1:
                     padded = -(-size // n) * n
                     b = Bucket(len(buckets), current, padded, offset, shard_offset, kind,
-                               padding=padded - size)
+                               apart=is_apart, padding=padded - size)
                     shard = padded // n
                     b.own_lo, b.own_hi = ((0, padded) if self.stage == 0
                                           else (self.dp.rank * shard, (self.dp.rank + 1) * shard))
@@ -396,9 +410,14 @@ class GradBuffer:
         :func:`megazero.zero.param_gather.register_param_gather_hooks` call
         (``overlap_param_gather``)."""
         self.wait_param_gather()  # a gather still in flight must not land after this one
-        if self.stage == 0 or self.dp.size == 1:
+        if self.stage == 0:
             return
         for b in self.buckets:
+            if b.codec is not None:  # at dp 1 too: every layout computes with the decoded copy
+                b.gather = self._gather_encoded(b, chunk, use_broadcast)
+                continue
+            if self.dp.size == 1:
+                continue
             if self.shared_params:  # straight from the owners' buffers
                 b.gather = self.dp.all_gather_in_place(b.param_data, async_op=True)
                 continue
@@ -407,6 +426,34 @@ class GradBuffer:
                 shard = shard.clone()
             b.gather = self.dp.all_gather(b.param_data, shard, async_op=True, chunk=chunk,
                                           use_broadcast=use_broadcast)
+
+    def gather_with(self, codec_for: Callable[[list[nn.Parameter]], BucketCodec | None]
+                    ) -> int:
+        """Gather the buckets of ``apart`` parameters through ``codec_for(their parameters)``
+        (None: as they are) from the next step on; returns how many parameters are. Collective
+        over the data-parallel group (the encoded buckets' buffer, in shared memory where the
+        parameters' is)."""
+        count = 0
+        for b in self.buckets:
+            if b.apart and self.stage in (1, 2):
+                b.codec = codec_for([s.param for s in b.slots])
+                count += len(b.slots) if b.codec is not None else 0
+        numel = sum(b.numel for b in self.buckets if b.codec is not None)
+        wire = (self.dp.shared_buffer(numel, torch.uint8, self.param_flat.device)
+                if self.shared_params else
+                torch.zeros(numel, dtype=torch.uint8, device=self.param_flat.device))
+        offset = 0
+        for b in self.buckets:
+            if b.codec is not None:
+                b.wire = wire[offset:offset + b.numel]
+                offset += b.numel
+        return count
+
+    def _gather_encoded(self, b: Bucket, chunk: int | None, use_broadcast: bool) -> Handle:
+        assert b.codec is not None and b.wire is not None
+        ranges = [(s.start, s.numel) for s in b.slots]
+        return gather_encoded(self.dp, b.codec, b.param_data, b.wire, ranges, b.own_lo, b.own_hi,
+                              self.shared_params, chunk, use_broadcast)
 
     def wait_param_gather(self, buckets: tuple[int, ...] | None = None) -> None:
         """Wait for the all-gather of these buckets (default: all) if one is in flight."""

@@ -92,7 +92,8 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                          shared_memory: str = "auto",
                          optimizer_factory: OptimizerFactory | None = None,
                          param_groups: list[dict[str, Any]] | None = None,
-                         param_init: Any = None) -> ZeroOptimizer:
+                         param_init: Any = None,
+                         gather_apart: frozenset[int] = frozenset()) -> ZeroOptimizer:
     """Cast the chunks to the training dtype, lay their parameters into flat buffers (stages
     0-2) or shard them (stage 3), and wrap a torch optimizer around this rank's fp32 master
     shard: ``optimizer_factory(groups)`` (default: the one ``optimizer_config`` names), over
@@ -103,6 +104,8 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
     flagged ``sequence_parallel`` have their gradients summed over tensor-parallel ranks.
     ``param_init`` (:class:`megazero.model.init.ParamInitializer`): the chunks were built on the
     meta device; stage 3 materialises only this rank's partition of each unit.
+    ``gather_apart`` (parameter ids): at stages 1-2 these get buckets of their own, whose
+    post-step gather :meth:`GradBuffer.gather_with` can then encode (``--fp8-param-gather``).
     ``reduce_scatter_impl`` picks how the data-parallel group reduce-scatters, and
     ``shared_memory`` whether its buffers live in shared memory on one host
     (:mod:`megazero.distributed.group_comm`; ``auto`` is right everywhere).
@@ -139,7 +142,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                 bucket_numel=max(1, int(zero_config.reduce_bucket_size)), grad_dtype=grad_dtype,
                 contiguous_gradients=zero_config.contiguous_gradients,
                 reduce_scatter=zero_config.reduce_scatter, overlap=zero_config.overlap_comm,
-                deferred_kind={}))
+                deferred_kind={}, apart=gather_apart))
         kinds = deferred_kinds(params, topo, sequence_parallel)
         if zero_config.stage == 3:
             from megazero.zero.stage3 import Stage3Params
@@ -157,7 +160,7 @@ def build_zero_optimizer(model_chunks: list[nn.Module] | nn.Module,
                 bucket_numel=max(1, int(zero_config.reduce_bucket_size)), grad_dtype=grad_dtype,
                 contiguous_gradients=zero_config.contiguous_gradients,
                 reduce_scatter=zero_config.reduce_scatter, overlap=zero_config.overlap_comm,
-                deferred_kind=kinds)
+                deferred_kind=kinds, apart=gather_apart)
             if zero_config.overlap_param_gather and zero_config.stage in (1, 2):
                 buffer.gather_hooks = register_param_gather_hooks(chunk, buffer)
             stores.append(buffer)
