@@ -184,6 +184,10 @@ def test_tp_comm_overlap_flags():
                  [*TINY, "--sequence-parallel", "--tp-comm-overlap"]):
         with pytest.raises(ConfigError, match="--tp-comm-overlap.*add --sequence-parallel"):
             load_config(args, 2)
+    # the overlapped GEMMs are 16-bit: FP8 GEMMs would be bypassed, so the pair is refused
+    with pytest.raises(ConfigError, match="--tp-comm-overlap with --fp8-format"):
+        load_config([*tp2, "--sequence-parallel", "--tp-comm-overlap", "--fp8-format",
+                     "hybrid"], 2)
     with pytest.raises(ConfigError, match="--moe-shared-expert-overlap.*add "
                                           "--moe-shared-expert-intermediate-size"):
         load_config([*TINY, "--num-experts", "4", "--moe-shared-expert-overlap",
