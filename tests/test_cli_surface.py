@@ -75,7 +75,7 @@ GOLDEN_FLAGS = """
 --moe-z-loss-coeff --moe-router-enable-expert-bias --moe-router-bias-update-rate
 --moe-expert-capacity-factor --moe-token-drop-policy --moe-pad-expert-input-to-capacity
 --moe-grouped-gemm --moe-shared-expert-intermediate-size --moe-shared-expert-gate
---moe-shared-expert-overlap
+--moe-shared-expert-overlap --overlap-moe-expert-parallel-comm
 --moe-token-dispatcher-type --moe-per-layer-logging --moe-router-num-groups
 --moe-router-group-topk --moe-router-dtype --multi-latent-attention --q-lora-rank --kv-lora-rank
 --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale-all-dim

@@ -170,6 +170,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("--moe-shared-expert-gate", "model.moe.moe_shared_expert_gate", **_ON),
     _f("--moe-shared-expert-overlap", "model.moe.moe_shared_expert_overlap", **_ON,
        help="the shared expert computes while the dispatch all-to-all is in flight"),
+    _f("--overlap-moe-expert-parallel-comm", "parallel.overlap_moe_expert_parallel_comm", **_ON,
+       help="combined 1F1B: the forward of one micro-batch and the backward of another run "
+            "layer by layer in turns, each one's all-to-alls in flight under the other's "
+            "compute (alltoall dispatcher, expert parallel > 1)"),
     _f("--moe-token-dispatcher-type", "model.moe.moe_token_dispatcher_type"),
     _f("--moe-per-layer-logging", "model.moe.moe_per_layer_logging", **_ON),
     _f("--moe-router-num-groups", "model.moe.moe_router_num_groups", **_I),

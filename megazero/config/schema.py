@@ -142,6 +142,48 @@ def check_moe_layout(cfg: MegazeroConfig) -> None:
           f"--num-layers is {cfg.model.num_layers}; give one 0/1 per layer")
 
 
+def check_ep_overlap(cfg: MegazeroConfig) -> None:
+    """``--overlap-moe-expert-parallel-comm`` (combined 1F1B, :mod:`megazero.combined_1f1b`)
+    against the layout: all-to-alls to hide (expert parallel > 1, the alltoall dispatcher),
+    a schedule whose steady state pairs a forward with a backward (no pipelining, the
+    interleaved schedule or DualPipeV: megatron-core asks for virtual stages too), and no
+    recomputation (a recomputed forward would run inside the other micro-batch's turn)."""
+    p, moe = cfg.parallel, cfg.model.moe
+    if not p.overlap_moe_expert_parallel_comm:
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    ep = p.expert_model_parallel_size
+    check(moe.num_experts is not None and ep > 1,
+          f"{flag} hides the expert-parallel all-to-alls, and --expert-model-parallel-size {ep}"
+          f"{'' if moe.num_experts is not None else ' without --num-experts'} has none: set "
+          "--expert-model-parallel-size > 1 (with --num-experts) or drop the flag")
+    check(moe.moe_token_dispatcher_type == "alltoall",
+          f"{flag} pairs the all-to-alls of two micro-batches, and --moe-token-dispatcher-type "
+          f"{moe.moe_token_dispatcher_type} has none: add --moe-token-dispatcher-type alltoall "
+          "or drop the flag")
+    check(not moe.moe_shared_expert_overlap,
+          f"{flag} with --moe-shared-expert-overlap: the dispatch is already hidden under the "
+          "other micro-batch's compute; drop --moe-shared-expert-overlap")
+    check(p.recompute_granularity != "full" and p.recompute_method is None,
+          f"{flag} with --recompute-granularity {p.recompute_granularity}"
+          f"{'' if p.recompute_method is None else ' --recompute-method ' + p.recompute_method}"
+          ": a recomputed forward would run inside the other micro-batch's turn; use "
+          "--recompute-granularity selective without --recompute-method, or no recompute")
+    schedule = p.pipeline_schedule
+    if p.pp > 1:
+        check(schedule == "dualpipev" or (schedule in (None, "interleaved")
+                                          and (cfg.vpp or 1) > 1),
+              f"{flag} at --pipeline-model-parallel-size {p.pp} pairs each steady-state "
+              "forward with a backward of another micro-batch, which only the interleaved "
+              "schedule and DualPipeV run back to back: add "
+              "--num-layers-per-virtual-pipeline-stage N (interleaved) or "
+              "--pipeline-schedule dualpipev"
+              f"{'' if schedule in (None, 'interleaved') else f' instead of {schedule}'}")
+    check(cfg.zero.stage < 3,
+          f"{flag} with ZeRO stage 3: the two micro-batches' turns would gather and release "
+          "the same layers' parameters out of order; use ZeRO stage 1 or 2")
+
+
 def check_fp8(cfg: MegazeroConfig) -> None:
     """FP8 against the model and ZeRO: the bf16 layers fit in the model, FP8 parameter
     gathers need a ZeRO stage that gathers parameters (1-3), 16-bit compute copies at
@@ -231,6 +273,7 @@ def validate(cfg: MegazeroConfig) -> None:
           f"--reset-attention-mask with --attention-dropout {m.attention_dropout}: packed "
           "attention runs without dropout; pass --attention-dropout 0")
     check_fp8(cfg)
+    check_ep_overlap(cfg)
     per_chunk = p.num_layers_per_virtual_pipeline_stage
     if p.uneven_split:
         check_uneven_split(cfg)

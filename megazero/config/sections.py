@@ -92,6 +92,9 @@ class ParallelConfig:
     tp_comm_overlap_rs_dgrad: bool = False
     tp_comm_bulk_dgrad: bool = True
     tp_comm_bulk_wgrad: bool = True
+    # Megatron's --overlap-moe-expert-parallel-comm (megazero.combined_1f1b): the forward of
+    # one micro-batch and the backward of another take turns at their MoE all-to-alls
+    overlap_moe_expert_parallel_comm: bool = False
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
