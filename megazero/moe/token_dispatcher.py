@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.combined_1f1b.duet import current as current_duet
+from megazero.combined_1f1b.duet import exchange
 from megazero.distributed.collectives import Group, group_rank, group_size
 from megazero.tensor_parallel.mappings import (
     all_gather_dim0,
@@ -103,6 +105,25 @@ class AllGatherDispatcher:
         return reduce_scatter_to_sequence_parallel_region(y, self.ep_group)
 
 
+def _send_rows(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int],
+               direction: str) -> torch.Tensor:
+    """``all_to_all_single`` of ``x``'s rows. Inside a combined 1F1B pair whose other pass
+    still runs (:mod:`megazero.combined_1f1b.duet`), that pass computes while the rows travel
+    (traced as ``ep_a2a_<direction>``); otherwise the wait follows the start (traced as
+    ``ep_all_to_all``)."""
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    x = x.contiguous()
+    duet = current_duet()
+    if duet is not None and duet.partner_running():
+        exchange(lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group,
+                                                async_op=True), f"ep_a2a_{direction}")
+        return out
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    InFlight("ep_all_to_all", [], t0).wait()  # traced (tensor_parallel.overlap.recording)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with variable splits; backward sends the gradients back along
     the same routes (splits swapped)."""
@@ -111,16 +132,11 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Group, out_splits: list[int],
                 in_splits: list[int]) -> torch.Tensor:
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        InFlight("ep_all_to_all", [], t0).wait()  # traced (tensor_parallel.overlap.recording)
-        return out
+        return _send_rows(x, group, out_splits, in_splits, "forward")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        back: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
-            grad.contiguous(), ctx.group, ctx.in_splits, ctx.out_splits)
+        back = _send_rows(grad, ctx.group, ctx.in_splits, ctx.out_splits, "backward")
         return back, None, None, None
 
 

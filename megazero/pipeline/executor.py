@@ -25,6 +25,7 @@ micro-batches concatenated. The per-micro-batch means are returned on every pipe
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias
 
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from megazero.combined_1f1b.duet import run_pair
+from megazero.combined_1f1b.pairs import pair_at
 from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.activation_meter import ActivationMeter
 from megazero.pipeline.grad_sync import GradSync
@@ -121,6 +124,7 @@ def forward_backward(
     microbatch_group_size: int | None = None,
     schedule: str | None = None,
     delay_wgrad: bool = False,
+    combined: bool = False,
 ) -> list[float]:
     """Run one iteration of the pipeline schedule on this rank; return per-micro-batch losses.
 
@@ -147,6 +151,10 @@ def forward_backward(
     micro-batch's gradients at its W, inside ``no_sync()`` but for each chunk's last.
     In the V placement (ZBV, DualPipeV) the last rank hands each activation from its chunk 0
     to its chunk 1 and the grad back without a message, and rank 0 holds the loss.
+    ``combined`` (``--overlap-moe-expert-parallel-comm``): each forward that the schedule puts
+    right before a backward of another micro-batch runs with it in turns, the backward here
+    and the forward on a helper thread, handing over at every MoE all-to-all
+    (:mod:`megazero.combined_1f1b`); same gradients, accumulated in the same order.
     """
     vpp, pp, m = len(model_chunks), topo.pp_size, num_microbatches
     if vpp != (topo.vpp_size or 1):
@@ -154,7 +162,7 @@ def forward_backward(
     params = [p for c in model_chunks for p in c.parameters()]
     device = params[0].device if params else torch.device("cpu")
     steps = schedule_steps(pp, vpp, m, topo.pp_rank, forward_only, microbatch_group_size,
-                           schedule, delay_wgrad)
+                           schedule, delay_wgrad, combined)
     p2p = P2P(topo, tensor_shape(seq_length, micro_batch_size, hidden_size, topo.tp_size,
                                  sequence_parallel), dtype, device)
     placement = placement_of(schedule)
@@ -264,9 +272,17 @@ def forward_backward(
             w_stores.pop((c, mb)).run()
         _after_last_grads(c, mb)
 
-    for step in steps:
+    i = 0
+    while i < len(steps):
+        step, i = steps[i], i + 1
         a = step[0]
-        if a.kind == "F":
+        pair = pair_at(steps, i - 1) if combined and not forward_only else None
+        if pair is not None:
+            f, b = pair
+            run_pair(functools.partial(run_forward, f.chunk, f.microbatch),
+                     functools.partial(run_backward, b.chunk, b.microbatch))
+            i += 1
+        elif a.kind == "F":
             run_forward(a.chunk, a.microbatch)
         elif a.kind == "B":
             run_backward(a.chunk, a.microbatch)

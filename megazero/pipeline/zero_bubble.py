@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 
+from megazero.combined_1f1b.pairs import combined_steps, fused_forwards
 from megazero.config import ConfigError
 from megazero.config.rules import schedule_min_microbatches
 from megazero.pipeline.schedules import (
@@ -99,25 +100,33 @@ class _Deps:
         return None if t is None else max(t, own)
 
 
-def compile_orders(orders: list[list[Action]], vpp: int, placement: str) -> list[list[Step]]:
-    """Each rank's steps from its compute order (see the module docstring, step 2)."""
+def compile_orders(orders: list[list[Action]], vpp: int, placement: str,
+                   combined: bool = False) -> list[list[Step]]:
+    """Each rank's steps from its compute order (see the module docstring, step 2).
+
+    ``combined`` (``--overlap-moe-expert-parallel-comm``): every forward followed in the order
+    by a backward of another micro-batch runs with it as one unit of two time units
+    (:mod:`megazero.combined_1f1b`), its messages leaving at the unit's end, as DualPipe's F&B
+    chunks send theirs; a message that arrives during a unit is received after it."""
     pp = len(orders)
     deps = _Deps(pp, vpp, placement)
     start: dict[tuple[int, str, int, int], int] = {}
+    fused = [set(fused_forwards(o)) if combined else set() for o in orders]
     ptr, free = [0] * pp, [0] * pp
     progress = True
     while progress:
         progress = False
         for r in range(pp):
             while ptr[r] < len(orders[r]):
-                a = orders[r][ptr[r]]
-                t = deps.ready(r, a)
-                if t is None:
+                unit = orders[r][ptr[r]:ptr[r] + (2 if ptr[r] in fused[r] else 1)]
+                ready = [deps.ready(r, a) for a in unit]
+                if any(t is None for t in ready):
                     break
-                s = max(t, free[r])
-                start[_key(r, a)], deps.end[_key(r, a)] = s, s + 1
-                free[r] = s + 1
-                ptr[r] += 1
+                s = max([free[r], *(t for t in ready if t is not None)])
+                for i, a in enumerate(unit):
+                    start[_key(r, a)], deps.end[_key(r, a)] = s + i, s + len(unit)
+                free[r] = s + len(unit)
+                ptr[r] += len(unit)
                 progress = True
     stuck = [f"rank {r} at {orders[r][ptr[r]]}" for r in range(pp) if ptr[r] < len(orders[r])]
     if stuck:
@@ -137,11 +146,17 @@ def compile_orders(orders: list[list[Action]], vpp: int, placement: str) -> list
                 comms[r2].setdefault(t, []).append(Action("RECV_B", c2, mb, r))
     out: list[list[Step]] = []
     for r in range(pp):
+        # a message arriving in the middle of a unit is received at its end
+        inside = {start[_key(r, orders[r][k])] + 1: start[_key(r, orders[r][k])] + 2
+                  for k in fused[r]}
+        posted: dict[int, list[Action]] = {}
+        for t, actions in comms[r].items():
+            posted.setdefault(inside.get(t, t), []).extend(actions)
         at = {start[_key(r, a)]: a for a in orders[r]}
         steps: list[Step] = []
-        for t in sorted(set(at) | set(comms[r])):
-            if t in comms[r]:
-                steps.append(tuple(sorted(comms[r][t], key=lambda a: POST_ORDER[a.kind])))
+        for t in sorted(set(at) | set(posted)):
+            if t in posted:
+                steps.append(tuple(sorted(posted[t], key=lambda a: POST_ORDER[a.kind])))
             if t in at:
                 steps.append((at[t],))
         out.append(steps)
@@ -284,8 +299,10 @@ def delayed_wgrad(steps: list[Step]) -> list[Step]:
 
 
 def zero_bubble_schedule(schedule: str, pp: int, num_microbatches: int,
-                         forward_only: bool = False) -> list[list[Step]]:
-    """Every rank's steps of ``schedule`` (one of :data:`ZERO_BUBBLE`)."""
+                         forward_only: bool = False, combined: bool = False
+                         ) -> list[list[Step]]:
+    """Every rank's steps of ``schedule`` (one of :data:`ZERO_BUBBLE`); ``combined``: with
+    each forward and the backward after it as one unit (:func:`compile_orders`)."""
     placement, vpp = ZERO_BUBBLE[schedule]
     lowest = min_microbatches(schedule, pp)
     if num_microbatches < lowest:
@@ -306,7 +323,7 @@ def zero_bubble_schedule(schedule: str, pp: int, num_microbatches: int,
     else:
         orders = greedy_orders(pp, num_microbatches, vpp, placement,
                                inflight_limits(schedule, pp, num_microbatches))
-    return compile_orders(orders, vpp, placement)
+    return compile_orders(orders, vpp, placement, combined and not forward_only)
 
 
 def fill_with_w(fb_orders: list[list[Action]], vpp: int, placement: str, limits: list[int]
@@ -357,29 +374,35 @@ def placement_of(schedule: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _all_ranks(schedule: str, pp: int, m: int, forward_only: bool) -> list[list[Step]]:
-    return zero_bubble_schedule(schedule, pp, m, forward_only)
+def _all_ranks(schedule: str, pp: int, m: int, forward_only: bool, combined: bool
+               ) -> list[list[Step]]:
+    return zero_bubble_schedule(schedule, pp, m, forward_only, combined)
 
 
 def schedule_steps(pp: int, vpp: int | None, num_microbatches: int, pp_rank: int,
                    forward_only: bool = False, group_size: int | None = None,
-                   schedule: str | None = None, delay_wgrad: bool = False) -> list[Step]:
+                   schedule: str | None = None, delay_wgrad: bool = False,
+                   combined: bool = False) -> list[Step]:
     """The steps of one pipeline rank for any ``--pipeline-schedule`` (``None``: 1F1B, or
     interleaved when ``vpp`` is given, as :func:`~megazero.pipeline.schedules.build_schedule`);
-    ``delay_wgrad`` runs 1F1B with each W after its backward's communication."""
+    ``delay_wgrad`` runs 1F1B with each W after its backward's communication; ``combined``
+    (``--overlap-moe-expert-parallel-comm``) puts each forward next to the backward it runs
+    with (:func:`megazero.combined_1f1b.pairs.combined_steps`)."""
     if schedule in ZERO_BUBBLE and pp > 1:
-        return list(_all_ranks(schedule, pp, num_microbatches, forward_only)[pp_rank])
+        return list(_all_ranks(schedule, pp, num_microbatches, forward_only,
+                               combined)[pp_rank])
     steps = build_schedule(pp, vpp, num_microbatches, pp_rank, forward_only, group_size)
-    return delayed_wgrad(steps) if delay_wgrad and not forward_only else steps
+    steps = delayed_wgrad(steps) if delay_wgrad and not forward_only else steps
+    return combined_steps(steps) if combined and not forward_only else steps
 
 
 def all_schedule_steps(pp: int, vpp: int | None, num_microbatches: int,
                        forward_only: bool = False, group_size: int | None = None,
-                       schedule: str | None = None, delay_wgrad: bool = False
-                       ) -> list[list[Step]]:
+                       schedule: str | None = None, delay_wgrad: bool = False,
+                       combined: bool = False) -> list[list[Step]]:
     """:func:`schedule_steps` of every rank."""
     return [schedule_steps(pp, vpp, num_microbatches, r, forward_only, group_size, schedule,
-                           delay_wgrad) for r in range(pp)]
+                           delay_wgrad, combined) for r in range(pp)]
 
 
 @functools.lru_cache(maxsize=256)

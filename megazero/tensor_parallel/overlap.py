@@ -135,6 +135,13 @@ def compute(fn: Callable[[], Any]) -> Any:
     return out
 
 
+def compute_window(t0: float, t1: float) -> None:
+    """Trace ``[t0, t1]`` as compute while :func:`recording` (the other micro-batch's turn of
+    a combined 1F1B pair, :mod:`megazero.combined_1f1b.duet`)."""
+    if _trace:
+        _trace[-1].gemms.append((t0, t1))
+
+
 class InFlight:
     """An asynchronous collective being traced: its work handles, its issue time, and a
     ``finish`` run after the wait."""

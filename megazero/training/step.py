@@ -96,7 +96,8 @@ def _schedule(run: Run, data_iter: Iterator[dict[str, Any]], forward_only: bool,
         grad_sync=None if forward_only else run.engine, activation_meter=activation_meter,
         microbatch_group_size=run.cfg.parallel.microbatch_group_size_per_vp_stage,
         schedule=run.cfg.parallel.pipeline_schedule,
-        delay_wgrad=run.cfg.parallel.delay_wgrad_compute)
+        delay_wgrad=run.cfg.parallel.delay_wgrad_compute,
+        combined=run.cfg.parallel.overlap_moe_expert_parallel_comm)
     return [x / scale for x in losses]
 
 
