@@ -51,3 +51,40 @@ def test_moe_dispatch_term(capsys):
                     "--expert-model-parallel-size", "2",
                     "--moe-token-dispatcher-type", "alltoall"]) == 0
     assert "MoE dispatch" in capsys.readouterr().out
+
+
+MIXTRAL = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 "
+           "--ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 4096 "
+           "--vocab-size 32000 --tokenizer-type NullTokenizer --bf16 --swiglu "
+           "--micro-batch-size 1 --global-batch-size 256 --zero-stage 1 --num-experts 8 "
+           "--moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+           "--expert-model-parallel-size 8 --world-size 64 --cluster h100-80gb-nvlink").split()
+
+
+@pytest.mark.parametrize("flag", [[], ["--overlap-moe-expert-parallel-comm"]])
+def test_exposed_ep_line_prices_the_combined_1f1b(flag, capsys):
+    from megazero.planner.moe_cost import overlapped_traffic
+
+    assert _main()([*MIXTRAL, "--json", *flag]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert _main()([*MIXTRAL, *flag]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    t = out["time_terms_s"]
+    plain_step = out["step_time_s"]
+    mb = 256 // 64  # dp 64: F0, (F1 B0), (F2 B1), (F3 B2), B3: 3 of 4 paired
+    experts = (t["MoE grouped GEMM"] + t["MoE permute"]) / mb
+    per_mb = {"dispatch": t["MoE dispatch"] / mb, "combine": t["MoE combine"] / mb}
+    plain = mb * sum(per_mb.values())
+    if flag:  # the run's own terms are the combined mode's, so those are its overlapped ones
+        run = plain
+        assert line.endswith(f"; with --overlap-moe-expert-parallel-comm (this run) "
+                             f"{run:.3f} s ({run / plain_step:.1%} of the step), "
+                             "75.0% of the forwards paired with a backward")
+        return
+    over = mb * sum(overlapped_traffic(per_mb, t["compute"] / mb, experts, 0.75).values())
+    step = plain_step - plain + over
+    assert over < plain
+    assert line == (f"exposed EP communication: {plain:.3f} s ({plain / plain_step:.1%} of the "
+                    f"step); with --overlap-moe-expert-parallel-comm {over:.3f} s "
+                    f"({over / step:.1%} of the step), 75.0% of the forwards paired with a "
+                    "backward")

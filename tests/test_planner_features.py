@@ -101,17 +101,29 @@ def test_combined_1f1b_hides_each_all_to_all_under_one_piece_of_compute():
     # gradient under their forward (1/3); the combine likewise under the attention block
     out = overlapped_traffic({"dispatch": 4.0, "combine": 2.0}, dense=3.0, experts=1.5)
     assert out == {"dispatch": (2 - 1.0) + (2 - 0.5), "combine": 0.0}
-    # wired into the step: the exposed terms are those of the plain ones over the pieces
-    c, cl = cfg(MOE, world=EP), cluster(intra_node_gbps=0.5)
-    plain = step_time(c, cl, 1, 0).terms
-    over = step_time(c, cl, 1, 0, features=Features(moe_ep_overlap=True)).terms
-    experts = plain["MoE grouped GEMM"] + plain["MoE permute"]
-    dense = plain["compute"]
-    want = overlapped_traffic({"dispatch": plain["MoE dispatch"],
-                               "combine": plain["MoE combine"]}, dense, experts)
-    assert over["MoE dispatch"] == pytest.approx(want["dispatch"], rel=1e-12)
-    assert over["MoE combine"] == pytest.approx(want["combine"], rel=1e-12)
+    # a quarter of the micro-batches unpaired: a quarter of the plain traffic stays
+    out = overlapped_traffic({"dispatch": 4.0, "combine": 2.0}, 3.0, 1.5, paired=0.75)
+    assert out == {"dispatch": 0.75 * 2.5 + 0.25 * 4.0, "combine": 0.25 * 2.0}
+
+
+def test_combined_1f1b_step_hides_the_paired_micro_batches_traffic_only():
+    # 4 micro-batches without pipelining: F0 alone, (F1 B0) (F2 B1) (F3 B2), B3 alone
+    c, cl, mb = cfg(MOE, world=EP), cluster(intra_node_gbps=0.5), 4
+    plain = step_time(c, cl, mb, 0).terms
+    over = step_time(c, cl, mb, 0, features=Features(moe_ep_overlap=True)).terms
+    experts = (plain["MoE grouped GEMM"] + plain["MoE permute"]) / mb
+    dense = plain["compute"] / mb
+    d, cmb = plain["MoE dispatch"] / mb / 2, plain["MoE combine"] / mb / 2
+    hid_d = max(0.0, d - experts * 2 / 3) + max(0.0, d - experts / 3)
+    hid_c = max(0.0, cmb - dense * 2 / 3) + max(0.0, cmb - dense / 3)
+    assert over["MoE dispatch"] == pytest.approx(mb * (0.75 * hid_d + 0.25 * 2 * d),
+                                                 rel=1e-12)
+    assert over["MoE combine"] == pytest.approx(mb * (0.75 * hid_c + 0.25 * 2 * cmb),
+                                                rel=1e-12)
     assert 0 < over["MoE dispatch"] < plain["MoE dispatch"]
+    # one micro-batch: nothing to pair it with, the traffic stays whole
+    one = step_time(c, cl, 1, 0, features=Features(moe_ep_overlap=True)).terms
+    assert one["MoE dispatch"] == step_time(c, cl, 1, 0).terms["MoE dispatch"]
 
 
 def test_tp_overlap_exposes_what_outlasts_the_gemms():

@@ -12,8 +12,8 @@ When the training code gains a feature, its flag is read into these fields, in o
 :func:`features_from_config`, so the planner's view of a run and the run itself cannot drift.
 It reads the FP8 flags (``--fp8-format``, ``--fp8-recipe``, ``--fp8-param-gather``,
 ``--first-last-layers-bf16``) and the overlaps megazero runs (``--tp-comm-overlap``,
-``--moe-shared-expert-overlap``); the other fields stay what the caller (a published
-run's description) sets.
+``--moe-shared-expert-overlap``, ``--overlap-moe-expert-parallel-comm``); the other fields
+stay what the caller (a published run's description) sets.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class Features:
     the combine stay exposed.
     ``moe_ep_overlap``: the dispatch and combine all-to-alls of one micro-batch run under
     another micro-batch's compute (megatron-core's combined 1F1B,
-    ``--overlap-moe-expert-parallel-comm``).
+    ``--overlap-moe-expert-parallel-comm``), for the forwards and backwards the schedule
+    pairs (:func:`megazero.planner.moe_cost.paired_share`); the others run alone.
 
     ``embedding_and_loss_slots``: Megatron's ``account_for_embedding_in_pipeline_split`` and
     ``account_for_loss_in_pipeline_split``: the pipeline splits ``layers + 2`` slots evenly,
@@ -87,9 +88,10 @@ class Features:
 
 def features_from_config(cfg: MegazeroConfig) -> Features:
     """The features a run's own config turns on: FP8 GEMMs (recipe, the share of layers that
-    run them), FP8 parameter gathers, and the TP and shared-expert overlaps."""
+    run them), FP8 parameter gathers, and the TP, shared-expert and combined-1F1B overlaps."""
     overlaps = dict(tp_comm_overlap=cfg.parallel.tp_comm_overlap,
-                    moe_shared_expert_overlap=cfg.model.moe.moe_shared_expert_overlap)
+                    moe_shared_expert_overlap=cfg.model.moe.moe_shared_expert_overlap,
+                    moe_ep_overlap=cfg.parallel.overlap_moe_expert_parallel_comm)
     pr = cfg.precision
     if pr.fp8_format is None or pr.fp8_recipe not in FP8_RECIPES:
         return Features(**overlaps)

@@ -21,11 +21,12 @@ parallelism splits them over TP) to the experts of its expert-parallel group of 
 A fully recomputed layer runs its forward, collectives included, a second time. Nothing here
 overlaps compute (the experts wait for their rows) unless the run overlaps one micro-batch's
 all-to-alls with another's compute (:attr:`megazero.planner.features.Features.moe_ep_overlap`,
-priced in :mod:`megazero.planner.step_time`). The traffic is reported in two parts: the
-dispatch (the rows to the experts in forward, and their gradients back in backward) and the
-combine (the experts' outputs back, and their gradients out). Links: the expert grid orders ranks
-``etp`` fastest, then ``ep``, so the group is inside a node when ``etp x ep`` fits one; across
-nodes a ring collective runs over the group's NICs on each node
+priced in :mod:`megazero.planner.step_time` with :func:`overlapped_traffic` for the share of
+the micro-batches the schedule pairs, :func:`paired_share`). The traffic is reported in two
+parts: the dispatch (the rows to the experts in forward, and their gradients back in
+backward) and the combine (the experts' outputs back, and their gradients out). Links: the
+expert grid orders ranks ``etp`` fastest, then ``ep``, so the group is inside a node when
+``etp x ep`` fits one; across nodes a ring collective runs over the group's NICs on each node
 (:func:`megazero.planner.step_time.dp_link_gbps`), and an all-to-all sends its rows to the
 peers on the node over NVLink and the others over the rank's NIC at the same time (the slower
 of the two sets the time).
@@ -36,7 +37,11 @@ in the compute term (:func:`megazero.planner.step_time.gemm_flops_per_token`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 from megazero.config import MegazeroConfig
+from megazero.pipeline.schedules import Action, Step
 from megazero.planner.cluster import Cluster
 
 
@@ -153,8 +158,8 @@ def moe_traffic_seconds(cfg: MegazeroConfig, cluster: Cluster) -> dict[str, floa
     return {k: v * layers for k, v in out.items()}
 
 
-def overlapped_traffic(traffic: dict[str, float], dense: float,
-                       experts: float) -> dict[str, float]:
+def overlapped_traffic(traffic: dict[str, float], dense: float, experts: float,
+                       paired: float = 1.0) -> dict[str, float]:
     """What stays exposed of ``traffic`` (``{"dispatch", "combine"}`` seconds, forward and
     backward halves alike) under megatron-core's combined 1F1B, which runs one micro-batch's
     forward beside another's backward, layer by layer, each all-to-all under one piece of the
@@ -162,10 +167,70 @@ def overlapped_traffic(traffic: dict[str, float], dense: float,
     under the attention's backward, the backward's combine gradient under the attention's
     forward and its dispatch gradient under the experts' forward. ``dense`` and ``experts``:
     the attention block's and the MoE block's compute (forward + backward, a backward being
-    2/3 of it), over the same layers as the traffic."""
+    2/3 of it), over the same layers as the traffic. ``paired``: the share of the forwards
+    (and as many backwards) the schedule pairs (:func:`paired_share`); the others run alone,
+    their traffic exposed."""
     d, c = traffic[DISPATCH] / 2, traffic[COMBINE] / 2
-    return {DISPATCH: max(0.0, d - experts * 2 / 3) + max(0.0, d - experts / 3),
-            COMBINE: max(0.0, c - dense * 2 / 3) + max(0.0, c - dense / 3)}
+    hidden = {DISPATCH: max(0.0, d - experts * 2 / 3) + max(0.0, d - experts / 3),
+              COMBINE: max(0.0, c - dense * 2 / 3) + max(0.0, c - dense / 3)}
+    return {k: paired * hidden[k] + (1.0 - paired) * traffic[k] for k in hidden}
+
+
+def paired_share(pp: int, vpp: int | None, num_microbatches: int,
+                 schedule: str | None = None, group_size: int | None = None) -> float:
+    """The share of a rank's chunk-forwards, and of its chunk-backwards (a pair holds one of
+    each), that the combined 1F1B runs beside another micro-batch's backward or forward, on
+    the rank with the fewest pairs (its exposed all-to-alls set the pace):
+
+    * no pipelining: F0, (F1, B0), ..., (F m-1, B m-2), B m-1: ``(m - 1) / m``;
+    * interleaved: the steady state's ``vpp m - w`` pairs of ``vpp m`` chunk-forwards, ``w``
+      the warm-up of rank 0 (the longest): megatron-core's count
+      (:func:`megazero.pipeline.schedules.interleaved_warmup`) plus one, as its
+      ``get_pp_rank_microbatches`` adds under the combined 1F1B (without it the last rank's
+      first steady pair would be a forward and the backward of the same micro-batch);
+    * DualPipeV: the forwards its step list runs back to back with a backward of another
+      micro-batch (:func:`paired_forwards`), over its ``2 m`` chunk-forwards: rank 0 has the
+      fewest, phase 4's ``2 (m - 2 pp + 1)``;
+    * other schedules (1F1B, ZB-H1, ZBV) do not run the combined 1F1B: 0."""
+    from megazero.pipeline.schedules import interleaved_warmup
+
+    m, v = num_microbatches, vpp or 1
+    if pp == 1:
+        return (m - 1) / m
+    if schedule == "dualpipev":
+        return _dualpipev_paired(pp, m)
+    if v > 1 and schedule in (None, "interleaved"):
+        total = v * m
+        return (total - min(interleaved_warmup(pp, v, m, 0, group_size) + 1, total)) / total
+    return 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _dualpipev_paired(pp: int, m: int) -> float:
+    from megazero.pipeline.zero_bubble import schedule_steps
+
+    return min(paired_forwards(schedule_steps(pp, None, m, r, schedule="dualpipev"))
+               for r in range(pp)) / (2 * m)
+
+
+def paired_forwards(steps: Sequence[Step]) -> int:
+    """How many forwards of a rank's step list are followed by a backward of another
+    micro-batch with nothing between them but communication that does not bring that
+    backward's input (its gradient): the pairs the combined 1F1B can run together."""
+    pairs = 0
+    last: Action | None = None  # the forward just run, while only communication follows
+    arrived: set[tuple[int, int]] = set()  # (chunk, micro-batch) gradients received since
+    for step in steps:
+        a = step[0]
+        if not a.is_compute:
+            arrived |= {(x.chunk, x.microbatch) for x in step if x.kind == "RECV_B"}
+            continue
+        if (a.kind == "B" and last is not None and last.microbatch != a.microbatch
+                and (a.chunk, a.microbatch) not in arrived):
+            pairs += 1
+        last = a if a.kind == "F" else None
+        arrived = set()
+    return pairs
 
 
 def shared_expert_overlapped(traffic: dict[str, float], shared_forward: float

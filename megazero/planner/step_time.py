@@ -17,7 +17,8 @@
   NVLink or the NICs as the expert group sits, as a dispatch and a combine term; with
   :attr:`~megazero.planner.features.Features.moe_ep_overlap` only what exceeds the piece of
   another micro-batch's compute it runs under
-  (:func:`megazero.planner.moe_cost.overlapped_traffic`); MFU then counts the active
+  (:func:`megazero.planner.moe_cost.overlapped_traffic`), for the share of the micro-batches
+  the schedule pairs (:func:`megazero.planner.moe_cost.paired_share`); MFU then counts the active
   parameters' FLOPs (:func:`megazero.observability.flops.gpt_flops_per_iteration`);
 * tensor parallel: 4 ring all-reduces of ``s b h`` per layer per micro-batch, 6 with full
   recompute (the recomputed forward repeats its 2); with SP two column + row linear pairs
@@ -182,12 +183,15 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
         from megazero.planner.moe_cost import moe_traffic_seconds
 
         traffic = moe_traffic_seconds(cfg, cluster)
-        if feats.moe_ep_overlap:  # under another micro-batch's compute, piece by piece
-            from megazero.planner.moe_cost import overlapped_traffic
+        if feats.moe_ep_overlap:  # under another micro-batch's compute, piece by piece,
+            # for the forwards and backwards the schedule pairs
+            from megazero.planner.moe_cost import overlapped_traffic, paired_share
 
             experts = work.terms.get("MoE grouped GEMM", 0.0) + work.terms.get("MoE permute",
                                                                                 0.0)
-            traffic = overlapped_traffic(traffic, per_mb - experts, experts)
+            paired = paired_share(pp, cfg.vpp, mb, p.pipeline_schedule,
+                                  p.microbatch_group_size_per_vp_stage)
+            traffic = overlapped_traffic(traffic, per_mb - experts, experts, paired)
         elif feats.moe_shared_expert_overlap:  # the forward dispatch under the shared expert
             from megazero.planner.moe_cost import shared_expert_overlapped
 
