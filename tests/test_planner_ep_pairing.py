@@ -13,7 +13,7 @@ from megazero.pipeline.zero_bubble import schedule_steps
 from megazero.planner.cluster import load_cluster
 from megazero.planner.comm_overlap import combined_1f1b_fits, exposed_comm, overlap_features
 from megazero.planner.features import Features, features_from_config
-from megazero.planner.moe_cost import paired_forwards, paired_share
+from megazero.planner.moe_cost import paired_share
 from megazero.planner.search import _config
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -32,36 +32,34 @@ def test_no_pipelining_pairs_all_but_the_first_forward_and_the_last_backward():
     assert paired_share(1, None, 1) == 0.0
 
 
-def test_interleaved_pairs_the_steady_state_after_one_more_warm_up_forward():
-    # pp 2, vpp 2, m 4 (groups of 2), rank 0's step list:
-    steps = schedule_steps(2, 2, 4, 0)
-    assert compute(steps) == ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0", "B0.1", "F3.0", "B1.1",
-                              "F2.1", "B0.0", "F3.1", "B1.0", "B2.1", "B3.1", "B2.0", "B3.0"]
-    assert paired_forwards(steps) == 4  # (F2.0 B0.1) (F3.0 B1.1) (F2.1 B0.0) (F3.1 B1.0)
-    # the last rank's first steady pair is one micro-batch's forward and its own backward,
-    # hence megatron-core's one more warm-up forward under the combined 1F1B
-    assert compute(schedule_steps(2, 2, 4, 1))[2:4] == ["F0.1", "B0.1"]
-    # with it, rank 0: F0.0 F1.0 F0.1 F1.1 F2.0, (F3.0 B0.1) (F2.1 B1.1) (F3.1 B0.0), then
-    # B1.0 B2.1 B3.1 B2.0 B3.0 alone: 3 pairs of 8 chunk-forwards
-    assert paired_share(2, 2, 4) == 3 / 8
-    assert paired_share(2, 2, 4, "interleaved") == 3 / 8
+def test_interleaved_pairs_its_steady_state_but_a_micro_batch_with_itself():
+    # pp 2, vpp 2, m 4 (groups of 2): rank 0 pairs (F2.0 B0.1) (F3.0 B1.1) (F2.1 B0.0)
+    # (F3.1 B1.0); the last rank's first steady slots are one micro-batch's forward and its
+    # own backward (F0.1 B0.1, F1.1 B1.1, F2.1 B2.1, F3.1 B3.1), so it pairs only
+    # (F2.0 B0.0) (F3.0 B1.0): 2 of 8 chunk-forwards on the rank with the fewest
+    assert compute(schedule_steps(2, 2, 4, 0, combined=True)) == [
+        "F0.0", "F1.0", "F0.1", "F1.1", "F2.0", "B0.1", "F3.0", "B1.1", "F2.1", "B0.0",
+        "F3.1", "B1.0", "B2.1", "B3.1", "B2.0", "B3.0"]
+    assert compute(schedule_steps(2, 2, 4, 1, combined=True)) == [
+        "F0.0", "F1.0", "F0.1", "B0.1", "F1.1", "B1.1", "F2.0", "B0.0", "F3.0", "B1.0",
+        "F2.1", "B2.1", "F3.1", "B3.1", "B2.0", "B3.0"]
+    assert paired_share(2, 2, 4) == 2 / 8
+    assert paired_share(2, 2, 4, "interleaved") == 2 / 8
     # not a schedule the combined 1F1B runs: nothing pairs
     assert paired_share(2, None, 4) == 0.0
 
 
-def test_dualpipev_pairs_its_forwards_run_back_to_back_with_another_backward():
-    # pp 2, m 4, rank 0: F0.1 B0.1 is one micro-batch; (F3.0 B1.1) and (F2.1 B0.0) pair;
-    # B1.0's gradient arrives between F3.1 and it
-    steps = schedule_steps(2, None, 4, 0, schedule="dualpipev")
-    assert " ".join(str(a) for s in steps for a in s) == (
-        "F0.0 sF0.0>1 F1.0 sF1.0>1 F2.0 sF2.0>1 rF0.1<1 F0.1 B0.1 rF1.1<1 sB0.1>1 W0.1 F1.1 "
-        "F3.0 sF3.0>1 B1.1 rF2.1<1 sB1.1>1 W1.1 rB0.0<1 F2.1 B0.0 W0.0 B2.1 sB2.1>1 W2.1 "
-        "rF3.1<1 F3.1 rB1.0<1 B1.0 W1.0 B3.1 sB3.1>1 W3.1 rB2.0<1 B2.0 W2.0 rB3.0<1 B3.0 W3.0")
-    assert [paired_forwards(schedule_steps(2, None, 4, r, schedule="dualpipev"))
-            for r in range(2)] == [2, 4]
-    assert paired_share(2, None, 4, "dualpipev") == 2 / 8
-    # rank 0 has the fewest: its steady state's 2 (m - 2 pp + 1) of 2 m
-    assert paired_share(8, None, 64, "dualpipev") == (64 - 16 + 1) / 64
+def test_dualpipev_pairs_its_fb_units():
+    # pp 2, m 4, compiled with F&B units: rank 0 runs (F3.0 B1.1) (F2.1 B0.0) (F3.1 B1.0)
+    # together (F0.1 B0.1 is one micro-batch), rank 1 four pairs
+    steps = schedule_steps(2, None, 4, 0, schedule="dualpipev", combined=True)
+    assert compute(steps) == [
+        "F0.0", "F1.0", "F2.0", "F0.1", "B0.1", "W0.1", "F1.1", "F3.0", "B1.1", "W1.1",
+        "F2.1", "B0.0", "W0.0", "B2.1", "W2.1", "F3.1", "B1.0", "W1.0", "B3.1", "W3.1",
+        "B2.0", "W2.0", "B3.0", "W3.0"]
+    assert paired_share(2, None, 4, "dualpipev") == 3 / 8
+    # pp 8, m 64: rank 0 has the fewest, 105 of its 128 chunk-forwards
+    assert paired_share(8, None, 64, "dualpipev") == 105 / 128
 
 
 def test_the_flag_turns_the_feature_on():
@@ -84,10 +82,10 @@ def test_the_combined_mode_is_offered_where_the_config_check_passes():
     feats = overlap_features(c, Features())
     assert feats.moe_ep_overlap and not feats.moe_shared_expert_overlap
     line = exposed_comm(c, load_cluster("h100-80gb-nvlink")).lines(c)[-1]
-    # dp 2: 4 micro-batches, 2 chunks; rank 0 warms up 2 + 2 + 1 of 8 chunk-forwards
+    # dp 2: 4 micro-batches, 2 chunks; the last rank pairs 2 of its 8 chunk-forwards
     assert re.fullmatch(r"exposed EP communication: \d\.\d{3} s \(\d+\.\d% of the step\); "
                         r"with --overlap-moe-expert-parallel-comm \d\.\d{3} s "
-                        r"\(\d+\.\d% of the step\), 37\.5% of the forwards paired with a "
+                        r"\(\d+\.\d% of the step\), 25\.0% of the forwards paired with a "
                         r"backward", line), line
 
 

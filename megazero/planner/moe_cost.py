@@ -38,10 +38,8 @@ in the compute term (:func:`megazero.planner.step_time.gemm_flops_per_token`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 from megazero.config import MegazeroConfig
-from megazero.pipeline.schedules import Action, Step
 from megazero.planner.cluster import Cluster
 
 
@@ -180,57 +178,32 @@ def paired_share(pp: int, vpp: int | None, num_microbatches: int,
                  schedule: str | None = None, group_size: int | None = None) -> float:
     """The share of a rank's chunk-forwards, and of its chunk-backwards (a pair holds one of
     each), that the combined 1F1B runs beside another micro-batch's backward or forward, on
-    the rank with the fewest pairs (its exposed all-to-alls set the pace):
+    the rank with the fewest pairs (its exposed all-to-alls set the pace), counted in the
+    steps the executor runs (:func:`megazero.pipeline.zero_bubble.schedule_steps` with
+    ``combined``, :func:`megazero.combined_1f1b.pairs.pair_count`):
 
     * no pipelining: F0, (F1, B0), ..., (F m-1, B m-2), B m-1: ``(m - 1) / m``;
-    * interleaved: the steady state's ``vpp m - w`` pairs of ``vpp m`` chunk-forwards, ``w``
-      the warm-up of rank 0 (the longest): megatron-core's count
-      (:func:`megazero.pipeline.schedules.interleaved_warmup`) plus one, as its
-      ``get_pp_rank_microbatches`` adds under the combined 1F1B (without it the last rank's
-      first steady pair would be a forward and the backward of the same micro-batch);
-    * DualPipeV: the forwards its step list runs back to back with a backward of another
-      micro-batch (:func:`paired_forwards`), over its ``2 m`` chunk-forwards: rank 0 has the
-      fewest, phase 4's ``2 (m - 2 pp + 1)``;
+    * interleaved: the steady state, less the last rank's first slots (a micro-batch's own F
+      and B, which cannot pair);
+    * DualPipeV: its F&B units;
     * other schedules (1F1B, ZB-H1, ZBV) do not run the combined 1F1B: 0."""
-    from megazero.pipeline.schedules import interleaved_warmup
-
-    m, v = num_microbatches, vpp or 1
-    if pp == 1:
-        return (m - 1) / m
-    if schedule == "dualpipev":
-        return _dualpipev_paired(pp, m)
-    if v > 1 and schedule in (None, "interleaved"):
-        total = v * m
-        return (total - min(interleaved_warmup(pp, v, m, 0, group_size) + 1, total)) / total
-    return 0.0
+    v = 2 if schedule == "dualpipev" else vpp or 1  # the V: two chunks per rank
+    if pp > 1 and not (schedule == "dualpipev"
+                       or (v > 1 and schedule in (None, "interleaved"))):
+        return 0.0
+    return _paired(pp, v if pp > 1 else 1, num_microbatches,
+                   schedule if schedule == "dualpipev" else None, group_size)
 
 
-@functools.lru_cache(maxsize=64)
-def _dualpipev_paired(pp: int, m: int) -> float:
+@functools.lru_cache(maxsize=128)
+def _paired(pp: int, vpp: int, m: int, schedule: str | None, group_size: int | None) -> float:
+    from megazero.combined_1f1b.pairs import pair_count
     from megazero.pipeline.zero_bubble import schedule_steps
 
-    return min(paired_forwards(schedule_steps(pp, None, m, r, schedule="dualpipev"))
-               for r in range(pp)) / (2 * m)
-
-
-def paired_forwards(steps: Sequence[Step]) -> int:
-    """How many forwards of a rank's step list are followed by a backward of another
-    micro-batch with nothing between them but communication that does not bring that
-    backward's input (its gradient): the pairs the combined 1F1B can run together."""
-    pairs = 0
-    last: Action | None = None  # the forward just run, while only communication follows
-    arrived: set[tuple[int, int]] = set()  # (chunk, micro-batch) gradients received since
-    for step in steps:
-        a = step[0]
-        if not a.is_compute:
-            arrived |= {(x.chunk, x.microbatch) for x in step if x.kind == "RECV_B"}
-            continue
-        if (a.kind == "B" and last is not None and last.microbatch != a.microbatch
-                and (a.chunk, a.microbatch) not in arrived):
-            pairs += 1
-        last = a if a.kind == "F" else None
-        arrived = set()
-    return pairs
+    return min(pair_count(schedule_steps(pp, vpp if vpp > 1 else None, m, r,
+                                         group_size=group_size, schedule=schedule,
+                                         combined=True))
+               for r in range(pp)) / (vpp * m)
 
 
 def shared_expert_overlapped(traffic: dict[str, float], shared_forward: float

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -64,7 +65,10 @@ def _rank_main(fn, rank, world_size, store_path, args, kwargs, results, backend,
             from megazero.testing import nccl_rules
 
             nccl_rules.install(rank, *rules)
-        results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
+        # plain pickle: torch's queue pickler would send a tensor as a shared-memory file
+        # descriptor, which is lost when this process exits before the parent receives it
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs),
+                                              protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -182,7 +186,7 @@ def _collect(procs, results, world_size, timeout, name, logs=None) -> list[Any]:
                     f"{procs[dead].exitcode} without reporting a result; rank {rank} failed "
                     f"after it:\n{payload}")
             raise DistributedTestError(f"{name}: rank {rank} of {world_size} failed:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = pickle.loads(payload)
     return [outputs[r] for r in range(world_size)]
 
 
