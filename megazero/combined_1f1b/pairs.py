@@ -8,9 +8,12 @@ neither needs the other). :func:`combined_steps` makes the pairs adjacent:
   the combined order is ``F0``, then ``F(k)`` with ``B(k-1)`` for ``k = 1 .. m-1``, then
   ``B(m-1)`` (megatron-core's combined 1F1B without pipelining). The backwards keep their
   order, so the gradients accumulate in the same order; one micro-batch more is held at once.
-* **interleaved**: the steps stay as they are. The steady state runs each forward right
-  before a backward of an earlier micro-batch and exchanges after both: every steady-state
-  slot pairs (but the last rank's first ones, a micro-batch's own F and B).
+* **interleaved**: the steady state runs each forward right before a backward of an earlier
+  micro-batch and exchanges after both. With megatron-core's warm-up the last rank's
+  loss-chunk forwards meet their own micro-batch's backward, which cannot pair; the
+  combined schedule warms up one chunk-forward more on every rank (as megatron-core's
+  combined 1F1B does: :func:`megazero.pipeline.schedules.build_schedule`'s
+  ``extra_warmup``), so every steady-state slot pairs, for one more chunk-micro-batch held.
 * **DualPipeV**: its order is compiled again with each forward and the backward after it as
   one unit whose messages leave at its end (:func:`fused_forwards`,
   :func:`megazero.pipeline.zero_bubble.compile_orders`), as DualPipe's F&B chunks send

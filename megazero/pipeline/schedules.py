@@ -221,9 +221,11 @@ def interleaved_warmup(pp: int, vpp: int, num_microbatches: int, pp_rank: int,
 
 def interleaved_one_f_one_b(
     pp: int, vpp: int, num_microbatches: int, pp_rank: int, forward_only: bool = False,
-    group_size: int | None = None,
+    group_size: int | None = None, extra_warmup: int = 0,
 ) -> list[Step]:
-    """Interleaved 1F1B: ``vpp`` model chunks per rank, micro-batches in groups of N.
+    """Interleaved 1F1B: ``vpp`` model chunks per rank, micro-batches in groups of N
+    (``extra_warmup``: that many more chunk-forwards before the first backward, see
+    :func:`build_schedule`).
 
     Order: :func:`interleaved_order` for forwards (backwards mirror the chunks);
     :func:`interleaved_warmup` chunk-forwards first, then one forward and one backward followed
@@ -260,7 +262,8 @@ def interleaved_one_f_one_b(
     fwd = interleaved_order(pp, vpp, num_microbatches, n)
     bwd = [(mb, vpp - 1 - c) for mb, c in fwd]
     total = len(fwd)
-    warmup = total if forward_only else interleaved_warmup(pp, vpp, num_microbatches, pp_rank, n)
+    warmup = total if forward_only else min(
+        interleaved_warmup(pp, vpp, num_microbatches, pp_rank, n) + extra_warmup, total)
     remaining = total - warmup
 
     def sf(k: int) -> list[Action]:
@@ -316,17 +319,20 @@ def interleaved_one_f_one_b(
 
 def build_schedule(
     pp: int, vpp: int | None, num_microbatches: int, pp_rank: int, forward_only: bool = False,
-    group_size: int | None = None,
+    group_size: int | None = None, extra_warmup: int = 0,
 ) -> list[Step]:
     """The steps of one pipeline rank: picks the schedule from (pp, vpp). ``group_size`` is
-    the interleaved schedule's micro-batch group size N (default pp); 1F1B ignores it."""
+    the interleaved schedule's micro-batch group size N (default pp); 1F1B ignores it.
+    ``extra_warmup``: chunk-forwards the interleaved schedule runs before its first backward
+    beyond megatron-core's count (one under the combined 1F1B, as megatron-core's)."""
     vpp = vpp or 1
     check_vpp_needs_pp(pp, vpp)
     if pp == 1:
         return no_pipelining(num_microbatches, forward_only)
     if vpp == 1:
         return one_f_one_b(pp, num_microbatches, pp_rank, forward_only)
-    return interleaved_one_f_one_b(pp, vpp, num_microbatches, pp_rank, forward_only, group_size)
+    return interleaved_one_f_one_b(pp, vpp, num_microbatches, pp_rank, forward_only, group_size,
+                                   extra_warmup)
 
 
 def build_all(

@@ -391,7 +391,10 @@ def schedule_steps(pp: int, vpp: int | None, num_microbatches: int, pp_rank: int
     if schedule in ZERO_BUBBLE and pp > 1:
         return list(_all_ranks(schedule, pp, num_microbatches, forward_only,
                                combined)[pp_rank])
-    steps = build_schedule(pp, vpp, num_microbatches, pp_rank, forward_only, group_size)
+    # under the combined 1F1B the interleaved schedule warms up one chunk-forward more, so
+    # that the last rank's forwards meet an earlier micro-batch's backward, not their own
+    extra = int(combined and pp > 1 and (vpp or 1) > 1)
+    steps = build_schedule(pp, vpp, num_microbatches, pp_rank, forward_only, group_size, extra)
     steps = delayed_wgrad(steps) if delay_wgrad and not forward_only else steps
     return combined_steps(steps) if combined and not forward_only else steps
 

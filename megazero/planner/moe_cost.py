@@ -183,8 +183,7 @@ def paired_share(pp: int, vpp: int | None, num_microbatches: int,
     ``combined``, :func:`megazero.combined_1f1b.pairs.pair_count`):
 
     * no pipelining: F0, (F1, B0), ..., (F m-1, B m-2), B m-1: ``(m - 1) / m``;
-    * interleaved: the steady state, less the last rank's first slots (a micro-batch's own F
-      and B, which cannot pair);
+    * interleaved (one chunk-forward more of warm-up than 1F1B's): the steady state;
     * DualPipeV: its F&B units;
     * other schedules (1F1B, ZB-H1, ZBV) do not run the combined 1F1B: 0."""
     v = 2 if schedule == "dualpipev" else vpp or 1  # the V: two chunks per rank
