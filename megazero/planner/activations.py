@@ -255,7 +255,9 @@ def peak_saved_bytes(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *
                      flash: bool, sdpa_math: bool = False) -> float:
     """Peak bytes autograd holds for backward on pipeline rank ``pp_rank``: walk the step list
     :func:`megazero.pipeline.zero_bubble.schedule_steps` gives this rank (the one the executor
-    runs, any ``--pipeline-schedule``); each forward adds its chunk's saved bytes until its
+    runs, any ``--pipeline-schedule``, in combined 1F1B order under
+    ``--overlap-moe-expert-parallel-comm``: a forward runs before the backward it pairs with,
+    one micro-batch more held); each forward adds its chunk's saved bytes until its
     backward, or its W when the schedule splits backwards. This is what the
     executor's activation meter measures (``ActivationMeter.peak_saved_bytes``); the transient of
     rematerialising a full-recompute segment in backward comes on top
@@ -268,7 +270,8 @@ def peak_saved_bytes(cfg: MegazeroConfig, pp_rank: int, num_microbatches: int, *
     live = peak = 0.0
     steps = schedule_steps(pp, cfg.vpp, num_microbatches, pp_rank,
                            group_size=p.microbatch_group_size_per_vp_stage,
-                           schedule=p.pipeline_schedule, delay_wgrad=p.delay_wgrad_compute)
+                           schedule=p.pipeline_schedule, delay_wgrad=p.delay_wgrad_compute,
+                           combined=p.overlap_moe_expert_parallel_comm)
     split = any(st[0].kind == "W" for st in steps)
     for step in steps:
         for a in step:
