@@ -5,7 +5,8 @@
 # save/resume matrix of training paths (bench/gpu_matrix.py: ZeRO 0-3, offload, FP8 recipes,
 # asynchronous saves, deferred weight gradients, the fusions off); then, alone on the machine, the
 # step-time/MFU benchmark (bench/gpu_step.py) of GPT 1.3B and Llama 1.5B at micro-batch 8, the
-# elementwise fusions on and off, with a profiler table of one megazero step.
+# elementwise fusions on and off, with a profiler table of one megazero step; and the GEMMs
+# that --tp-comm-overlap splits into row chunks, whole and chunked (bench/chunked_gemm.py).
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu_logs}
 mkdir -p "$OUT"
@@ -69,5 +70,12 @@ timeout "${GPT_S:-260}" $PY bench/gpu_step.py --preset gpt --micro-batch-size 8 
 stamp "4. step time and MFU, Llama 1.5B, micro-batch 8"
 timeout "${LLAMA_S:-170}" $PY bench/gpu_step.py --preset llama --micro-batch-size 8 --stages 0,3 --iters 6 \
     --warmup 2 --no-compile --unfused --out "$OUT/gpu_step_llama_mb8.json"
+# the GEMMs --tp-comm-overlap chunks (Llama-2 70B's at TP 8), whole and in 2/4/8 row chunks:
+# the planner's gemm_half_rate_rows. Its JSON goes into bench.log (no ninth file comes back);
+# save it as bench/results/chunked_gemm_<device>.json.
+stamp "5. chunked GEMMs (gemm_half_rate_rows)"
+CG_JSON=${TMPDIR:-/tmp}/chunked_gemm.json
+timeout "${CHUNKED_S:-60}" $PY bench/chunked_gemm.py --device cuda --out "$CG_JSON" \
+    && { echo "chunked_gemm JSON:"; cat "$CG_JSON"; }
 stamp "done"
 } 2>&1 | tee "$OUT/bench.log"

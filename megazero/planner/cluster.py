@@ -12,7 +12,9 @@ measured here). ``cpu.json`` describes gloo ranks on a 2-core CI machine; its co
 from micro-benchmarks on that machine (bench/cpu_calibration.py: a GEMM rate, one layer's
 forward + backward, per-layer and per-micro-batch overheads of a tiny model, gloo collectives
 at 4 KiB-16 MiB, an AdamW step), none of them a layout that bench/estimator_vs_measured.py
-ranks.
+ranks; its ``gemm_half_rate_rows`` from bench/chunked_gemm.py (fp32, one thread:
+bench/results/chunked_gemm_cpu.json). The GPU descriptions' ``gemm_half_rate_rows`` is an
+assumption until bench/chunked_gemm.py has run on that GPU.
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ class Cluster:
     # microseconds: launch and host work a dropless dispatcher's synchronisation leaves
     # exposed (megazero.planner.moe_compute; 0: none)
     expert_kernel_overhead_us: float = 0.0
+    # the rows ``M0`` at which a GEMM runs at half the rate of a very tall one: one of ``M``
+    # rows takes time proportional to ``M + M0``, so ``--tp-comm-overlap``'s ``tp`` sequence
+    # chunks of a GEMM take ``(M + tp M0) / (M + M0)`` of its whole time
+    # (megazero.planner.tp_cost.overlap_chunking_seconds; bench/chunked_gemm.py measures and
+    # fits it; 0: chunking costs nothing)
+    gemm_half_rate_rows: float = 0.0
     # where each number comes from (datasheets, measurements): documentation, not used
     sources: dict[str, str] | None = None
 

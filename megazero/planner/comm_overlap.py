@@ -21,7 +21,8 @@ from megazero.planner.cluster import Cluster
 from megazero.planner.features import Features, features_from_config
 from megazero.planner.step_time import StepTime
 
-TP_TERMS = ("tensor parallel",)
+# the overlap's lost GEMM efficiency counts against it: it is the price of hiding the rest
+TP_TERMS = ("tensor parallel", "TP overlap chunking")
 EP_TERMS = ("MoE dispatch", "MoE combine")
 COMBINED_FLAG = "--overlap-moe-expert-parallel-comm"
 SHARED_FLAG = "--moe-shared-expert-overlap"
@@ -31,7 +32,9 @@ SHARED_FLAG = "--moe-shared-expert-overlap"
 class ExposedComm:
     """Seconds per step of exposed TP and EP communication and the step, per mode.
     ``ep_paired``: with the combined 1F1B as the EP overlap, the share of the micro-batches
-    it pairs (:func:`megazero.planner.moe_cost.paired_share`), else None."""
+    it pairs (:func:`megazero.planner.moe_cost.paired_share`), else None. ``tp_chunking``: the
+    part of ``tp_overlap`` that is GEMM efficiency lost to the overlap's sequence chunks
+    (:func:`megazero.planner.tp_cost.overlap_chunking_seconds`), not communication."""
 
     step_plain: float
     tp_plain: float
@@ -40,6 +43,7 @@ class ExposedComm:
     tp_overlap: float
     ep_overlap: float
     ep_paired: float | None = None
+    tp_chunking: float = 0.0
 
     def lines(self, cfg: MegazeroConfig) -> list[str]:
         def pct(x: float, step: float) -> str:
@@ -48,8 +52,11 @@ class ExposedComm:
         out = []
         if self.tp_plain:
             on = " (this run)" if cfg.parallel.tp_comm_overlap else ""
+            chunks = (f", of it {self.tp_chunking:.3f} s the chunked GEMMs' lost efficiency"
+                      if self.tp_chunking else "")
             out.append(f"exposed TP communication: {pct(self.tp_plain, self.step_plain)}; "
                        f"with --tp-comm-overlap{on} {pct(self.tp_overlap, self.step_overlap)}"
+                       f"{chunks}"
                        if self.tp_overlap != self.tp_plain else
                        f"exposed TP communication: {pct(self.tp_plain, self.step_plain)} "
                        "(--tp-comm-overlap needs --sequence-parallel)")
@@ -118,4 +125,5 @@ def exposed_comm(cfg: MegazeroConfig, cluster: Cluster, base: Features | None = 
         return sum(t.terms.get(n, 0.0) for n in names)
 
     return ExposedComm(t0.seconds, total(t0, TP_TERMS), total(t0, EP_TERMS),
-                       t1.seconds, total(t1, TP_TERMS), total(t1, EP_TERMS), paired)
+                       t1.seconds, total(t1, TP_TERMS), total(t1, EP_TERMS), paired,
+                       total(t1, ("TP overlap chunking",)))

@@ -39,7 +39,8 @@ class Features:
     linear layers' GEMMs (Megatron's ``--tp-comm-overlap``, Transformer Engine userbuffers; as
     megazero runs it: ring steps of ``1/tp`` chunks under the GEMM chunks, the backward's
     re-gather and reduce-scatter under whole GEMMs): each call's latency, and the bytes that
-    outlast their GEMM, are exposed (:mod:`megazero.planner.tp_cost`).
+    outlast their GEMM, are exposed, and the chunked GEMMs lose efficiency (the cluster's
+    ``gemm_half_rate_rows``; :mod:`megazero.planner.tp_cost`).
     ``moe_shared_expert_overlap``: the shared expert's forward runs while the forward dispatch
     all-to-all is in flight (``--moe-shared-expert-overlap``); the backward's all-to-alls and
     the combine stay exposed.

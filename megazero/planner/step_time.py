@@ -26,7 +26,10 @@
   and in backward two all-gathers (the output gradient, the input re-gathered for the weight
   gradient) and a reduce-scatter; over NVLink when the TP group fits in a node; with
   :attr:`~megazero.planner.features.Features.tp_comm_overlap` the ring steps and bulk
-  collectives inside the GEMMs expose each call's latency and the bytes that outlast its GEMM;
+  collectives inside the GEMMs expose each call's latency and the bytes that outlast its GEMM,
+  and a term of its own, "TP overlap chunking", charges the GEMM efficiency lost by running
+  three of each pair's GEMMs per pass in ``tp`` sequence chunks (the cluster's
+  ``gemm_half_rate_rows``; :func:`megazero.planner.tp_cost.overlap_chunking_seconds`);
 * data parallel over NVLink inside a node, else over the NICs of the group's ranks on each
   node (:func:`dp_link_gbps`): stage 0 all-reduces, stages 1-2 reduce-scatter + all-gather,
   ``2Ψ(N-1)/N`` bytes per rank in ``ceil(Ψ / reduce_bucket_size)`` calls of each kind (stage
@@ -175,6 +178,13 @@ def step_time(cfg: MegazeroConfig, cluster: Cluster, num_microbatches: int,
             gemm = work.linear_per_layer / (3.0 + share) / 4
             per = 2 * linear_pair_tp_seconds(cluster, act, tp, bw, gemm, feats.tp_comm_overlap,
                                              share)
+            if feats.tp_comm_overlap and cluster.gemm_half_rate_rows:
+                from megazero.planner.tp_cost import overlap_chunking_seconds
+
+                chunking = 2 * overlap_chunking_seconds(gemm, s * b, tp,
+                                                        cluster.gemm_half_rate_rows, share)
+                out.terms["TP overlap chunking"] = chunking * stage_layers * mb
+                exposed_per_mb += chunking * stage_layers
         else:  # 2 all-reduces per forward (row-parallel outputs), 2 backward (column inputs)
             per = (2 * (1 + share) + 2) * collective_seconds(cluster, "all_reduce", act, tp, bw)
         out.terms["tensor parallel"] = per * stage_layers * mb

@@ -17,6 +17,13 @@ backward's re-gather and reduce-scatter run whole under its input- and weight-gr
 A call's fixed cost ``alpha`` stays exposed: it is the issue, the handshake with the peer and
 the wake-up at the wait, which happen on the calling thread before and after the GEMM, not
 during it; only the bytes move while the GEMM runs, and what they take beyond it is exposed.
+
+The overlap also costs GEMM efficiency (:func:`overlap_chunking_seconds`): three of a pair's
+GEMMs per pass (the column and row forward, the row input gradient) run as ``tp`` GEMMs of
+``rows / tp`` rows, and a GEMM of ``M`` rows takes time proportional to ``M + M0`` (the
+cluster's ``gemm_half_rate_rows``), so ``tp`` chunks take ``M + tp M0`` where the whole GEMM
+takes ``M + M0``: ``(tp - 1) M0 / (M + M0)`` of the GEMM's time more. ``bench/chunked_gemm.py``
+measures it and fits ``M0``.
 """
 
 from __future__ import annotations
@@ -46,3 +53,15 @@ def linear_pair_tp_seconds(cluster: Cluster, act_bytes: float, tp: int, gbps: fl
         return a + max(0.0, wire_bytes(kind, act_bytes, tp) / b - gemm_s)
 
     return fwd * 2 * ring + ring + bulk("all_gather") + bulk("reduce_scatter")
+
+
+def overlap_chunking_seconds(gemm_s: float, rows: float, tp: int, half_rate_rows: float,
+                             recompute: float = 0.0) -> float:
+    """Seconds ``--tp-comm-overlap`` adds to one linear pair's GEMMs by splitting them into
+    ``tp`` sequence chunks: the column- and row-parallel forward GEMMs (each forward, the
+    recomputed one included) and the row-parallel input-gradient GEMM, each of ``rows`` rows
+    (the full sequence times the micro-batch) and ``gemm_s`` seconds whole, take
+    ``(tp - 1) half_rate_rows / (rows + half_rate_rows)`` of that more; the column backward's
+    GEMMs stay whole."""
+    chunked = 2 * (1.0 + recompute) + 1
+    return chunked * gemm_s * (tp - 1) * half_rate_rows / (rows + half_rate_rows)

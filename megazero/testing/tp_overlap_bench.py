@@ -182,7 +182,10 @@ def predict(config: dict, machine: dict, tp: int) -> dict[str, dict[str, float]]
     """The planner's exposed TP milliseconds, step milliseconds and share per mode (plain,
     overlap) for ``config``'s blocks at ``tp``: per block six GEMMs (forward, input and
     weight gradient of the column and the row linear, the same FLOPs each), one GELU forward
-    + backward, and one linear pair's exposed collectives."""
+    + backward, and one linear pair's exposed collectives. The overlap's GEMM chunking
+    (:func:`megazero.planner.tp_cost.overlap_chunking_seconds`) is left out: the cluster built
+    from the machine numbers states no ``gemm_half_rate_rows`` (bench/chunked_gemm.py fits ~10
+    rows on a CPU, about 1% of the chunked GEMMs here)."""
     cluster = machine_cluster(machine, tp)
     med = {k: v["median"] for k, v in machine.items()}
     gemm = med["gemm_flops"] / cluster.gemm_rate(False)
