@@ -8,7 +8,8 @@
   schedule checker (no deadlock, messages in order) and costs at most 5% more time in the
   unit-cost simulation (F = B = W), before the pairs' overlap.
 - Through the training entry point, runs with the flag train the one-process model (losses,
-  grad norms, weights to fp32 rounding) at expert parallel 2 and 4, with ZeRO 1, with TP 2 + SP
+  grad norms, weights to fp32 rounding) at expert parallel 2 and 4, with ZeRO 1, with ZeRO 2 +
+  deferred weight gradients + grouped GEMM + selective recompute, with TP 2 + SP
   + --tp-comm-overlap, on the interleaved pipeline and on DualPipeV.
 - In flight: under the flag every paired all-to-all travels while the other micro-batch
   computes; without it none does. Under the NCCL-rules mode every rank issues the same
@@ -141,6 +142,9 @@ def _ep(ep, *extra):
 LAYOUTS = [
     ("ep4 dp4 (2 micro-batches)", _ep(4)),
     ("ep2 dp4 zero1", _ep(2, "--zero-stage", "1")),
+    ("ep2 dp4 zero2 delayed wgrad, grouped GEMM, selective recompute",
+     _ep(2, "--zero-stage", "2", "--delay-wgrad-compute", "--moe-grouped-gemm",
+         "--recompute-granularity", "selective")),
     ("tp2 sp tp-overlap ep2", _ep(2, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                   "--tp-comm-overlap", "--expert-tensor-parallel-size", "1")),
     ("pp2 interleaved ep2", _ep(2, "--pipeline-model-parallel-size", "2",
