@@ -15,6 +15,11 @@ dispatch; the backward runs its experts' backward and starts the dispatch's back
 forward runs its experts and starts its combine; and so on down and up the layers. When one pass
 ends, the other runs to its end alone, its remaining all-to-alls waited for at once.
 
+The turns change only at the all-to-alls: between a layer's router and its experts, and
+between its experts and the combine. Every module that owns parameters (norms, attention,
+router, experts, shared experts) therefore runs its forward, and its backward, inside one turn,
+and ZeRO-3's per-module gathers and releases of the two passes never cross.
+
 The forward's thread is a plain Python thread: torch's grad mode is per thread and on by
 default there (a duet only runs in training); nothing else the model reads is per thread. On a
 GPU both passes enqueue on the current stream and the all-to-alls run on the communicator's

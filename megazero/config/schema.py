@@ -179,9 +179,6 @@ def check_ep_overlap(cfg: MegazeroConfig) -> None:
               "--num-layers-per-virtual-pipeline-stage N (interleaved) or "
               "--pipeline-schedule dualpipev"
               f"{'' if schedule in (None, 'interleaved') else f' instead of {schedule}'}")
-    check(cfg.zero.stage < 3,
-          f"{flag} with ZeRO stage 3: the two micro-batches' turns would gather and release "
-          "the same layers' parameters out of order; use ZeRO stage 1 or 2")
 
 
 def check_fp8(cfg: MegazeroConfig) -> None:
