@@ -11,7 +11,8 @@
   grad norms, weights to fp32 rounding) at expert parallel 2 and 4, with ZeRO 1, with ZeRO 2 +
   deferred weight gradients + grouped GEMM + selective recompute, with ZeRO 3 (nothing
   persistent), with TP 2 + SP
-  + --tp-comm-overlap, on the interleaved pipeline and on DualPipeV.
+  + --tp-comm-overlap, on the interleaved pipeline and on DualPipeV; the DeepSeek-V3 shape
+  (MLA, MTP with an MoE layer) trains the same with and without the flag.
 - In flight: under the flag every paired all-to-all travels while the other micro-batch
   computes; without it none does. Under the NCCL-rules mode every rank issues the same
   collectives per group in the same order.
@@ -173,6 +174,20 @@ def test_combined_1f1b_trains_the_one_process_model(tmp_path):
     got = merge_ranks(run_distributed(runs_world, 4, [a for _, a in layouts], timeout=600))
     for (what, _), g in zip(layouts, got):
         assert_same_run(g, ref, what, subset=what in HALF_EXPERTS, weights="zero3" not in what)
+
+
+def test_the_deepseek_v3_shape_trains_the_same_with_it():
+    """Multi-latent attention, group-limited sigmoid routing with the expert bias, a shared
+    expert, the sequence-wise balancing loss and an MoE multi-token-prediction layer (whose
+    all-to-alls take turns too), at EP 2: the same run with and without the flag."""
+    from megazero.testing.deepseek_runs import DEEPSEEK
+    from megazero.testing.launch import TINY as LAUNCH_TINY
+
+    args = [*LAUNCH_TINY, *DEEPSEEK, "--moe-token-dispatcher-type", "alltoall",
+            "--expert-model-parallel-size", "2", "--eval-iters", "0"]
+    plain, combined = merge_ranks(run_distributed(runs_world, 2, [args, [*args, *ON]],
+                                                  timeout=300))
+    assert_same_run(combined, plain, "DeepSeek-V3 shape, EP 2")
 
 
 def _in_flight(rank, world, cases):
