@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import subprocess
+import time
 from datetime import timedelta
 
 import torch
@@ -146,8 +147,20 @@ def _layout_after_layout(rank, world):
         assert all(g is None for g in topo.groups.values())
         del topo
         gc.collect()
-        counts.append(_gloo_threads())
+        counts.append(_settled_gloo_threads(counts[0]))
     return counts
+
+
+def _settled_gloo_threads(base: int, wait_s: float = 10.0) -> int:
+    """The gloo thread count once the destroyed groups' threads have exited: a thread is told
+    to stop by its group's destructor and leaves its loop on its own (later on a loaded host),
+    so wait up to ``wait_s`` for the count to come down to ``base``."""
+    deadline = time.monotonic() + wait_s
+    count = _gloo_threads()
+    while count > base and time.monotonic() < deadline:
+        time.sleep(0.05)
+        count = _gloo_threads()
+    return count
 
 
 def test_a_layouts_groups_are_destroyed_before_the_next_layout_makes_its_own():
