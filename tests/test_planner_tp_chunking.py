@@ -17,7 +17,7 @@ from megazero.planner.comm_overlap import exposed_comm
 from megazero.planner.presets import preset_argv
 from megazero.planner.search import _config
 from megazero.planner.tp_cost import overlap_chunking_seconds
-from tests.test_planner_step_time import RATE, B, H, L, S, cluster, terms
+from megazero.testing.step_time_terms import RATE, B, H, L, S, cluster, terms
 
 ROOT = Path(__file__).resolve().parents[1]
 TP2_SP = ["--tensor-model-parallel-size=2", "--sequence-parallel"]
