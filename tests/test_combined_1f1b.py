@@ -75,7 +75,8 @@ def test_an_error_in_either_pass_reaches_the_caller():
         duet.run_pair(_pass("f", [], 3), lambda: (_ for _ in ()).throw(
             ValueError("backward broke")))
     assert duet.current() is None
-    assert threading.active_count() < 50
+    # the forward's helper thread has ended in both cases (joined before the error is raised)
+    assert not [t for t in threading.enumerate() if t.name.startswith("megazero-combined")]
 
 
 # --- the schedules ---------------------------------------------------------------------------
