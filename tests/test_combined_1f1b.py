@@ -25,9 +25,9 @@ import threading
 import pytest
 
 from megazero.combined_1f1b import duet
-from megazero.combined_1f1b.pairs import combined_steps, pair_count
 from megazero.config import ConfigError, load_config
 from megazero.pipeline.checker import check_schedules
+from megazero.pipeline.combined import combined_steps, pair_count
 from megazero.pipeline.schedules import no_pipelining
 from megazero.pipeline.zero_bubble import all_schedule_steps, inflight_limits
 from megazero.testing import run_distributed

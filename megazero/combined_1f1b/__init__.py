@@ -3,6 +3,6 @@ of one micro-batch and the backward of another run in turns, layer by layer, so 
 one's MoE all-to-alls travel while the other computes.
 
 - :mod:`megazero.combined_1f1b.duet`: the two passes and their turns at the all-to-alls;
-- :mod:`megazero.combined_1f1b.pairs`: which forward and backward steps of a pipeline
+- :mod:`megazero.pipeline.combined`: which forward and backward steps of a pipeline
   schedule run together (no pipelining, the interleaved schedule, DualPipeV).
 """

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from megazero.combined_1f1b.duet import run_pair
-from megazero.combined_1f1b.pairs import pair_at
 from megazero.distributed.topology import ParallelTopology
 from megazero.pipeline.activation_meter import ActivationMeter
+from megazero.pipeline.combined import pair_at
 from megazero.pipeline.grad_sync import GradSync
 from megazero.pipeline.p2p import P2P, tensor_shape
 from megazero.pipeline.schedules import stage_owner, virtual_stage

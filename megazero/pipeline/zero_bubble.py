@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import functools
 
-from megazero.combined_1f1b.pairs import combined_steps, fused_forwards
 from megazero.config import ConfigError
 from megazero.config.rules import schedule_min_microbatches
+from megazero.pipeline.combined import combined_steps, fused_forwards
 from megazero.pipeline.schedules import (
     POST_ORDER,
     Action,
@@ -387,7 +387,7 @@ def schedule_steps(pp: int, vpp: int | None, num_microbatches: int, pp_rank: int
     interleaved when ``vpp`` is given, as :func:`~megazero.pipeline.schedules.build_schedule`);
     ``delay_wgrad`` runs 1F1B with each W after its backward's communication; ``combined``
     (``--overlap-moe-expert-parallel-comm``) puts each forward next to the backward it runs
-    with (:func:`megazero.combined_1f1b.pairs.combined_steps`)."""
+    with (:func:`megazero.pipeline.combined.combined_steps`)."""
     if schedule in ZERO_BUBBLE and pp > 1:
         return list(_all_ranks(schedule, pp, num_microbatches, forward_only,
                                combined)[pp_rank])

@@ -40,6 +40,8 @@ from __future__ import annotations
 import functools
 
 from megazero.config import MegazeroConfig
+from megazero.pipeline.combined import pair_count
+from megazero.pipeline.zero_bubble import schedule_steps
 from megazero.planner.cluster import Cluster
 
 
@@ -180,7 +182,7 @@ def paired_share(pp: int, vpp: int | None, num_microbatches: int,
     each), that the combined 1F1B runs beside another micro-batch's backward or forward, on
     the rank with the fewest pairs (its exposed all-to-alls set the pace), counted in the
     steps the executor runs (:func:`megazero.pipeline.zero_bubble.schedule_steps` with
-    ``combined``, :func:`megazero.combined_1f1b.pairs.pair_count`):
+    ``combined``, :func:`megazero.pipeline.combined.pair_count`):
 
     * no pipelining: F0, (F1, B0), ..., (F m-1, B m-2), B m-1: ``(m - 1) / m``;
     * interleaved (one chunk-forward more of warm-up than 1F1B's): the steady state;
@@ -196,9 +198,6 @@ def paired_share(pp: int, vpp: int | None, num_microbatches: int,
 
 @functools.lru_cache(maxsize=128)
 def _paired(pp: int, vpp: int, m: int, schedule: str | None, group_size: int | None) -> float:
-    from megazero.combined_1f1b.pairs import pair_count
-    from megazero.pipeline.zero_bubble import schedule_steps
-
     return min(pair_count(schedule_steps(pp, vpp if vpp > 1 else None, m, r,
                                          group_size=group_size, schedule=schedule,
                                          combined=True))

@@ -25,31 +25,14 @@ neither needs the other). :func:`combined_steps` makes the pairs adjacent:
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from megazero.pipeline.schedules import Action, Step
 
 
-class Action(Protocol):
-    """A schedule's action (:class:`megazero.pipeline.schedules.Action`), as read here."""
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def chunk(self) -> int: ...
-    @property
-    def microbatch(self) -> int: ...
-    @property
-    def is_compute(self) -> bool: ...
-
-
-A = TypeVar("A", bound=Action)
-Step = tuple[A, ...]
-
-
-def _compute(step: Step[A], kind: str) -> A | None:
+def _compute(step: Step, kind: str) -> Action | None:
     return step[0] if len(step) == 1 and step[0].kind == kind else None
 
 
-def pair_at(steps: list[Step[A]], i: int) -> tuple[A, A] | None:
+def pair_at(steps: list[Step], i: int) -> tuple[Action, Action] | None:
     """``(F, B)`` when steps ``i`` and ``i + 1`` are a forward and a backward of different
     micro-batches (a combined 1F1B pair), else None."""
     if i + 1 >= len(steps):
@@ -60,7 +43,7 @@ def pair_at(steps: list[Step[A]], i: int) -> tuple[A, A] | None:
     return f, b
 
 
-def fused_forwards(order: list[A]) -> list[int]:
+def fused_forwards(order: list[Action]) -> list[int]:
     """Indices ``k`` of a rank's compute order whose forward runs with the backward at
     ``k + 1`` (another micro-batch's): DualPipeV's F&B units (see
     :func:`megazero.pipeline.zero_bubble.compile_orders`)."""
@@ -76,10 +59,10 @@ def fused_forwards(order: list[A]) -> list[int]:
     return out
 
 
-def _accumulation_order(steps: list[Step[A]]) -> list[Step[A]]:
+def _accumulation_order(steps: list[Step]) -> list[Step]:
     """No pipelining: ``F0, (F1, B0), (F2, B1), ..., B(m-1)``, each backward's ``W`` (if
     any) right after it, as before."""
-    groups: list[list[Step[A]]] = []  # per micro-batch: its F, its B, its W if any
+    groups: list[list[Step]] = []  # per micro-batch: its F, its B, its W if any
     for step in steps:
         if step[0].kind == "F":
             groups.append([step])
@@ -87,14 +70,14 @@ def _accumulation_order(steps: list[Step[A]]) -> list[Step[A]]:
             groups[-1].append(step)
     if any(len(g) < 2 for g in groups):  # forward only: nothing to pair
         return steps
-    out: list[Step[A]] = [groups[0][0]]
+    out: list[Step] = [groups[0][0]]
     for prev, cur in zip(groups, groups[1:]):
         out += [cur[0], *prev[1:]]
     out += groups[-1][1:]
     return out
 
 
-def combined_steps(steps: list[Step[A]]) -> list[Step[A]]:
+def combined_steps(steps: list[Step]) -> list[Step]:
     """The rank's steps in combined 1F1B order (see the module docstring): gradient
     accumulation reordered so that each forward meets the previous micro-batch's backward;
     pipeline schedules as they are."""
@@ -103,7 +86,7 @@ def combined_steps(steps: list[Step[A]]) -> list[Step[A]]:
     return list(steps)
 
 
-def pair_count(steps: list[Step[A]]) -> int:
+def pair_count(steps: list[Step]) -> int:
     """How many pairs the executor runs in ``steps`` (already :func:`combined_steps`)."""
     n, i = 0, 0
     while i < len(steps):
