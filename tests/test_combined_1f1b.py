@@ -46,7 +46,7 @@ def _pass(name, log, turns):
     def run():
         for i in range(turns):
             log.append(f"{name}{i}")
-            duet.exchange(_Done, "test")
+            duet.exchange(_Done, "test", "alone")
         log.append(f"{name}{turns}")
     return run
 
@@ -64,9 +64,20 @@ def test_the_passes_take_turns_at_their_exchanges_backward_first():
     assert log == ["x0", "x1", "x2"]
 
 
+def test_an_exchange_is_traced_as_paired_only_while_the_other_pass_runs():
+    from megazero.tensor_parallel.overlap import recording
+
+    with recording() as trace:
+        duet.run_pair(_pass("f", [], 3), _pass("b", [], 1))
+        _pass("x", [], 1)()
+    names = [c[0] for c in trace.comms]
+    # b's one, f's first (b still running), then f's last two after b ended; then outside
+    assert names == ["test", "test", "alone", "alone", "alone"], names
+
+
 def test_an_error_in_either_pass_reaches_the_caller():
     def bad():
-        duet.exchange(_Done, "test")
+        duet.exchange(_Done, "test", "alone")
         raise ValueError("forward broke")
 
     with pytest.raises(ValueError, match="forward broke"):

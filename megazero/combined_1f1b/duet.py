@@ -53,21 +53,18 @@ class Duet:
     def side(self) -> int:
         return FORWARD if threading.get_ident() == self.forward_thread else BACKWARD
 
-    def partner_running(self) -> bool:
-        return self._running[1 - self.side()]
-
-    def hand_over(self) -> None:
-        """Let the other pass run until it hands the turn back (or ends); a no-op once it has
-        ended. The time away is recorded as this rank's compute while tracing."""
+    def hand_over(self) -> bool:
+        """Let the other pass run until it hands the turn back (or ends); False, at once, once
+        it has ended. The time away is recorded as this rank's compute while tracing."""
         me = self.side()
         with self._lock:
             if not self._running[1 - me]:
-                return
-            self.handovers += 1
+                return False
         t0 = time.perf_counter()
         self._turn[1 - me].release()
         self._turn[me].acquire()
         compute_window(t0, time.perf_counter())
+        return True
 
     def start(self, side: int) -> None:
         """Wait for the first turn (the forward's thread, before it runs anything)."""
@@ -129,14 +126,13 @@ def run_pair(forward: Callable[[], Any], backward: Callable[[], Any]) -> None:
         raise failed[0]
 
 
-def exchange(start: Callable[[], Any], name: str) -> None:
+def exchange(start: Callable[[], Any], name: str, alone: str) -> None:
     """Start an asynchronous collective (``start()`` returns its work handle), give the turn
-    to the other pass of the running duet, then wait for the transfer. Outside a duet, or
-    once the other pass has ended, the wait follows the start at once."""
+    to the other pass of the running duet, then wait for the transfer; traced as ``name``.
+    Outside a duet, or once the other pass has ended, the wait follows the start at once,
+    traced as ``alone``."""
     t0 = time.perf_counter()
     work = start()
-    flight = InFlight(name, [work], t0)
     duet = current()
-    if duet is not None:
-        duet.hand_over()
-    flight.wait()
+    handed = duet is not None and duet.hand_over()
+    InFlight(name if handed else alone, [work], t0).wait()

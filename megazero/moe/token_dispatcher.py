@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megazero.combined_1f1b.duet import current as current_duet
 from megazero.combined_1f1b.duet import exchange
 from megazero.distributed.collectives import Group, group_rank, group_size
 from megazero.tensor_parallel.mappings import (
@@ -113,14 +112,9 @@ def _send_rows(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: 
     ``ep_all_to_all``)."""
     out = x.new_empty(sum(out_splits), *x.shape[1:])
     x = x.contiguous()
-    duet = current_duet()
-    if duet is not None and duet.partner_running():
-        exchange(lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group,
-                                                async_op=True), f"ep_a2a_{direction}")
-        return out
-    t0 = time.perf_counter()
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-    InFlight("ep_all_to_all", [], t0).wait()  # traced (tensor_parallel.overlap.recording)
+    exchange(lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group,
+                                            async_op=True),
+             f"ep_a2a_{direction}", alone="ep_all_to_all")
     return out
 
 
