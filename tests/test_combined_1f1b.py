@@ -64,6 +64,22 @@ def test_the_passes_take_turns_at_their_exchanges_backward_first():
     assert log == ["x0", "x1", "x2"]
 
 
+def test_the_forward_thread_runs_on_the_callers_cuda_device(monkeypatch):
+    """The current CUDA device is per thread (a new one starts on cuda:0): the forward's
+    thread is set to the caller's, e.g. rank 3's cuda:3 on an 8-GPU node. CUDA is stood in
+    for: the calls the duet makes are recorded."""
+    import torch
+
+    set_in: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: set_in.append((threading.current_thread().name, d)))
+    duet.run_pair(_pass("f", [], 1), _pass("b", [], 1))
+    assert set_in == [("megazero-combined-1f1b-forward", 3)]
+
+
 def test_an_exchange_is_traced_as_paired_only_while_the_other_pass_runs():
     from megazero.tensor_parallel.overlap import recording
 

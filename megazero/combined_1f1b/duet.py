@@ -21,10 +21,11 @@ router, experts, shared experts) therefore runs its forward, and its backward, i
 and ZeRO-3's per-module gathers and releases of the two passes never cross.
 
 The forward's thread is a plain Python thread: torch's grad mode is per thread and on by
-default there (a duet only runs in training); nothing else the model reads is per thread. On a
-GPU both passes enqueue on the current stream and the all-to-alls run on the communicator's
-own stream. A backward's all-to-all may run on autograd's device thread instead of the calling
-one: every thread that is not the forward's counts as the backward's side.
+default there (a duet only runs in training), and the CUDA device, also per thread, is set to
+the caller's; nothing else the model reads is per thread. On a GPU both passes enqueue on the
+current stream and the all-to-alls run on the communicator's own stream. A backward's
+all-to-all may run on autograd's device thread instead of the calling one: every thread that
+is not the forward's counts as the backward's side.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from megazero.tensor_parallel.overlap import InFlight, compute_window
 
@@ -102,10 +105,13 @@ def run_pair(forward: Callable[[], Any], backward: Callable[[], Any]) -> None:
     raised here once both have stopped."""
     duet = Duet()
     failed: list[BaseException] = []
+    device = _current_cuda_device()
 
     def forward_side() -> None:
         duet.start(FORWARD)
         try:
+            if device is not None:  # the current device is per thread; cuda:0 in a new one
+                torch.cuda.set_device(device)
             forward()
         except BaseException as e:  # raised again on the calling thread
             failed.append(e)
@@ -124,6 +130,14 @@ def run_pair(forward: Callable[[], Any], backward: Callable[[], Any]) -> None:
             thread.join()
     if failed:
         raise failed[0]
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's CUDA device, when CUDA is in use (what ``torch.device("cuda")``,
+    the RNG tracker's CUDA states and the current stream refer to in that thread)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return torch.cuda.current_device()
+    return None
 
 
 def exchange(start: Callable[[], Any], name: str, alone: str) -> None:
